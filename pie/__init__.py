@@ -1,0 +1,3 @@
+"""Pie: a programmable LLM serving system."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,462 @@
+"""The batched handlers of the inference layer.
+
+Each handler takes one protocol message (a batch of items), validates every item, carries
+out the valid ones in as few tensor operations as it can, and reports the invalid ones in
+`errors`. A batch whose parallel arrays disagree in length cannot be split into items; it
+raises ProtocolError and gets a whole-request error reply instead.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pie import protocol as P
+from pie.backend.attention import AttentionPlan, PagedAttention, TorchPagedAttention
+from pie.backend.kv_cache import EmbedPool, KvCache
+from pie.backend.llama import Llama
+from pie.config import BackendConfig
+
+TRAITS = ["allocate", "forward", "input-text", "tokenize", "output-text"]
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class ItemError(ValueError):
+    """One item of a batch is invalid; the rest of the batch goes ahead."""
+
+
+def int_array(values: list, name: str) -> np.ndarray:
+    """A list of integers as int64, or ProtocolError (floats and strings are not truncated)."""
+    if not isinstance(values, list):
+        raise P.ProtocolError(f"{name} must be a list of integers")
+    if not values:
+        return np.zeros(0, dtype=np.int64)
+    try:
+        array = np.asarray(values)
+    except (ValueError, OverflowError) as e:
+        raise P.ProtocolError(f"{name} must be a list of integers ({e})") from None
+    if array.ndim != 1 or array.dtype.kind not in "iu":
+        raise P.ProtocolError(f"{name} must be a flat list of integers")
+    return array.astype(np.int64)
+
+
+def float_array(values: list, name: str) -> np.ndarray:
+    if not isinstance(values, list):
+        raise P.ProtocolError(f"{name} must be a list of numbers")
+    try:
+        array = np.asarray(values, dtype=np.float64) if values else np.zeros(0)
+    except (ValueError, TypeError) as e:
+        raise P.ProtocolError(f"{name} must be a list of numbers ({e})") from None
+    if array.ndim != 1:
+        raise P.ProtocolError(f"{name} must be a flat list of numbers")
+    return array
+
+
+def same_length(kind: str, **arrays: np.ndarray | list) -> int:
+    lengths = {name: len(a) for name, a in arrays.items()}
+    if len(set(lengths.values())) > 1:
+        raise P.ProtocolError(f"{kind}: fields differ in length: {lengths}")
+    return next(iter(lengths.values()), 0)
+
+
+def check_indptr(kind: str, indptr: np.ndarray, flat_len: int, n_items: int, name: str) -> None:
+    if len(indptr) != n_items + 1:
+        raise P.ProtocolError(f"{kind}.{name} must have {n_items + 1} entries, has {len(indptr)}")
+    if indptr[0] != 0 or indptr[-1] != flat_len or np.any(np.diff(indptr) < 0):
+        raise P.ProtocolError(
+            f"{kind}.{name} must rise from 0 to {flat_len} (the flattened list's length)"
+        )
+
+
+@dataclass
+class _ForwardItem:
+    context_slots: np.ndarray
+    embed_ids: np.ndarray
+    write_slots: np.ndarray
+    out_embed_ids: np.ndarray
+    out_token_indices: np.ndarray
+    mask: torch.Tensor | None
+
+
+class Engine:
+    """Model weights, physical pools, and one method per batched handler."""
+
+    def __init__(self, model_dir: Path, config: BackendConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = DTYPES[config.dtype]
+        self.model_dir = model_dir
+        self.model = Llama(model_dir, self.dtype, self.device)
+        cfg = self.model.config
+        self.page_size = config.page_size
+        self.num_pages = config.num_kv_pages
+        self.kv = KvCache(
+            cfg.num_layers, config.num_kv_pages, config.page_size, config.max_batch_tokens,
+            cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device,
+        )
+        self.embeds = EmbedPool(config.num_embeds, cfg.hidden_size, self.dtype, self.device)
+        self.attention: PagedAttention = TorchPagedAttention()
+        self.rng = torch.Generator(device="cpu")
+        self.rng.seed()
+        self.counters: Counter[str] = Counter()
+
+    # --- handshake / stats -------------------------------------------------------------
+
+    def handshake(self, request: P.HandshakeRequest) -> P.HandshakeReply:
+        if request.protocol_version != P.PROTOCOL_VERSION:
+            raise P.ProtocolError(
+                f"protocol version {request.protocol_version} is not supported "
+                f"(backend speaks {P.PROTOCOL_VERSION})"
+            )
+        cfg = self.model.config
+        tokenizer_config = json.loads((self.model_dir / "tokenizer_config.json").read_text())
+        return P.HandshakeReply(
+            protocol_version=P.PROTOCOL_VERSION,
+            model_name=self.model_dir.name,
+            traits=TRAITS,
+            page_size=self.page_size,
+            num_kv_pages=self.num_pages,
+            num_embeds=self.embeds.size,
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            max_batch_tokens=self.config.max_batch_tokens,
+            tokenizer_json=(self.model_dir / "tokenizer.json").read_text(),
+            eos_token_ids=list(cfg.eos_token_ids),
+            bos_token_id=cfg.bos_token_id,
+            chat_template=tokenizer_config.get("chat_template") or "",
+            dtype=self.config.dtype,
+            device=self.config.device,
+        )
+
+    def stats(self, request: P.StatsRequest) -> P.StatsReply:
+        return P.StatsReply(counters=dict(self.counters))
+
+    def _count(self, kind: str, items: int, errors: int, tokens: int = 0) -> None:
+        self.counters[f"{kind}.batches"] += 1
+        self.counters[f"{kind}.items"] += items
+        self.counters[f"{kind}.errors"] += errors
+        if tokens:
+            self.counters[f"{kind}.tokens"] += tokens
+
+    # --- embed_text --------------------------------------------------------------------
+
+    def embed_text(self, msg: P.EmbedText) -> P.BatchReply:
+        tokens = int_array(msg.token_ids, "token_ids")
+        positions = int_array(msg.positions, "positions")
+        embed_ids = int_array(msg.embed_ids, "embed_ids")
+        n = same_length("embed_text", token_ids=tokens, positions=positions, embed_ids=embed_ids)
+        errors: dict[int, str] = {}
+        for i in np.flatnonzero((tokens < 0) | (tokens >= self.model.config.vocab_size)):
+            errors[int(i)] = f"token id {tokens[i]} out of range [0, {self.model.config.vocab_size})"
+        for i in np.flatnonzero(positions < 0):
+            errors[int(i)] = f"position {positions[i]} is negative"
+        for i in np.flatnonzero((embed_ids < 0) | (embed_ids >= self.embeds.size)):
+            errors[int(i)] = f"embed id {embed_ids[i]} out of range [0, {self.embeds.size})"
+        ok = np.ones(n, dtype=bool)
+        ok[list(errors)] = False
+        if ok.any():
+            ids = torch.from_numpy(embed_ids[ok])
+            self.embeds.vectors[ids] = self.model.embed(torch.from_numpy(tokens[ok]))
+            self.embeds.positions[ids] = torch.from_numpy(positions[ok])
+        self._count("embed_text", n, len(errors), int(ok.sum()))
+        return P.BatchReply(errors=errors)
+
+    # --- forward -----------------------------------------------------------------------
+
+    def forward(self, msg: P.Forward) -> P.BatchReply:
+        kind = "forward"
+        last_lens = int_array(msg.kv_last_page_lens, "kv_last_page_lens")
+        n_items = same_length(
+            kind, kv_last_page_lens=last_lens, out_kv_offsets=msg.out_kv_offsets,
+            attention_masks=msg.attention_masks,
+        )
+        flat = {
+            name: int_array(getattr(msg, name), name)
+            for name in ("kv_page_ids", "kv_page_indptr", "embed_ids", "embed_indptr",
+                         "out_kv_page_ids", "out_kv_page_indptr", "out_embed_ids",
+                         "out_token_indices", "out_embed_indptr", "out_kv_offsets")
+        }
+        same_length(kind, out_embed_ids=flat["out_embed_ids"],
+                    out_token_indices=flat["out_token_indices"])
+        for indptr, data in (("kv_page_indptr", "kv_page_ids"), ("embed_indptr", "embed_ids"),
+                             ("out_kv_page_indptr", "out_kv_page_ids"),
+                             ("out_embed_indptr", "out_embed_ids")):
+            check_indptr(kind, flat[indptr], len(flat[data]), n_items, indptr)
+
+        errors: dict[int, str] = {}
+        items: list[_ForwardItem] = []
+        scratch_cursor = self.kv.scratch_start
+        budget = self.config.max_batch_tokens
+        for b in range(n_items):
+            try:
+                span = lambda name: slice(flat[name][b], flat[name][b + 1])  # noqa: E731
+                item = self._forward_item(
+                    pages=flat["kv_page_ids"][span("kv_page_indptr")],
+                    last_len=int(last_lens[b]),
+                    embed_ids=flat["embed_ids"][span("embed_indptr")],
+                    out_pages=flat["out_kv_page_ids"][span("out_kv_page_indptr")],
+                    out_offset=int(flat["out_kv_offsets"][b]),
+                    out_embed_ids=flat["out_embed_ids"][span("out_embed_indptr")],
+                    out_token_indices=flat["out_token_indices"][span("out_embed_indptr")],
+                    mask=msg.attention_masks[b],
+                    scratch_cursor=scratch_cursor,
+                )
+                n_new = len(item.embed_ids)
+                if n_new > budget:
+                    raise ItemError(
+                        f"batch exceeds max_batch_tokens={self.config.max_batch_tokens} "
+                        f"({n_new} new tokens, {budget} left)"
+                    )
+            except ItemError as e:
+                errors[b] = str(e)
+                continue
+            budget -= n_new
+            if len(item.write_slots) and item.write_slots[0] >= self.kv.scratch_start:
+                scratch_cursor += n_new
+            items.append(item)
+        if items:
+            self._run_forward(items)
+        self._count(kind, n_items, len(errors), sum(len(i.embed_ids) for i in items))
+        return P.BatchReply(errors=errors)
+
+    def _page_slots(self, pages: np.ndarray) -> np.ndarray:
+        return (pages[:, None] * self.page_size + np.arange(self.page_size)).ravel()
+
+    def _check_pages(self, pages: np.ndarray, what: str) -> None:
+        bad = pages[(pages < 0) | (pages >= self.num_pages)]
+        if len(bad):
+            raise ItemError(f"{what} page id {bad[0]} out of range [0, {self.num_pages})")
+
+    def _check_embeds(self, ids: np.ndarray, what: str) -> None:
+        bad = ids[(ids < 0) | (ids >= self.embeds.size)]
+        if len(bad):
+            raise ItemError(f"{what} embed id {bad[0]} out of range [0, {self.embeds.size})")
+
+    def _forward_item(
+        self, pages: np.ndarray, last_len: int, embed_ids: np.ndarray, out_pages: np.ndarray,
+        out_offset: int, out_embed_ids: np.ndarray, out_token_indices: np.ndarray,
+        mask: bytes | None, scratch_cursor: int,
+    ) -> _ForwardItem:
+        ps = self.page_size
+        self._check_pages(pages, "input")
+        if len(pages) and not 1 <= last_len <= ps:
+            raise ItemError(f"kv_last_page_len {last_len} must be in [1, {ps}]")
+        context = self._page_slots(pages)[: max(0, (len(pages) - 1) * ps + last_len)] if len(pages) else np.zeros(0, np.int64)
+        n_new = len(embed_ids)
+        if n_new == 0:
+            raise ItemError("no input embeds")
+        self._check_embeds(embed_ids, "input")
+        if len(out_pages):
+            self._check_pages(out_pages, "output")
+            if len(np.unique(out_pages)) != len(out_pages):
+                raise ItemError("output pages repeat a page")
+            if not 0 <= out_offset < ps:
+                raise ItemError(f"out_kv_offset {out_offset} must be in [0, {ps})")
+            capacity = len(out_pages) * ps - out_offset
+            if capacity < n_new:
+                raise ItemError(f"output pages hold {capacity} slots from the offset, {n_new} needed")
+            write = self._page_slots(out_pages)[out_offset : out_offset + n_new]
+            if len(context) and np.isin(write, context).any():
+                raise ItemError("output slots overlap the input context")
+        else:
+            write = np.arange(scratch_cursor, scratch_cursor + n_new, dtype=np.int64)
+        self._check_embeds(out_embed_ids, "output")
+        bad = out_token_indices[(out_token_indices < 0) | (out_token_indices >= n_new)]
+        if len(bad):
+            raise ItemError(f"out_token_index {bad[0]} out of range [0, {n_new})")
+        dense = None
+        if mask is not None:
+            n_keys = len(context) + n_new
+            if not isinstance(mask, bytes) or len(mask) != math.ceil(n_new * n_keys / 8):
+                raise ItemError(
+                    f"attention mask must be {math.ceil(n_new * n_keys / 8)} packed bytes "
+                    f"for {n_new} new tokens x {n_keys} keys"
+                )
+            bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8))[: n_new * n_keys]
+            dense = torch.from_numpy(bits.reshape(n_new, n_keys).astype(bool))
+            visible = torch.cat([~self.kv.masked[torch.from_numpy(context)],
+                                 torch.ones(n_new, dtype=torch.bool)])
+            if not (dense & visible).any(dim=1).all():
+                raise ItemError("attention mask leaves a new token with nothing to attend to")
+        return _ForwardItem(context, embed_ids, write, out_embed_ids, out_token_indices, dense)
+
+    def _run_forward(self, items: list[_ForwardItem]) -> None:
+        q_indptr, kv_indptr = [0], [0]
+        for item in items:
+            q_indptr.append(q_indptr[-1] + len(item.embed_ids))
+            kv_indptr.append(kv_indptr[-1] + len(item.context_slots) + len(item.embed_ids))
+        embed_ids = torch.from_numpy(np.concatenate([i.embed_ids for i in items]))
+        write_slots = torch.from_numpy(np.concatenate([i.write_slots for i in items]))
+        context = torch.from_numpy(np.concatenate([i.context_slots for i in items]))
+        # Context visibility is read before this batch clears the bits of the slots it writes.
+        context_visible = ~self.kv.masked[context]
+        kv_slots, kv_visible, start = [], [], 0
+        for item in items:
+            n_ctx = len(item.context_slots)
+            kv_slots += [context[start : start + n_ctx], torch.from_numpy(item.write_slots)]
+            kv_visible += [context_visible[start : start + n_ctx],
+                           torch.ones(len(item.write_slots), dtype=torch.bool)]
+            start += n_ctx
+        plan = AttentionPlan(
+            q_indptr=q_indptr,
+            kv_indptr=kv_indptr,
+            kv_slots=torch.cat(kv_slots).to(self.device),
+            kv_visible=torch.cat(kv_visible).to(self.device),
+            custom_masks=[item.mask for item in items],
+        )
+        self.kv.masked[write_slots] = False
+        out_rows = torch.from_numpy(np.concatenate(
+            [i.out_token_indices + q0 for i, q0 in zip(items, q_indptr)]))
+        out_ids = torch.from_numpy(np.concatenate([i.out_embed_ids for i in items]))
+        positions = self.embeds.positions[embed_ids]
+        hidden = self.model.forward(
+            self.embeds.vectors[embed_ids], positions, write_slots.to(self.device), plan,
+            self.attention, self.kv, out_rows.to(self.device),
+        )
+        if len(out_ids):
+            self.embeds.vectors[out_ids] = hidden
+            self.embeds.positions[out_ids] = positions[out_rows]
+
+    # --- next_dist / sample ------------------------------------------------------------
+
+    def _valid_embeds(self, ids: np.ndarray, errors: dict[int, str]) -> None:
+        for i in np.flatnonzero((ids < 0) | (ids >= self.embeds.size)):
+            errors[int(i)] = f"embed id {ids[i]} out of range [0, {self.embeds.size})"
+
+    def _probs(self, ids: np.ndarray, ok: np.ndarray) -> torch.Tensor:
+        hidden = self.embeds.vectors[torch.from_numpy(ids[ok])]
+        return torch.softmax(self.model.logits(hidden), dim=-1)
+
+    def next_dist(self, msg: P.NextDist) -> P.NextDistReply:
+        ids = int_array(msg.embed_ids, "embed_ids")
+        ks = int_array(msg.ks, "ks")
+        n = same_length("next_dist", embed_ids=ids, ks=ks)
+        vocab = self.model.config.vocab_size
+        errors: dict[int, str] = {}
+        self._valid_embeds(ids, errors)
+        for i in np.flatnonzero((ks < 1) | (ks > vocab)):
+            errors[int(i)] = f"k {ks[i]} out of range [1, {vocab}]"
+        ok = np.ones(n, dtype=bool)
+        ok[list(errors)] = False
+        token_ids: list[list[int]] = [[] for _ in range(n)]
+        probs: list[list[float]] = [[] for _ in range(n)]
+        if ok.any():
+            top = torch.topk(self._probs(ids, ok), int(ks[ok].max()), dim=-1)
+            for row, i in enumerate(np.flatnonzero(ok)):
+                k = int(ks[i])
+                token_ids[i] = top.indices[row, :k].tolist()
+                probs[i] = top.values[row, :k].tolist()
+        self._count("next_dist", n, len(errors))
+        return P.NextDistReply(token_ids=token_ids, probs=probs, errors=errors)
+
+    def sample(self, msg: P.Sample) -> P.SampleReply:
+        ids = int_array(msg.embed_ids, "embed_ids")
+        temps = float_array(msg.temperatures, "temperatures")
+        top_ks = int_array(msg.top_ks, "top_ks")
+        top_ps = float_array(msg.top_ps, "top_ps")
+        seeds = int_array(msg.seeds, "seeds")
+        n = same_length("sample", embed_ids=ids, temperatures=temps, top_ks=top_ks,
+                        top_ps=top_ps, seeds=seeds)
+        errors: dict[int, str] = {}
+        self._valid_embeds(ids, errors)
+        for i in np.flatnonzero(~np.isfinite(temps) | (temps < 0)):
+            errors[int(i)] = f"temperature {temps[i]} must be a finite number >= 0"
+        for i in np.flatnonzero(top_ks < 0):
+            errors[int(i)] = f"top_k {top_ks[i]} must be >= 0 (0 = no limit)"
+        for i in np.flatnonzero(~((top_ps > 0) & (top_ps <= 1))):
+            errors[int(i)] = f"top_p {top_ps[i]} must be in (0, 1]"
+        for i in np.flatnonzero(seeds < -1):
+            errors[int(i)] = f"seed {seeds[i]} must be >= 0, or -1 for unseeded"
+        ok = np.ones(n, dtype=bool)
+        ok[list(errors)] = False
+        out = [-1] * n
+        if ok.any():
+            hidden = self.embeds.vectors[torch.from_numpy(ids[ok])]
+            logits = self.model.logits(hidden)
+            for row, i in enumerate(np.flatnonzero(ok)):
+                out[i] = self._sample_row(logits[row], temps[i], int(top_ks[i]), top_ps[i], int(seeds[i]))
+        self._count("sample", n, len(errors))
+        return P.SampleReply(token_ids=out, errors=errors)
+
+    def _sample_row(self, logits: torch.Tensor, temperature: float, top_k: int, top_p: float, seed: int) -> int:
+        if temperature == 0:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits / temperature, dim=-1)
+        if top_k or top_p < 1:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            keep = torch.ones_like(sorted_probs, dtype=torch.bool)
+            if top_k:
+                keep[top_k:] = False
+            if top_p < 1:
+                # Keep the smallest prefix whose mass reaches top_p (the top token always).
+                keep &= (torch.cumsum(sorted_probs, 0) - sorted_probs) < top_p
+            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
+        generator = self.rng
+        if seed >= 0:
+            generator = torch.Generator(device="cpu").manual_seed(seed)
+        return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+    # --- KV page operations ------------------------------------------------------------
+
+    def copy_kvpage(self, msg: P.CopyKvPage) -> P.BatchReply:
+        src = int_array(msg.src_page_ids, "src_page_ids")
+        dst = int_array(msg.dst_page_ids, "dst_page_ids")
+        src_off = int_array(msg.src_offsets, "src_offsets")
+        dst_off = int_array(msg.dst_offsets, "dst_offsets")
+        lengths = int_array(msg.lengths, "lengths")
+        n = same_length("copy_kvpage", src_page_ids=src, dst_page_ids=dst, src_offsets=src_off,
+                        dst_offsets=dst_off, lengths=lengths)
+        ps, errors = self.page_size, {}
+        src_slots, dst_slots = [], []
+        for i in range(n):
+            if not (0 <= src[i] < self.num_pages and 0 <= dst[i] < self.num_pages):
+                errors[i] = f"page id out of range [0, {self.num_pages}): {src[i]} -> {dst[i]}"
+            elif lengths[i] < 0 or src_off[i] < 0 or dst_off[i] < 0 \
+                    or src_off[i] + lengths[i] > ps or dst_off[i] + lengths[i] > ps:
+                errors[i] = (f"range does not fit in a page of {ps}: src offset {src_off[i]}, "
+                             f"dst offset {dst_off[i]}, length {lengths[i]}")
+            else:
+                src_slots.append(src[i] * ps + src_off[i] + np.arange(lengths[i]))
+                dst_slots.append(dst[i] * ps + dst_off[i] + np.arange(lengths[i]))
+        if src_slots:
+            self.kv.copy_slots(torch.from_numpy(np.concatenate(src_slots)),
+                               torch.from_numpy(np.concatenate(dst_slots)))
+        self._count("copy_kvpage", n, len(errors))
+        return P.BatchReply(errors=errors)
+
+    def mask_kvpage(self, msg: P.MaskKvPage) -> P.BatchReply:
+        pages = int_array(msg.page_ids, "page_ids")
+        n = same_length("mask_kvpage", page_ids=pages, masks=msg.masks)
+        errors: dict[int, str] = {}
+        for i in range(n):
+            mask = msg.masks[i]
+            if not 0 <= pages[i] < self.num_pages:
+                errors[i] = f"page id {pages[i]} out of range [0, {self.num_pages})"
+            elif not (isinstance(mask, list) and len(mask) == self.page_size
+                      and all(isinstance(bit, bool) for bit in mask)):
+                errors[i] = f"mask must be a list of {self.page_size} booleans"
+            else:
+                start = int(pages[i]) * self.page_size
+                self.kv.masked[start : start + self.page_size] = torch.tensor(mask)
+        self._count("mask_kvpage", n, len(errors))
+        return P.BatchReply(errors=errors)
+
+    def handle(self, message: P.Message) -> P.Message:
+        """Dispatch one decoded request to its handler."""
+        handler = {
+            P.Kind.HANDSHAKE: self.handshake,
+            P.Kind.EMBED_TEXT: self.embed_text,
+            P.Kind.FORWARD: self.forward,
+            P.Kind.NEXT_DIST: self.next_dist,
+            P.Kind.SAMPLE: self.sample,
+            P.Kind.COPY_KVPAGE: self.copy_kvpage,
+            P.Kind.MASK_KVPAGE: self.mask_kvpage,
+            P.Kind.STATS: self.stats,
+        }[message.kind]
+        return handler(message)  # type: ignore[arg-type]

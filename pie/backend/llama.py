@@ -1,0 +1,205 @@
+"""LlamaForCausalLM for a paged KV cache: a plain model file.
+
+The model never sees requests or pages. A forward pass gets the new tokens' input vectors
+and positions, the KV slots to write their keys/values to, and an attention plan that says
+which cached slots each token may see (built by `attention.py` from the page tables).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from pie.backend.attention import AttentionPlan, PagedAttention
+from pie.backend.kv_cache import KvCache
+from pie.backend.linear import Linear
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    tie_word_embeddings: bool
+    bos_token_id: int
+    eos_token_ids: tuple[int, ...]
+    max_position_embeddings: int
+
+    @classmethod
+    def from_json(cls, path: Path) -> "LlamaConfig":
+        raw = json.loads(path.read_text())
+        if raw.get("model_type") != "llama":
+            raise ValueError(f"{path}: model_type {raw.get('model_type')!r} is not 'llama'")
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        eos = raw.get("eos_token_id", 2)
+        heads = raw["num_attention_heads"]
+        return cls(
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=raw.get("num_key_value_heads", heads),
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            vocab_size=raw["vocab_size"],
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            bos_token_id=raw.get("bos_token_id", 1),
+            eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,),
+            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+        )
+
+
+def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
+    """Inverse RoPE frequencies in fp32, as HF computes them (default, linear, llama3)."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    )
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    kind = scaling["rope_type"]
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_context = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_context / low, old_context / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope_type {kind!r} (supported: default, linear, llama3)")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's LlamaRMSNorm: normalise in fp32, cast back, then scale."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D]; cos/sin: [T, 1, D] in x's dtype (HF's rotate_half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaLayer:
+    def __init__(self, weights: dict[str, torch.Tensor], prefix: str, config: LlamaConfig):
+        w = lambda name: weights.pop(f"{prefix}.{name}")  # noqa: E731
+        self.input_norm = w("input_layernorm.weight")
+        self.post_norm = w("post_attention_layernorm.weight")
+        # Fused projections: one matmul for q/k/v and one for gate/up.
+        self.qkv = Linear(
+            torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"),
+                       w("self_attn.v_proj.weight")])
+        )
+        self.o = Linear(w("self_attn.o_proj.weight"))
+        self.gate_up = Linear(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]))
+        self.down = Linear(w("mlp.down_proj.weight"))
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.intermediate = config.intermediate_size
+
+
+class Llama:
+    """Weights plus the math of one batched forward pass over a paged KV cache."""
+
+    def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device):
+        self.config = LlamaConfig.from_json(model_dir / "config.json")
+        self.dtype, self.device = dtype, device
+        weights = load_safetensors(model_dir, dtype, device)
+        cfg = self.config
+        self.embed_tokens = weights.pop("model.embed_tokens.weight")
+        lm_head = weights.pop("lm_head.weight", None)
+        if lm_head is None or cfg.tie_word_embeddings:
+            lm_head = self.embed_tokens
+        self.lm_head = Linear(lm_head)
+        self.norm = weights.pop("model.norm.weight")
+        self.layers = [LlamaLayer(weights, f"model.layers.{i}", cfg) for i in range(cfg.num_layers)]
+        weights.pop("lm_head.weight", None)
+        unused = [k for k in weights if "rotary_emb" not in k]
+        if unused:
+            raise ValueError(f"unexpected tensors in checkpoint: {unused[:5]}")
+        self.inv_freq = rope_inv_freq(cfg).to(device)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens[token_ids]
+
+    def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos().to(self.dtype)[:, None, :], angles.sin().to(self.dtype)[:, None, :]
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        write_slots: torch.Tensor,
+        plan: AttentionPlan,
+        attention: PagedAttention,
+        kv: KvCache,
+        out_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run T new tokens; return the final-normed hidden states of rows `out_rows`.
+
+        x: [T, hidden]; positions, write_slots: [T]; out_rows: [R] indices into T.
+        """
+        cfg = self.config
+        cos, sin = self.rope_tables(positions)
+        tokens = x.shape[0]
+        for index, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+            qkv = layer.qkv(h)
+            q = qkv[:, : layer.q_size].view(tokens, cfg.num_heads, cfg.head_dim)
+            k = qkv[:, layer.q_size : layer.q_size + layer.kv_size].view(
+                tokens, cfg.num_kv_heads, cfg.head_dim
+            )
+            v = qkv[:, layer.q_size + layer.kv_size :].view(tokens, cfg.num_kv_heads, cfg.head_dim)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            kv.write(index, write_slots, k, v)
+            attn = attention.run(q, kv.keys[index], kv.values[index], plan)
+            x = x + layer.o(attn.reshape(tokens, layer.q_size))
+            h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+            gate_up = layer.gate_up(h)
+            x = x + layer.down(F.silu(gate_up[:, : layer.intermediate]) * gate_up[:, layer.intermediate :])
+        return rms_norm(x[out_rows], self.norm, cfg.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of final-normed hidden states (computed in the model dtype, as HF does)."""
+        return self.lm_head(hidden.to(self.dtype)).float()
+
+
+def load_safetensors(model_dir: Path, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                weights[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+    return weights

@@ -1,0 +1,101 @@
+"""Every configuration key Pie reads, as typed dataclasses.
+
+`configs/default.toml` sets the same values as the defaults below (a test keeps them
+equal); a user file passed with `--config` overrides any subset of keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class ModelConfig:
+    # Local HF Llama directory; empty means the default model converted by `pie model pull`.
+    path: str = ""
+
+
+@dataclass
+class BackendConfig:
+    device: str = "cpu"
+    dtype: str = "bfloat16"
+    attention: str = "torch"
+    page_size: int = 16
+    num_kv_pages: int = 2048
+    num_embeds: int = 8192
+    max_batch_tokens: int = 4096
+    threads: int = 0
+
+    def __post_init__(self) -> None:
+        _check_choice("backend.device", self.device, ("cpu", "cuda"))
+        _check_choice("backend.dtype", self.dtype, ("bfloat16", "float32"))
+        _check_choice("backend.attention", self.attention, ("torch", "flashinfer"))
+        for key in ("page_size", "num_kv_pages", "num_embeds", "max_batch_tokens"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"backend.{key} must be positive, got {getattr(self, key)}")
+        if self.threads < 0:
+            raise ConfigError(f"backend.threads must be >= 0, got {self.threads}")
+
+
+@dataclass
+class PathsConfig:
+    cache_dir: str = "~/.cache/pie"
+
+    @property
+    def cache(self) -> Path:
+        return Path(self.cache_dir).expanduser()
+
+
+@dataclass
+class PieConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+
+
+class ConfigError(ValueError):
+    """A configuration file or value that Pie cannot use."""
+
+
+def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _build(cls: type, table: dict[str, Any], where: str) -> Any:
+    """Build dataclass `cls` from a TOML table, rejecting unknown keys and wrong types."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in table.items():
+        if key not in fields:
+            raise ConfigError(f"unknown config key {where}{key} (known: {', '.join(fields)})")
+        default = getattr(cls(), key)
+        if dataclasses.is_dataclass(default):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}{key} must be a table")
+            kwargs[key] = _build(type(default), value, f"{where}{key}.")
+        elif type(value) is not type(default):
+            raise ConfigError(
+                f"{where}{key} must be {type(default).__name__}, got {type(value).__name__}"
+            )
+        else:
+            kwargs[key] = value
+    return cls(**kwargs)
+
+
+def load_config(path: str | Path | None = None) -> PieConfig:
+    """Defaults, overridden by the TOML file at `path` if given."""
+    if path is None:
+        return PieConfig()
+    try:
+        with open(path, "rb") as f:
+            table = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    return _build(PieConfig, table, "")

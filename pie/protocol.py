@@ -1,0 +1,313 @@
+"""The wire protocol between the control layer and the inference layer (the backend).
+
+This module is the only definition of these messages. Every ZeroMQ message is a single
+msgpack frame `[request_id, kind, body]`; the reply to a request carries the same
+`request_id` and `kind` (or kind `error` when the whole request was unusable). After each
+batch the backend sends an unsolicited `[0, "idle", {}]` so the work-conserving scheduler
+knows it may dispatch the next batch.
+
+Batched messages are struct-of-arrays: one list per field, one entry per item. Variable-
+length per-item data is flattened, with an `*_indptr` list of `n_items + 1` offsets (the
+CSR layout FlashInfer uses). Replies carry `errors: {item_index: message}` — only failed
+items appear; every other item of the batch was carried out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, ClassVar
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+IDLE_REQUEST_ID = 0
+
+
+class Kind(StrEnum):
+    HANDSHAKE = "handshake"
+    EMBED_TEXT = "embed_text"
+    FORWARD = "forward"
+    NEXT_DIST = "next_dist"
+    SAMPLE = "sample"
+    COPY_KVPAGE = "copy_kvpage"
+    MASK_KVPAGE = "mask_kvpage"
+    STATS = "stats"
+    IDLE = "idle"
+    ERROR = "error"
+
+
+class ProtocolError(ValueError):
+    """A frame that does not follow this protocol; the message says exactly how."""
+
+
+@dataclass
+class Message:
+    """Base of every body; `kind` ties a dataclass to its envelope tag."""
+
+    kind: ClassVar[Kind]
+
+    def to_body(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+# --- handshake ---------------------------------------------------------------------------
+
+
+@dataclass
+class HandshakeRequest(Message):
+    kind: ClassVar[Kind] = Kind.HANDSHAKE
+    protocol_version: int = PROTOCOL_VERSION
+
+
+@dataclass
+class HandshakeReply(Message):
+    """What the control layer needs to virtualize resources and tokenize on its own side."""
+
+    kind: ClassVar[Kind] = Kind.HANDSHAKE
+    protocol_version: int
+    model_name: str
+    traits: list[str]
+    page_size: int
+    num_kv_pages: int
+    num_embeds: int
+    vocab_size: int
+    hidden_size: int
+    max_batch_tokens: int
+    tokenizer_json: str
+    eos_token_ids: list[int]
+    bos_token_id: int
+    chat_template: str
+    dtype: str
+    device: str
+
+
+# --- batched handlers --------------------------------------------------------------------
+
+
+@dataclass
+class EmbedText(Message):
+    """Item i: embed slot `embed_ids[i]` ← embedding of `token_ids[i]` at `positions[i]`."""
+
+    kind: ClassVar[Kind] = Kind.EMBED_TEXT
+    token_ids: list[int]
+    positions: list[int]
+    embed_ids: list[int]
+
+
+@dataclass
+class Forward(Message):
+    """Item i runs its input embeds (new tokens, each with the position it was embedded at)
+    through the model.
+
+    Context: the tokens held by its input KV pages — every slot of each page except the
+    last, of which only the first `kv_last_page_lens[i]` — minus slots whose mask bit is set.
+    New tokens see that context and each other causally (in item order), unless
+    `attention_masks[i]` is given: `numpy.packbits` of a row-major bool matrix
+    [n_new, n_context_slots + n_new] (True = may attend), still ANDed with page masks.
+    The new tokens' K/V are written consecutively into the output KV pages, starting at
+    slot `out_kv_offsets[i]` of the first one (no output pages: nothing is written).
+    Output embed j receives the final hidden state of new token `out_token_indices[j]`.
+    """
+
+    kind: ClassVar[Kind] = Kind.FORWARD
+    kv_page_ids: list[int]
+    kv_page_indptr: list[int]
+    kv_last_page_lens: list[int]
+    embed_ids: list[int]
+    embed_indptr: list[int]
+    out_kv_page_ids: list[int]
+    out_kv_page_indptr: list[int]
+    out_kv_offsets: list[int]
+    out_embed_ids: list[int]
+    out_token_indices: list[int]
+    out_embed_indptr: list[int]
+    attention_masks: list[bytes | None]
+
+
+@dataclass
+class NextDist(Message):
+    """Item i: the `ks[i]` most likely next tokens after output embed `embed_ids[i]`."""
+
+    kind: ClassVar[Kind] = Kind.NEXT_DIST
+    embed_ids: list[int]
+    ks: list[int]
+
+
+@dataclass
+class NextDistReply(Message):
+    kind: ClassVar[Kind] = Kind.NEXT_DIST
+    token_ids: list[list[int]]
+    probs: list[list[float]]
+    errors: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass
+class Sample(Message):
+    """Item i: one token drawn from output embed `embed_ids[i]`.
+
+    temperature 0 is greedy; top_k 0 and top_p 1.0 disable those filters; seed -1 draws
+    from the backend's generator, any other seed makes the draw reproducible (callers vary
+    the seed per step).
+    """
+
+    kind: ClassVar[Kind] = Kind.SAMPLE
+    embed_ids: list[int]
+    temperatures: list[float]
+    top_ks: list[int]
+    top_ps: list[float]
+    seeds: list[int]
+
+
+@dataclass
+class SampleReply(Message):
+    kind: ClassVar[Kind] = Kind.SAMPLE
+    token_ids: list[int]
+    errors: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass
+class CopyKvPage(Message):
+    """Item i: copy `lengths[i]` token slots (K, V and mask bits) between pages."""
+
+    kind: ClassVar[Kind] = Kind.COPY_KVPAGE
+    src_page_ids: list[int]
+    dst_page_ids: list[int]
+    src_offsets: list[int]
+    dst_offsets: list[int]
+    lengths: list[int]
+
+
+@dataclass
+class MaskKvPage(Message):
+    """Item i: set the per-slot mask bits of page `page_ids[i]` (True = hidden from attention)."""
+
+    kind: ClassVar[Kind] = Kind.MASK_KVPAGE
+    page_ids: list[int]
+    masks: list[list[bool]]
+
+
+@dataclass
+class BatchReply(Message):
+    """Reply of handlers that return nothing but per-item errors."""
+
+    kind: ClassVar[Kind] = Kind.FORWARD
+    errors: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass
+class StatsRequest(Message):
+    kind: ClassVar[Kind] = Kind.STATS
+
+
+@dataclass
+class StatsReply(Message):
+    """Cumulative counters since the backend started (calls, items, tokens per handler)."""
+
+    kind: ClassVar[Kind] = Kind.STATS
+    counters: dict[str, int]
+
+
+@dataclass
+class Idle(Message):
+    kind: ClassVar[Kind] = Kind.IDLE
+
+
+@dataclass
+class ErrorReply(Message):
+    """The whole request was unusable (malformed frame, unknown kind, bad field lengths)."""
+
+    kind: ClassVar[Kind] = Kind.ERROR
+    message: str
+
+
+_OUTER_TYPES: dict[str, tuple[type, ...]] = {
+    "list": (list,),
+    "dict": (dict,),
+    "str": (str,),
+    "int": (int,),
+    "float": (int, float),
+}
+
+REQUESTS: dict[Kind, type[Message]] = {
+    Kind.HANDSHAKE: HandshakeRequest,
+    Kind.EMBED_TEXT: EmbedText,
+    Kind.FORWARD: Forward,
+    Kind.NEXT_DIST: NextDist,
+    Kind.SAMPLE: Sample,
+    Kind.COPY_KVPAGE: CopyKvPage,
+    Kind.MASK_KVPAGE: MaskKvPage,
+    Kind.STATS: StatsRequest,
+}
+
+REPLIES: dict[Kind, type[Message]] = {
+    Kind.HANDSHAKE: HandshakeReply,
+    Kind.EMBED_TEXT: BatchReply,
+    Kind.FORWARD: BatchReply,
+    Kind.NEXT_DIST: NextDistReply,
+    Kind.SAMPLE: SampleReply,
+    Kind.COPY_KVPAGE: BatchReply,
+    Kind.MASK_KVPAGE: BatchReply,
+    Kind.STATS: StatsReply,
+    Kind.IDLE: Idle,
+    Kind.ERROR: ErrorReply,
+}
+
+
+def encode(request_id: int, message: Message, kind: Kind | None = None) -> bytes:
+    """One frame. `kind` overrides the message's own tag (BatchReply serves several kinds)."""
+    return msgpack.packb([request_id, str(kind or message.kind), message.to_body()])
+
+
+def decode_envelope(frame: bytes) -> tuple[int, Kind, dict[str, Any]]:
+    """Split a frame into (request_id, kind, body) or raise ProtocolError saying why."""
+    try:
+        envelope = msgpack.unpackb(frame, strict_map_key=False)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f"frame is not valid msgpack ({type(e).__name__}: {e})") from None
+    if not (isinstance(envelope, list) and len(envelope) == 3):
+        raise ProtocolError("frame must be a msgpack array [request_id, kind, body]")
+    request_id, kind, body = envelope
+    if not isinstance(request_id, int) or isinstance(request_id, bool):
+        raise ProtocolError(f"request_id must be an integer, got {type(request_id).__name__}")
+    if kind not in Kind.__members__.values():
+        raise ProtocolError(f"unknown message kind {kind!r}")
+    if not isinstance(body, dict):
+        raise ProtocolError(f"body of {kind!r} must be a map, got {type(body).__name__}")
+    return request_id, Kind(kind), body
+
+
+def parse_body(cls: type[Message], body: dict[str, Any]) -> Message:
+    """Build `cls` from a decoded body, checking field names and container types."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(body) - set(fields)
+    if unknown:
+        raise ProtocolError(f"{cls.kind}: unknown fields {sorted(map(str, unknown))}")
+    missing = [
+        name
+        for name, f in fields.items()
+        if name not in body
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ProtocolError(f"{cls.kind}: missing fields {missing}")
+    for name, value in body.items():
+        outer = fields[name].type.split("[", 1)[0].strip()  # annotations are strings here
+        expected = _OUTER_TYPES.get(outer)
+        if expected is not None and not isinstance(value, expected):
+            raise ProtocolError(f"{cls.kind}.{name} must be {outer}, got {type(value).__name__}")
+    return cls(**body)
+
+
+def decode_request(frame: bytes) -> tuple[int, Message]:
+    request_id, kind, body = decode_envelope(frame)
+    if kind not in REQUESTS:
+        raise ProtocolError(f"{kind} is not a request")
+    return request_id, parse_body(REQUESTS[kind], body)
+
+
+def decode_reply(frame: bytes) -> tuple[int, Kind, Message]:
+    request_id, kind, body = decode_envelope(frame)
+    return request_id, kind, parse_body(REPLIES[kind], body)
