@@ -1,0 +1,33 @@
+# Pie — common tasks. `make help` lists them.
+PYTHON ?= python3
+PIP ?= $(PYTHON) -m pip
+PROMPT ?= What is the capital of France?
+
+.PHONY: help setup model run test bench clean
+
+help:
+	@echo "make setup   install Pie and its dependencies (CPU torch from the local wheel)"
+	@echo "make model   convert the default model once (pie model pull)"
+	@echo "make run     setup + model + generate a completion through the backend"
+	@echo "make test    setup + model + the test suite"
+	@echo "make bench   backend benchmark vs HF transformers (benchmarks/results/)"
+
+setup:
+	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+
+model: setup
+	pie model pull
+
+run: model
+	pie generate --chat "$(PROMPT)" --max-tokens 64
+
+test: model
+	$(PYTHON) -m pytest -q tests
+
+bench: model
+	$(PYTHON) benchmarks/backend.py
+
+clean:
+	rm -rf build *.egg-info .pytest_cache

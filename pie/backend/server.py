@@ -1,0 +1,85 @@
+"""The inference process: one ZeroMQ ROUTER socket, one loop, one batch at a time.
+
+Receive a frame, run its handler, reply, then tell that peer the backend is idle (the
+signal that drives the control layer's work-conserving scheduler). Nothing a peer sends
+can stop the loop: a bad frame or item gets an error reply, and so does a bug in a handler.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import zmq
+
+from pie import protocol as P
+from pie.backend.engine import Engine
+from pie.config import BackendConfig
+
+log = logging.getLogger("pie.backend")
+
+
+class BackendServer:
+    def __init__(self, engine: Engine, endpoint: str):
+        self.engine = engine
+        self.endpoint = endpoint
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind(endpoint)
+        self.running = True
+
+    def serve_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        while self.running:
+            if not poller.poll(timeout=200):
+                continue
+            frames = self.socket.recv_multipart()
+            # DEALER peers send [payload]; ROUTER prepends the peer identity. REQ peers add an
+            # empty delimiter; everything before the payload is echoed back as the envelope.
+            envelope, payload = frames[:-1], frames[-1]
+            self.socket.send_multipart([*envelope, self.handle_frame(payload)])
+            self.socket.send_multipart([*envelope, P.encode(P.IDLE_REQUEST_ID, P.Idle())])
+        self.socket.close()
+        self.context.term()
+
+    def handle_frame(self, payload: bytes) -> bytes:
+        request_id = -1
+        try:
+            request_id, kind, body = P.decode_envelope(payload)
+            if kind not in P.REQUESTS:
+                raise P.ProtocolError(f"{kind} is not a request")
+            message = P.parse_body(P.REQUESTS[kind], body)
+            started = time.perf_counter()
+            reply = self.engine.handle(message)
+            log.debug("%s took %.2f ms", kind, (time.perf_counter() - started) * 1e3)
+            return P.encode(request_id, reply, kind)
+        except P.ProtocolError as e:
+            return P.encode(request_id, P.ErrorReply(str(e)))
+        except Exception as e:  # a handler bug must not take the backend down
+            log.error("internal error handling request %s:\n%s", request_id, traceback.format_exc())
+            return P.encode(request_id, P.ErrorReply(f"internal error: {type(e).__name__}: {e}"))
+
+    def stop(self, *_: object) -> None:
+        self.running = False
+
+
+def run_backend(model_dir: Path, config: BackendConfig, endpoint: str) -> None:
+    """Entry point of `pie backend`: load the model, bind, serve until SIGINT/SIGTERM."""
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    started = time.monotonic()
+    engine = Engine(model_dir, config)
+    server = BackendServer(engine, endpoint)
+    signal.signal(signal.SIGTERM, server.stop)
+    signal.signal(signal.SIGINT, server.stop)
+    log.info(
+        "backend ready on %s (%s, %s, %s; loaded in %.1f s)",
+        endpoint, model_dir.name, config.dtype, config.device, time.monotonic() - started,
+    )
+    server.serve_forever()

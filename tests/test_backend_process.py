@@ -1,0 +1,164 @@
+"""A real `pie backend` process over real ZeroMQ: correctness against HF, and bad input."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from pie import protocol as P
+from pie.control.backend_link import BackendError, BackendLink, BackendProcess
+from pie.control.chat_template import chat_prompt
+from pie.control.direct import DirectDriver, SamplingParams
+
+from conftest import HF_PROMPTS, hf_greedy
+
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def backend(model_dir):
+    process = BackendProcess(model_dir, extra_args=["--dtype", "float32"])
+    link, handshake = process.connect()
+    yield link, handshake
+    link.close()
+    process.stop()
+
+
+def test_handshake_describes_model_and_pools(backend):
+    _, hs = backend
+    assert hs.model_name == "smollm2-135m-instruct"
+    assert hs.vocab_size == 49152 and hs.hidden_size == 576
+    assert hs.page_size == 16 and hs.num_kv_pages > 0 and hs.num_embeds > 0
+    assert hs.eos_token_ids == [2] and hs.bos_token_id == 1
+    assert "<|im_start|>" in hs.chat_template and '"model"' in hs.tokenizer_json
+    assert {"forward", "input-text", "output-text"} <= set(hs.traits)
+    assert hs.dtype == "float32"
+
+
+def test_greedy_equals_hf_transformers_fp32(backend, hf_model, tokenizer):
+    """Four prompts plus one chat prompt, decoded together in one batch, token for token."""
+    link, hs = backend
+    texts = HF_PROMPTS + [chat_prompt(hs.chat_template, "What is the capital of France?")]
+    prompts = [tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
+    ours = DirectDriver(link, hs).generate(prompts, NEW_TOKENS)
+    for prompt, got in zip(prompts, ours):
+        assert got == hf_greedy(hf_model, prompt, NEW_TOKENS)
+    assert "Paris" in tokenizer.decode(ours[-1])
+
+
+def test_sampling_controls(backend, tokenizer):
+    link, hs = backend
+    driver = DirectDriver(link, hs)
+    prompt = [tokenizer.encode("My favourite animal is the").ids]
+    greedy = driver.generate(prompt, 8)
+    assert driver.generate(prompt, 8, SamplingParams(temperature=1.0, top_k=1)) == greedy
+    seeded = [driver.generate(prompt, 8, SamplingParams(temperature=1.5, seed=7)) for _ in range(2)]
+    assert seeded[0] == seeded[1]
+    draws = {tuple(driver.generate(prompt, 8, SamplingParams(temperature=1.5, seed=s))[0])
+             for s in range(6)}
+    assert len(draws) > 1
+
+
+def test_next_dist_is_sorted_topk_consistent_with_greedy(backend, tokenizer):
+    link, hs = backend
+    driver = DirectDriver(link, hs)
+    prompt = tokenizer.encode("The capital of France is").ids
+    greedy = driver.generate([prompt], 1)[0][0]
+    # The driver left the last hidden state in the first sequence's output slot.
+    out_slot = len(prompt) + 2 - 1
+    reply = link.call(P.NextDist([out_slot, out_slot], [5, 1]))
+    assert reply.errors == {}
+    assert reply.token_ids[0][0] == greedy and reply.token_ids[1] == [greedy]
+    assert reply.probs[0] == sorted(reply.probs[0], reverse=True)
+    assert 0 < sum(reply.probs[0]) <= 1.0 + 1e-6
+
+
+def _forward(pages, last, embeds, out_pages, offset, out, idx, mask=None):
+    return P.Forward(pages, [0, len(pages)], [last], embeds, [0, len(embeds)], out_pages,
+                     [0, len(out_pages)], [offset], out, idx, [0, len(out)], [mask])
+
+
+BAD_ITEMS = [
+    (P.EmbedText([1, 10**6], [0, 0], [0, 1]), {1: "token id 1000000 out of range"}),
+    (P.EmbedText([1, 1], [0, -3], [0, 1]), {1: "position -3 is negative"}),
+    (P.EmbedText([1, 1], [0, 0], [0, 10**7]), {1: "embed id 10000000 out of range"}),
+    (_forward([10**6], 1, [0], [], 0, [], []), {0: "input page id 1000000 out of range"}),
+    (_forward([0], 17, [0], [], 0, [], []), {0: "kv_last_page_len 17 must be in"}),
+    (_forward([], 0, [-1], [], 0, [], []), {0: "input embed id -1 out of range"}),
+    (_forward([], 0, [], [], 0, [], []), {0: "no input embeds"}),
+    (_forward([], 0, [0, 1], [5], 15, [], []), {0: "output pages hold 1 slots"}),
+    (_forward([], 0, [0], [5, 5], 0, [], []), {0: "output pages repeat a page"}),
+    (_forward([5], 4, [0], [5], 2, [], []), {0: "output slots overlap the input context"}),
+    (_forward([], 0, [0], [], 0, [9], [3]), {0: "out_token_index 3 out of range"}),
+    (_forward([], 0, [0], [], 0, [], [], b"\x00\x00"), {0: "attention mask must be 1 packed bytes"}),
+    (_forward([], 0, [0], [], 0, [], [], b"\x00"), {0: "nothing to attend to"}),
+    (P.NextDist([0, 10**7], [3, 3]), {1: "embed id 10000000 out of range"}),
+    (P.NextDist([0], [0]), {0: "k 0 out of range"}),
+    (P.Sample([0] * 4, [-1.0, 1.0, 1.0, 1.0], [0, -2, 0, 0], [1.0, 1.0, 0.0, 1.0], [0, 0, 0, -5]),
+     {0: "temperature -1.0", 1: "top_k -2", 2: "top_p 0.0", 3: "seed -5"}),
+    (P.CopyKvPage([0, 10**6], [1, 1], [0, 0], [0, 0], [1, 1]), {1: "page id out of range"}),
+    (P.CopyKvPage([0], [1], [10], [0], [8]), {0: "does not fit in a page of 16"}),
+    (P.MaskKvPage([0, 0], [[True] * 3, [1] * 16]), {0: "list of 16 booleans", 1: "list of 16 booleans"}),
+    (P.MaskKvPage([-1], [[False] * 16]), {0: "page id -1 out of range"}),
+]
+
+
+@pytest.mark.parametrize("message, expected", BAD_ITEMS, ids=lambda v: getattr(v, "kind", ""))
+def test_bad_items_get_precise_errors(backend, message, expected):
+    link, _ = backend
+    reply = link.call(message)
+    assert set(reply.errors) == set(expected)
+    for index, text in expected.items():
+        assert text in reply.errors[index]
+
+
+def test_bad_item_does_not_spoil_its_batch(backend):
+    link, _ = backend
+    reply = link.call(P.EmbedText([1, -1, 2], [0, 0, 0], [40, 41, 42]))
+    assert list(reply.errors) == [1]
+    reply = link.call(P.NextDist([40, 42], [1, 1]))  # the good items were carried out
+    assert reply.errors == {}
+
+
+WHOLE_REQUEST_ERRORS = [
+    (b"\x92\xc1", "not valid msgpack"),
+    (b"not msgpack at all \xff\xfe", "not valid msgpack"),
+    (msgpack.packb([7, "fly", {}]), "unknown message kind"),
+    (msgpack.packb([7, "sample", {"embed_ids": [1]}]), "missing fields"),
+    (msgpack.packb([7, "embed_text", {"token_ids": [1, 2], "positions": [0], "embed_ids": [0, 1]}]),
+     "fields differ in length"),
+    (msgpack.packb([7, "embed_text", {"token_ids": [1.5], "positions": [0], "embed_ids": [0]}]),
+     "token_ids must be a flat list of integers"),
+    (msgpack.packb([7, "embed_text", {"token_ids": ["a"], "positions": [0], "embed_ids": [0]}]),
+     "token_ids must be a flat list of integers"),
+    (P.encode(7, P.Forward([], [0, 0], [0], [0], [0, 2], [], [0, 0], [0], [], [], [0, 0], [None])),
+     "embed_indptr must rise from 0 to 1"),
+    (P.encode(7, P.HandshakeRequest(protocol_version=99)), "protocol version 99 is not supported"),
+]
+
+
+@pytest.mark.parametrize("frame, message", WHOLE_REQUEST_ERRORS)
+def test_malformed_requests_get_error_replies_and_backend_keeps_serving(backend, frame, message):
+    link, _ = backend
+    link.send_raw(frame)
+    with pytest.raises(BackendError, match=message):
+        link.wait(-1 if b"msgpack" in frame or frame.startswith(b"\x92") else 7)
+    assert link.call(P.StatsRequest()).counters["embed_text.batches"] >= 1
+
+
+def test_idle_signal_follows_each_batch(backend):
+    link, _ = backend
+    before = link.idle_signals
+    link.call(P.StatsRequest())
+    link.call(P.StatsRequest())
+    link.call(P.StatsRequest())  # the idle signal of a batch arrives after its reply
+    assert link.idle_signals >= before + 2
+
+
+def test_second_peer_is_served_independently(backend):
+    link, _ = backend
+    other = BackendLink(link.endpoint)
+    try:
+        assert other.call(P.StatsRequest()).counters
+    finally:
+        other.close()

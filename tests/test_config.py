@@ -1,0 +1,43 @@
+from pathlib import Path
+
+import pytest
+
+from pie.config import BackendConfig, ConfigError, PieConfig, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_default_toml_matches_dataclass_defaults():
+    assert load_config(ROOT / "configs" / "default.toml") == PieConfig()
+
+
+def test_partial_file_overrides_only_its_keys(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[backend]\npage_size = 32\ndtype = "float32"\n')
+    config = load_config(path)
+    assert config.backend.page_size == 32 and config.backend.dtype == "float32"
+    assert config.backend.num_kv_pages == BackendConfig().num_kv_pages
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("[backend]\npage_sise = 8\n", "unknown config key backend.page_sise"),
+        ('[backend]\npage_size = "16"\n', "backend.page_size must be int"),
+        ('[backend]\ndtype = "fp8"\n', "backend.dtype must be one of"),
+        ("[backend]\nnum_kv_pages = 0\n", "num_kv_pages must be positive"),
+        ("[model]\npath = [1]\n", "model.path must be str"),
+        ("backend = 3\n", "backend must be a table"),
+        ("[backend\n", "not valid TOML"),
+    ],
+)
+def test_bad_config_is_a_clear_error(tmp_path, text, message):
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(path)
+
+
+def test_missing_config_file():
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config("/nonexistent/pie.toml")

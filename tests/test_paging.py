@@ -1,0 +1,129 @@
+"""Paging invariants of the inference layer, on an in-process engine in fp32."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pie import protocol as P
+from pie.backend.engine import Engine
+from pie.config import BackendConfig
+
+PS = 16
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir) -> Engine:
+    return Engine(model_dir, BackendConfig(dtype="float32", num_kv_pages=64, num_embeds=512,
+                                           page_size=PS))
+
+
+TOKENS = [504, 3575, 282, 4649, 314, 7042, 30, 198, 504, 2988, 314, 42, 216, 34, 32, 33,
+          40, 29, 32, 33, 29, 34]  # 22 tokens: spans two pages
+
+
+def embed(engine: Engine, tokens: list[int], positions: list[int], slots: list[int]) -> None:
+    assert engine.embed_text(P.EmbedText(tokens, positions, slots)).errors == {}
+
+
+def forward(engine: Engine, pages: list[int], last_len: int, embeds: list[int],
+            out_pages: list[int], offset: int, out: list[int], out_idx: list[int],
+            mask: bytes | None = None) -> None:
+    reply = engine.forward(P.Forward(
+        kv_page_ids=pages, kv_page_indptr=[0, len(pages)], kv_last_page_lens=[last_len],
+        embed_ids=embeds, embed_indptr=[0, len(embeds)], out_kv_page_ids=out_pages,
+        out_kv_page_indptr=[0, len(out_pages)], out_kv_offsets=[offset], out_embed_ids=out,
+        out_token_indices=out_idx, out_embed_indptr=[0, len(out)], attention_masks=[mask]))
+    assert reply.errors == {}
+
+
+def hidden(engine: Engine, slot: int) -> torch.Tensor:
+    return engine.embeds.vectors[slot].clone()
+
+
+def test_one_forward_equals_two_chained_forwards(engine):
+    n = len(TOKENS)
+    embed(engine, TOKENS, list(range(n)), list(range(n)))
+    # One forward of all tokens into pages 0, 1.
+    forward(engine, [], 0, list(range(n)), [0, 1], 0, [100], [n - 1])
+    # The same split in two: 10 tokens into page 2, then 12 more appended (page 2 and 3).
+    forward(engine, [], 0, list(range(10)), [2], 0, [], [])
+    forward(engine, [2], 10, list(range(10, n)), [2, 3], 10, [101], [n - 1 - 10])
+    torch.testing.assert_close(hidden(engine, 100), hidden(engine, 101), rtol=1e-5, atol=1e-5)
+    keys = engine.kv.keys[5]
+    torch.testing.assert_close(keys[:n], keys[2 * PS : 2 * PS + n], rtol=1e-5, atol=1e-5)
+
+
+def test_copied_page_continues_identically(engine):
+    n = len(TOKENS)  # pages 4 (16 tokens) and 5 (6 tokens)
+    embed(engine, TOKENS, list(range(n)), list(range(n)))
+    forward(engine, [], 0, list(range(n)), [4, 5], 0, [], [])
+    # Fork: the full page 4 is shared, the partial page 5 is copied token by token into 6.
+    assert engine.copy_kvpage(P.CopyKvPage([5], [6], [0], [0], [n - PS])).errors == {}
+    embed(engine, [1000, 1000], [n, n], [200, 201])
+    forward(engine, [4, 5], n - PS, [200], [5], n - PS, [110], [0])
+    forward(engine, [4, 6], n - PS, [201], [6], n - PS, [111], [0])
+    assert torch.equal(hidden(engine, 110), hidden(engine, 111))
+
+
+def test_masked_token_behaves_as_if_absent(engine):
+    n, gone = len(TOKENS), 7
+    embed(engine, TOKENS, list(range(n)), list(range(n)))
+    forward(engine, [], 0, list(range(n)), [8, 9], 0, [], [])
+    # The same cached keys without token 7: copy the other slots, compacted, into pages 10, 11.
+    keep = [i for i in range(n) if i != gone]
+    copies = [(8 + i // PS, i % PS, 10 + j // PS, j % PS) for j, i in enumerate(keep)]
+    src, src_off, dst, dst_off = map(list, zip(*copies))
+    assert engine.copy_kvpage(P.CopyKvPage(src, dst, src_off, dst_off, [1] * len(keep))).errors == {}
+    mask = [False] * PS
+    mask[gone] = True
+    assert engine.mask_kvpage(P.MaskKvPage([8], [mask])).errors == {}
+    embed(engine, [1000, 1000], [n, n], [300, 301])
+    forward(engine, [8, 9], n - PS, [300], [], 0, [120], [0])  # masked; writes no page
+    forward(engine, [10, 11], n - 1 - PS, [301], [], 0, [121], [0])  # absent
+    torch.testing.assert_close(hidden(engine, 120), hidden(engine, 121), rtol=1e-5, atol=1e-5)
+    # Unmasked again, the token is seen and the result differs.
+    assert engine.mask_kvpage(P.MaskKvPage([8], [[False] * PS])).errors == {}
+    forward(engine, [8, 9], n - PS, [300], [], 0, [122], [0])
+    assert not torch.allclose(hidden(engine, 120), hidden(engine, 122), atol=1e-4)
+
+
+def test_custom_mask_matches_page_mask_and_causal_default(engine):
+    n = len(TOKENS)
+    embed(engine, TOKENS, list(range(n)), list(range(n)))
+    forward(engine, [], 0, list(range(n - 3)), [12, 13], 0, [], [])  # 19 cached tokens
+    new = list(range(n - 3, n))  # 3 new tokens
+    causal = np.tril(np.ones((3, 3), dtype=bool))
+    dense = np.concatenate([np.ones((3, n - 3), dtype=bool), causal], axis=1)
+    forward(engine, [12, 13], n - 3 - PS, new, [], 0, [130], [2])
+    forward(engine, [12, 13], n - 3 - PS, new, [], 0, [131], [2], np.packbits(dense).tobytes())
+    torch.testing.assert_close(hidden(engine, 130), hidden(engine, 131), rtol=1e-6, atol=1e-6)
+    # Hiding context token 4 with the custom mask equals hiding it with a page mask bit.
+    dense[:, 4] = False
+    forward(engine, [12, 13], n - 3 - PS, new, [], 0, [132], [2], np.packbits(dense).tobytes())
+    mask = [False] * PS
+    mask[4] = True
+    engine.mask_kvpage(P.MaskKvPage([12], [mask]))
+    forward(engine, [12, 13], n - 3 - PS, new, [], 0, [133], [2])
+    engine.mask_kvpage(P.MaskKvPage([12], [[False] * PS]))
+    torch.testing.assert_close(hidden(engine, 132), hidden(engine, 133), rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(hidden(engine, 130), hidden(engine, 132), atol=1e-4)
+
+
+def test_batched_items_equal_single_items(engine):
+    """Two sequences in one forward batch get exactly what each gets alone."""
+    a, b = TOKENS[:9], TOKENS[9:]
+    embed(engine, a + b, list(range(len(a))) + list(range(len(b))), list(range(len(a) + len(b))))
+    ia, ib = list(range(len(a))), list(range(len(a), len(a) + len(b)))
+    forward(engine, [], 0, ia, [20], 0, [140], [len(a) - 1])
+    forward(engine, [], 0, ib, [21], 0, [141], [len(b) - 1])
+    reply = engine.forward(P.Forward(
+        kv_page_ids=[], kv_page_indptr=[0, 0, 0], kv_last_page_lens=[0, 0],
+        embed_ids=ia + ib, embed_indptr=[0, len(a), len(a) + len(b)],
+        out_kv_page_ids=[22, 23], out_kv_page_indptr=[0, 1, 2], out_kv_offsets=[0, 0],
+        out_embed_ids=[142, 143], out_token_indices=[len(a) - 1, len(b) - 1],
+        out_embed_indptr=[0, 1, 2], attention_masks=[None, None]))
+    assert reply.errors == {}
+    torch.testing.assert_close(hidden(engine, 140), hidden(engine, 142), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hidden(engine, 141), hidden(engine, 143), rtol=1e-5, atol=1e-5)
