@@ -36,8 +36,8 @@ class AttentionPlan:
         custom = self.custom_masks[b]
         if custom is None:
             n_context = n_keys - n_new
-            rows = torch.arange(n_new)[:, None]
-            cols = torch.arange(n_keys)[None, :]
+            rows = torch.arange(n_new, device=visible.device)[:, None]
+            cols = torch.arange(n_keys, device=visible.device)[None, :]
             custom = cols <= rows + n_context
         return custom & visible[None, :]
 

@@ -101,10 +101,22 @@ class Engine:
             cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device,
         )
         self.embeds = EmbedPool(config.num_embeds, cfg.hidden_size, self.dtype, self.device)
-        self.attention: PagedAttention = TorchPagedAttention()
+        self.attention: PagedAttention = self._attention_backend()
         self.rng = torch.Generator(device="cpu")
         self.rng.seed()
         self.counters: Counter[str] = Counter()
+
+    def _attention_backend(self) -> PagedAttention:
+        cfg = self.model.config
+        if self.config.attention == "flashinfer":
+            from pie.backend.flashinfer_attention import FlashInferAttention
+
+            return FlashInferAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.device)
+        return TorchPagedAttention()
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        """A numpy index array as a tensor on the engine's device."""
+        return torch.from_numpy(array).to(self.device)
 
     # --- handshake / stats -------------------------------------------------------------
 
@@ -161,9 +173,9 @@ class Engine:
         ok = np.ones(n, dtype=bool)
         ok[list(errors)] = False
         if ok.any():
-            ids = torch.from_numpy(embed_ids[ok])
-            self.embeds.vectors[ids] = self.model.embed(torch.from_numpy(tokens[ok]))
-            self.embeds.positions[ids] = torch.from_numpy(positions[ok])
+            ids = self._tensor(embed_ids[ok])
+            self.embeds.vectors[ids] = self.model.embed(self._tensor(tokens[ok]))
+            self.embeds.positions[ids] = self._tensor(positions[ok])
         self._count("embed_text", n, len(errors), int(ok.sum()))
         return P.BatchReply(errors=errors)
 
@@ -280,8 +292,9 @@ class Engine:
                 )
             bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8))[: n_new * n_keys]
             dense = torch.from_numpy(bits.reshape(n_new, n_keys).astype(bool))
-            visible = torch.cat([~self.kv.masked[torch.from_numpy(context)],
-                                 torch.ones(n_new, dtype=torch.bool)])
+            dense = dense.to(self.device)
+            visible = torch.cat([~self.kv.masked[self._tensor(context)],
+                                 torch.ones(n_new, dtype=torch.bool, device=self.device)])
             if not (dense & visible).any(dim=1).all():
                 raise ItemError("attention mask leaves a new token with nothing to attend to")
         return _ForwardItem(context, embed_ids, write, out_embed_ids, out_token_indices, dense)
@@ -291,33 +304,33 @@ class Engine:
         for item in items:
             q_indptr.append(q_indptr[-1] + len(item.embed_ids))
             kv_indptr.append(kv_indptr[-1] + len(item.context_slots) + len(item.embed_ids))
-        embed_ids = torch.from_numpy(np.concatenate([i.embed_ids for i in items]))
-        write_slots = torch.from_numpy(np.concatenate([i.write_slots for i in items]))
-        context = torch.from_numpy(np.concatenate([i.context_slots for i in items]))
+        embed_ids = self._tensor(np.concatenate([i.embed_ids for i in items]))
+        write_slots = self._tensor(np.concatenate([i.write_slots for i in items]))
+        context = self._tensor(np.concatenate([i.context_slots for i in items]))
         # Context visibility is read before this batch clears the bits of the slots it writes.
         context_visible = ~self.kv.masked[context]
         kv_slots, kv_visible, start = [], [], 0
         for item in items:
             n_ctx = len(item.context_slots)
-            kv_slots += [context[start : start + n_ctx], torch.from_numpy(item.write_slots)]
+            kv_slots += [context[start : start + n_ctx], self._tensor(item.write_slots)]
             kv_visible += [context_visible[start : start + n_ctx],
-                           torch.ones(len(item.write_slots), dtype=torch.bool)]
+                           torch.ones(len(item.write_slots), dtype=torch.bool, device=self.device)]
             start += n_ctx
         plan = AttentionPlan(
             q_indptr=q_indptr,
             kv_indptr=kv_indptr,
-            kv_slots=torch.cat(kv_slots).to(self.device),
-            kv_visible=torch.cat(kv_visible).to(self.device),
+            kv_slots=torch.cat(kv_slots),
+            kv_visible=torch.cat(kv_visible),
             custom_masks=[item.mask for item in items],
         )
         self.kv.masked[write_slots] = False
-        out_rows = torch.from_numpy(np.concatenate(
+        out_rows = self._tensor(np.concatenate(
             [i.out_token_indices + q0 for i, q0 in zip(items, q_indptr)]))
-        out_ids = torch.from_numpy(np.concatenate([i.out_embed_ids for i in items]))
+        out_ids = self._tensor(np.concatenate([i.out_embed_ids for i in items]))
         positions = self.embeds.positions[embed_ids]
         hidden = self.model.forward(
-            self.embeds.vectors[embed_ids], positions, write_slots.to(self.device), plan,
-            self.attention, self.kv, out_rows.to(self.device),
+            self.embeds.vectors[embed_ids], positions, write_slots, plan, self.attention,
+            self.kv, out_rows,
         )
         if len(out_ids):
             self.embeds.vectors[out_ids] = hidden
@@ -330,7 +343,7 @@ class Engine:
             errors[int(i)] = f"embed id {ids[i]} out of range [0, {self.embeds.size})"
 
     def _probs(self, ids: np.ndarray, ok: np.ndarray) -> torch.Tensor:
-        hidden = self.embeds.vectors[torch.from_numpy(ids[ok])]
+        hidden = self.embeds.vectors[self._tensor(ids[ok])]
         return torch.softmax(self.model.logits(hidden), dim=-1)
 
     def next_dist(self, msg: P.NextDist) -> P.NextDistReply:
@@ -377,7 +390,7 @@ class Engine:
         ok[list(errors)] = False
         out = [-1] * n
         if ok.any():
-            hidden = self.embeds.vectors[torch.from_numpy(ids[ok])]
+            hidden = self.embeds.vectors[self._tensor(ids[ok])]
             logits = self.model.logits(hidden)
             for row, i in enumerate(np.flatnonzero(ok)):
                 out[i] = self._sample_row(logits[row], temps[i], int(top_ks[i]), top_ps[i], int(seeds[i]))
@@ -425,8 +438,8 @@ class Engine:
                 src_slots.append(src[i] * ps + src_off[i] + np.arange(lengths[i]))
                 dst_slots.append(dst[i] * ps + dst_off[i] + np.arange(lengths[i]))
         if src_slots:
-            self.kv.copy_slots(torch.from_numpy(np.concatenate(src_slots)),
-                               torch.from_numpy(np.concatenate(dst_slots)))
+            self.kv.copy_slots(self._tensor(np.concatenate(src_slots)),
+                               self._tensor(np.concatenate(dst_slots)))
         self._count("copy_kvpage", n, len(errors))
         return P.BatchReply(errors=errors)
 
@@ -443,7 +456,7 @@ class Engine:
                 errors[i] = f"mask must be a list of {self.page_size} booleans"
             else:
                 start = int(pages[i]) * self.page_size
-                self.kv.masked[start : start + self.page_size] = torch.tensor(mask)
+                self.kv.masked[start : start + self.page_size] = torch.tensor(mask, device=self.device)
         self._count("mask_kvpage", n, len(errors))
         return P.BatchReply(errors=errors)
 
