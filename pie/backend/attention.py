@@ -9,6 +9,7 @@ it or, without one, j < n_context + i + 1 (causal over the new tokens).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -62,13 +63,63 @@ class TorchPagedAttention:
     ) -> torch.Tensor:
         out = torch.empty_like(q)
         for b in range(plan.num_items):
+            out[plan.q_indptr[b] : plan.q_indptr[b + 1]] = self.attend_item(q, keys, values, plan, b)
+        return out
+
+    def attend_item(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: AttentionPlan, b: int
+    ) -> torch.Tensor:
+        slots = plan.kv_slots[plan.kv_indptr[b] : plan.kv_indptr[b + 1]]
+        k = keys[slots].float().transpose(0, 1)  # [kv_heads, L, D]
+        v = values[slots].float().transpose(0, 1)
+        qb = q[plan.q_indptr[b] : plan.q_indptr[b + 1]].float().transpose(0, 1)  # [heads, n, D]
+        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=plan.item_mask(b), enable_gqa=True)
+        return o.transpose(0, 1).to(q.dtype)
+
+
+class CpuKernelAttention:
+    """Our C++ kernel (`csrc/paged_attention.cpp`) for items with few new tokens — decode
+    steps, speculative drafts — which read the pool in place; items with many new tokens
+    (prefill) go through SDPA, whose blocked kernel beats a per-query loop there.
+    """
+
+    PREFILL_TOKENS = 32  # measured crossover between the kernel and gather + SDPA
+
+    def __init__(self) -> None:
+        from pie.backend.kernels import paged_attention_module
+
+        self.kernel = paged_attention_module()
+        self.reference = TorchPagedAttention()
+        self.prepared_for: AttentionPlan | None = None
+
+    def _prepare(self, plan: AttentionPlan) -> None:
+        """Kernel arguments derived from the plan once per forward, reused by every layer."""
+        sizes = [plan.q_indptr[b + 1] - plan.q_indptr[b] for b in range(plan.num_items)]
+        self.enabled = torch.tensor([n <= self.PREFILL_TOKENS for n in sizes])
+        self.prefill_items = [b for b, n in enumerate(sizes) if n > self.PREFILL_TOKENS]
+        offsets, masks, total = [], [], 0
+        for mask in plan.custom_masks:
+            offsets.append(-1 if mask is None else total)
+            if mask is not None:
+                masks.append(mask.flatten())
+                total += mask.numel()
+        self.mask_offsets = torch.tensor(offsets, dtype=torch.int64)
+        self.masks = torch.cat(masks) if masks else torch.zeros(1, dtype=torch.bool)
+        self.q_indptr = torch.tensor(plan.q_indptr, dtype=torch.int64)
+        self.kv_indptr = torch.tensor(plan.kv_indptr, dtype=torch.int64)
+        self.prepared_for = plan
+
+    def run(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: AttentionPlan
+    ) -> torch.Tensor:
+        if self.prepared_for is not plan:
+            self._prepare(plan)
+        out = self.kernel.paged_attention(
+            q.float().contiguous(), keys, values, self.q_indptr, self.kv_indptr, plan.kv_slots,
+            plan.kv_visible, self.mask_offsets, self.masks, self.enabled,
+            1.0 / math.sqrt(q.shape[-1]),
+        ).to(q.dtype)
+        for b in self.prefill_items:
             q0, q1 = plan.q_indptr[b], plan.q_indptr[b + 1]
-            slots = plan.kv_slots[plan.kv_indptr[b] : plan.kv_indptr[b + 1]]
-            k = keys[slots].float().transpose(0, 1)  # [kv_heads, L, D]
-            v = values[slots].float().transpose(0, 1)
-            qb = q[q0:q1].float().transpose(0, 1)  # [heads, n, D]
-            o = F.scaled_dot_product_attention(
-                qb, k, v, attn_mask=plan.item_mask(b), enable_gqa=True
-            )
-            out[q0:q1] = o.transpose(0, 1).to(q.dtype)
+            out[q0:q1] = self.reference.attend_item(q, keys, values, plan, b)
         return out

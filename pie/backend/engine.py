@@ -18,7 +18,12 @@ import numpy as np
 import torch
 
 from pie import protocol as P
-from pie.backend.attention import AttentionPlan, PagedAttention, TorchPagedAttention
+from pie.backend.attention import (
+    AttentionPlan,
+    CpuKernelAttention,
+    PagedAttention,
+    TorchPagedAttention,
+)
 from pie.backend.kv_cache import EmbedPool, KvCache
 from pie.backend.llama import Llama
 from pie.config import BackendConfig
@@ -108,10 +113,13 @@ class Engine:
 
     def _attention_backend(self) -> PagedAttention:
         cfg = self.model.config
-        if self.config.attention == "flashinfer":
+        choice = self.config.attention
+        if choice == "flashinfer":
             from pie.backend.flashinfer_attention import FlashInferAttention
 
             return FlashInferAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.device)
+        if choice == "cpu-kernel" or (choice == "auto" and self.device.type == "cpu"):
+            return CpuKernelAttention()
         return TorchPagedAttention()
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:

@@ -93,10 +93,8 @@ def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's LlamaRMSNorm: normalise in fp32, cast back, then scale."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    """HF's LlamaRMSNorm (normalise in fp32, cast back, scale) as one fused kernel."""
+    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -174,12 +172,11 @@ class Llama:
         for index, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(h)
-            q = qkv[:, : layer.q_size].view(tokens, cfg.num_heads, cfg.head_dim)
-            k = qkv[:, layer.q_size : layer.q_size + layer.kv_size].view(
-                tokens, cfg.num_kv_heads, cfg.head_dim
-            )
+            # RoPE on q and k heads together: one set of elementwise ops instead of two.
+            qk = apply_rope(qkv[:, : layer.q_size + layer.kv_size].view(tokens, -1, cfg.head_dim),
+                            cos, sin)
+            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
             v = qkv[:, layer.q_size + layer.kv_size :].view(tokens, cfg.num_kv_heads, cfg.head_dim)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             kv.write(index, write_slots, k, v)
             attn = attention.run(q, kv.keys[index], kv.values[index], plan)
             x = x + layer.o(attn.reshape(tokens, layer.q_size))
