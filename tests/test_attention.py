@@ -6,15 +6,35 @@ import pytest
 import torch
 
 from pie.backend.attention import AttentionPlan, CpuKernelAttention, TorchPagedAttention
+from pie.backend.kv_cache import KvCache
 
 
-def random_plan(generator: torch.Generator, slots: int, shapes: list[tuple[int, int]],
-                custom: list[bool], hidden_fraction: float) -> AttentionPlan:
-    """Items of (n_context, n_new) keys over distinct random slots of the pool."""
+def random_pool(generator: torch.Generator, pages: int, page_size: int, kv_heads: int,
+                dim: int, dtype: torch.dtype) -> KvCache:
+    kv = KvCache(1, pages, page_size, 0, kv_heads, dim, dtype, torch.device("cpu"))
+    slots = torch.arange(pages * page_size)
+    kv.write(0, slots, torch.randn(len(slots), kv_heads, dim, generator=generator),
+             torch.randn(len(slots), kv_heads, dim, generator=generator))
+    return kv
+
+
+def random_plan(generator: torch.Generator, pages: int, page_size: int,
+                shapes: list[tuple[int, int]], custom: list[bool],
+                hidden_fraction: float) -> AttentionPlan:
+    """Items of (n_context, n_new) keys on random pages, laid out as the engine lays them out.
+
+    Page size 5 has no vectorised path, so it exercises the kernel's scalar path throughout.
+    """
     q_indptr, kv_indptr, masks = [0], [0], []
-    total_keys = sum(c + n for c, n in shapes)
-    perm = torch.randperm(slots, generator=generator)[:total_keys]
-    visible = torch.rand(total_keys, generator=generator) >= hidden_fraction
+    page_order = torch.randperm(pages, generator=generator).tolist()
+    slot_lists: list[int] = []
+    for n_ctx, n_new in shapes:
+        # New tokens continue the context's last page (the append pattern), then fresh pages.
+        n_pages = -(-(n_ctx + n_new) // page_size)
+        own = [page_order.pop() for _ in range(n_pages)]
+        slot_lists += [p * page_size + o for p in own for o in range(page_size)][: n_ctx + n_new]
+    slots = torch.tensor(slot_lists)
+    visible = torch.rand(len(slots), generator=generator) >= hidden_fraction
     for (n_ctx, n_new), use_custom in zip(shapes, custom):
         start = kv_indptr[-1]
         visible[start + n_ctx : start + n_ctx + n_new] = True  # new tokens are never masked
@@ -25,24 +45,23 @@ def random_plan(generator: torch.Generator, slots: int, shapes: list[tuple[int, 
             mask = torch.rand(n_new, n_ctx + n_new, generator=generator) > 0.4
             mask[:, n_ctx:] |= torch.eye(n_new, dtype=torch.bool)  # each token sees itself
         masks.append(mask)
-    return AttentionPlan(q_indptr, kv_indptr, perm.to(torch.int64), visible, masks)
+    return AttentionPlan(q_indptr, kv_indptr, slots, visible, masks)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads, kv_heads", [(9, 3), (4, 4), (8, 1)])
-def test_kernel_matches_reference(dtype, heads, kv_heads):
+@pytest.mark.parametrize("heads, kv_heads, page_size", [(9, 3, 16), (4, 4, 8), (8, 1, 5)])
+def test_kernel_matches_reference(dtype, heads, kv_heads, page_size):
     g = torch.Generator().manual_seed(heads * 10 + kv_heads)
-    slots, dim = 4096, 64
-    keys = torch.randn(slots, kv_heads, dim, generator=g).to(dtype)
-    values = torch.randn(slots, kv_heads, dim, generator=g).to(dtype)
+    pages, dim = 200, 64
+    kv = random_pool(g, pages, page_size, kv_heads, dim, dtype)
     # Decode items, short multi-token items (drafts), custom masks, and one prefill-sized
     # item that the kernel hands to SDPA.
     shapes = [(0, 1), (37, 1), (300, 1), (16, 5), (129, 3), (64, 40), (10, 2)]
     custom = [False, False, False, False, True, False, True]
-    plan = random_plan(g, slots, shapes, custom, hidden_fraction=0.2)
+    plan = random_plan(g, pages, page_size, shapes, custom, hidden_fraction=0.2)
     q = torch.randn(plan.q_indptr[-1], heads, dim, generator=g).to(dtype)
-    expected = TorchPagedAttention().run(q, keys, values, plan)
-    got = CpuKernelAttention().run(q, keys, values, plan)
+    expected = TorchPagedAttention().run(q, kv, 0, plan)
+    got = CpuKernelAttention().run(q, kv, 0, plan)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
 
@@ -50,12 +69,11 @@ def test_kernel_matches_reference(dtype, heads, kv_heads):
 def test_hidden_keys_are_ignored():
     """A key hidden by its page mask bit changes nothing, whatever its contents."""
     g = torch.Generator().manual_seed(3)
-    keys = torch.randn(64, 3, 64, generator=g)
-    values = torch.randn(64, 3, 64, generator=g)
-    plan = AttentionPlan([0, 1], [0, 9], torch.arange(9), torch.ones(9, dtype=torch.bool), [None])
+    kv = random_pool(g, 4, 16, 3, 64, torch.float32)
+    plan = AttentionPlan([0, 1], [0, 20], torch.arange(20), torch.ones(20, dtype=torch.bool), [None])
     plan.kv_visible[4] = False
     q = torch.randn(1, 9, 64, generator=g)
     kernel = CpuKernelAttention()
-    before = kernel.run(q, keys, values, plan)
-    keys[4], values[4] = 1e3, -1e3
-    torch.testing.assert_close(kernel.run(q, keys, values, plan), before)
+    before = kernel.run(q, kv, 0, plan)
+    kv.write(0, torch.tensor([4]), torch.full((1, 3, 64), 1e3), torch.full((1, 3, 64), -1e3))
+    torch.testing.assert_close(kernel.run(q, kv, 0, plan), before)

@@ -16,6 +16,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from pie.backend.kv_cache import KvCache
+
 
 @dataclass
 class AttentionPlan:
@@ -44,10 +46,8 @@ class AttentionPlan:
 
 
 class PagedAttention(Protocol):
-    def run(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: AttentionPlan
-    ) -> torch.Tensor:
-        """q: [T, heads, D]; keys/values: one layer's pool [slots, kv_heads, D] → [T, heads, D]."""
+    def run(self, q: torch.Tensor, kv: KvCache, layer: int, plan: AttentionPlan) -> torch.Tensor:
+        """q: [T, heads, D] → [T, heads, D], attending to layer `layer` of the KV pools."""
         ...
 
 
@@ -58,20 +58,18 @@ class TorchPagedAttention:
     reference the faster kernels are tested against.
     """
 
-    def run(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: AttentionPlan
-    ) -> torch.Tensor:
+    def run(self, q: torch.Tensor, kv: KvCache, layer: int, plan: AttentionPlan) -> torch.Tensor:
         out = torch.empty_like(q)
         for b in range(plan.num_items):
-            out[plan.q_indptr[b] : plan.q_indptr[b + 1]] = self.attend_item(q, keys, values, plan, b)
+            out[plan.q_indptr[b] : plan.q_indptr[b + 1]] = self.attend_item(q, kv, layer, plan, b)
         return out
 
     def attend_item(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: AttentionPlan, b: int
+        self, q: torch.Tensor, kv: KvCache, layer: int, plan: AttentionPlan, b: int
     ) -> torch.Tensor:
-        slots = plan.kv_slots[plan.kv_indptr[b] : plan.kv_indptr[b + 1]]
-        k = keys[slots].float().transpose(0, 1)  # [kv_heads, L, D]
-        v = values[slots].float().transpose(0, 1)
+        keys, values = kv.gather(layer, plan.kv_slots[plan.kv_indptr[b] : plan.kv_indptr[b + 1]])
+        k = keys.float().transpose(0, 1)  # [kv_heads, L, D]
+        v = values.float().transpose(0, 1)
         qb = q[plan.q_indptr[b] : plan.q_indptr[b + 1]].float().transpose(0, 1)  # [heads, n, D]
         o = F.scaled_dot_product_attention(qb, k, v, attn_mask=plan.item_mask(b), enable_gqa=True)
         return o.transpose(0, 1).to(q.dtype)
@@ -109,17 +107,16 @@ class CpuKernelAttention:
         self.kv_indptr = torch.tensor(plan.kv_indptr, dtype=torch.int64)
         self.prepared_for = plan
 
-    def run(
-        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: AttentionPlan
-    ) -> torch.Tensor:
+    def run(self, q: torch.Tensor, kv: KvCache, layer: int, plan: AttentionPlan) -> torch.Tensor:
         if self.prepared_for is not plan:
             self._prepare(plan)
         out = self.kernel.paged_attention(
-            q.float().contiguous(), keys, values, self.q_indptr, self.kv_indptr, plan.kv_slots,
+            q.float().contiguous(), kv.keys[layer], kv.values[layer], self.q_indptr,
+            self.kv_indptr, plan.kv_slots,
             plan.kv_visible, self.mask_offsets, self.masks, self.enabled,
             1.0 / math.sqrt(q.shape[-1]),
         ).to(q.dtype)
         for b in self.prefill_items:
             q0, q1 = plan.q_indptr[b], plan.q_indptr[b + 1]
-            out[q0:q1] = self.reference.attend_item(q, keys, values, plan, b)
+            out[q0:q1] = self.reference.attend_item(q, kv, layer, plan, b)
         return out

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from pie.backend.attention import AttentionPlan
+from pie.backend.kv_cache import KvCache
 
 
 class FlashInferAttention:
@@ -44,8 +45,8 @@ class FlashInferAttention:
         )
         self.planned_for = plan
 
-    def run(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-            plan: AttentionPlan) -> torch.Tensor:
+    def run(self, q: torch.Tensor, kv: KvCache, layer: int, plan: AttentionPlan) -> torch.Tensor:
         if self.planned_for is not plan:  # plan once per forward, reuse for every layer
             self._plan(plan, q.dtype)
-        return self.wrapper.run(q, keys[plan.kv_slots], values[plan.kv_slots])
+        keys, values = kv.gather(layer, plan.kv_slots)
+        return self.wrapper.run(q, keys, values)

@@ -178,7 +178,7 @@ class Llama:
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
             v = qkv[:, layer.q_size + layer.kv_size :].view(tokens, cfg.num_kv_heads, cfg.head_dim)
             kv.write(index, write_slots, k, v)
-            attn = attention.run(q, kv.keys[index], kv.values[index], plan)
+            attn = attention.run(q, kv, index, plan)
             x = x + layer.o(attn.reshape(tokens, layer.q_size))
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
             gate_up = layer.gate_up(h)
