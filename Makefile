@@ -35,3 +35,8 @@ bench: model
 
 clean:
 	rm -rf build *.egg-info .pytest_cache
+
+# Rust inferlets -> components (DESIGN §4; installs Debian's Rust toolchain if missing, as root).
+.PHONY: inferlets
+inferlets:
+	$(PYTHON) -m pie.toolchain $(patsubst %/Cargo.toml,%,$(wildcard inferlets/*/Cargo.toml))

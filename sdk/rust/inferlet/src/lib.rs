@@ -1,0 +1,87 @@
+//! Pie's Rust SDK: write an inferlet as `async fn main() -> Result<(), String>`.
+//!
+//! ```ignore
+//! inferlet::main!(main);
+//!
+//! async fn main() -> Result<(), String> {
+//!     let model = inferlet::Model::default_model()?;
+//!     let mut ctx = model.create_context()?;
+//!     ctx.fill_chat(&[inferlet::chat("user", "Hi!")], true)?;
+//!     let eos = ctx.queue().eos_tokens();
+//!     let text = ctx.generate(&inferlet::Sampler::greedy(), &inferlet::Stop::new(32).eos(eos)).await?;
+//!     inferlet::send(&text);
+//!     Ok(())
+//! }
+//! ```
+//!
+//! Layers, bottom up: `bindings` (generated canonical-ABI glue for sdk/wit, one module per
+//! WIT interface, usable directly), `abi` (its memory helpers), `executor` (async over the
+//! host's `poll`), then the safe wrappers `Model`/`Queue`, `Context`, samplers and stop
+//! conditions.
+
+pub mod abi;
+pub mod bindings;
+mod context;
+mod executor;
+mod model;
+mod sampling;
+
+pub use bindings::output_text::Sampler;
+pub use bindings::tokenize::ChatMessage;
+pub use bindings::types::{Embed, Error, ErrorKind, KvPage};
+pub use context::Context;
+pub use executor::{block_on, join_all, spawn, HostFuture, HostResult, JoinHandle};
+pub use model::{Model, Queue};
+pub use sampling::Stop;
+
+use bindings::{messaging, runtime};
+
+/// Declares the inferlet's entry point: `inferlet::main!(main);` with
+/// `async fn main() -> Result<(), String>`. An `Err` ends the instance as failed, with the
+/// message as the reason the client sees.
+#[macro_export]
+macro_rules! main {
+    ($main:path) => {
+        $crate::__export_world!(run: || $crate::block_on($main()));
+    };
+}
+
+/// The arguments the client passed at launch, without the program name.
+pub fn args() -> Vec<String> {
+    runtime::get_arguments()
+}
+
+/// Sends a message to the client that launched this instance.
+pub fn send(message: &str) {
+    messaging::send(message)
+}
+
+/// The next message from the client.
+pub async fn receive() -> String {
+    messaging::receive().await
+}
+
+/// Writes a line to the instance's log (the client's stderr and the server log).
+pub fn log(message: &str) {
+    runtime::log(runtime::LogLevel::Info, message)
+}
+
+/// One turn of a conversation, for [`Context::fill_chat`].
+pub fn chat(role: &str, content: &str) -> ChatMessage {
+    ChatMessage { role: role.to_string(), content: content.to_string() }
+}
+
+impl std::fmt::Display for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}: {}", self.kind, self.message)
+    }
+}
+
+impl std::error::Error for Error {}
+
+/// Lets `?` turn host errors into the `String` error of `main`.
+impl From<Error> for String {
+    fn from(error: Error) -> String {
+        error.to_string()
+    }
+}

@@ -1,0 +1,92 @@
+//! Models and their command queues.
+
+use crate::bindings::types::{self, Error};
+use crate::bindings::{allocate, runtime, tokenize};
+use crate::{ChatMessage, Context};
+use std::rc::Rc;
+
+/// A model the server serves, by name.
+#[derive(Clone, Debug)]
+pub struct Model {
+    name: String,
+}
+
+impl Model {
+    /// The server's first model (the default one).
+    pub fn default_model() -> Result<Model, String> {
+        let name = runtime::available_models().into_iter().next().ok_or("the server serves no model")?;
+        Ok(Model { name })
+    }
+
+    /// The model called `name`, if the server serves it.
+    pub fn get(name: &str) -> Option<Model> {
+        runtime::available_models().into_iter().find(|m| m == name).map(|name| Model { name })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The traits the model implements ("forward", "input-text", ...).
+    pub fn traits(&self) -> Result<Vec<String>, Error> {
+        runtime::available_traits(&self.name)
+    }
+
+    /// A new command queue: calls on it run in order, other queues' calls independently.
+    pub fn create_queue(&self) -> Result<Queue, Error> {
+        let raw = runtime::create_queue(&self.name)?;
+        let page_size = allocate::kv_page_size(&raw);
+        Ok(Queue { raw, page_size })
+    }
+
+    /// An empty context on a new queue.
+    pub fn create_context(&self) -> Result<Context, Error> {
+        Ok(Context::new(Rc::new(self.create_queue()?)))
+    }
+}
+
+/// A command queue of one model, with the model's tokenizer at hand.
+pub struct Queue {
+    raw: types::Queue,
+    page_size: u32,
+}
+
+impl Queue {
+    /// The WIT queue resource, for calling `bindings` directly.
+    pub fn raw(&self) -> &types::Queue {
+        &self.raw
+    }
+
+    /// Token slots per KV page.
+    pub fn page_size(&self) -> u32 {
+        self.page_size
+    }
+
+    pub fn tokenize(&self, text: &str) -> Vec<u32> {
+        tokenize::tokenize(&self.raw, text)
+    }
+
+    pub fn detokenize(&self, tokens: &[u32]) -> Result<String, Error> {
+        tokenize::detokenize(&self.raw, tokens)
+    }
+
+    /// The tokens that end a generation.
+    pub fn eos_tokens(&self) -> Vec<u32> {
+        tokenize::get_eos_tokens(&self.raw)
+    }
+
+    /// The conversation rendered with the model's chat template, ready to tokenize.
+    pub fn apply_chat_template(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, Error> {
+        tokenize::apply_chat_template(&self.raw, messages, add_generation_prompt)
+    }
+
+    /// Waits until everything enqueued so far has run; reports the first failure.
+    pub async fn synchronize(&self) -> Result<(), Error> {
+        runtime::synchronize(&self.raw).await
+    }
+
+    /// Higher priorities go first when the scheduler must choose; 0 is the default.
+    pub fn set_priority(&self, priority: u32) {
+        runtime::set_queue_priority(&self.raw, priority)
+    }
+}
