@@ -44,6 +44,54 @@ class BackendConfig:
 
 
 @dataclass
+class ControlConfig:
+    # Batch scheduler policy (paper Table 5): adaptive = dispatch as soon as the backend is
+    # idle (work-conserving); eager = dispatch every call at once; k = wait for batch_k calls;
+    # t = dispatch every batch_t_ms.
+    scheduler: str = "adaptive"
+    batch_k: int = 8
+    batch_t_ms: float = 10.0
+    max_dist_k: int = 256  # cap on k of get-next-dist
+    # Hosts inferlets may reach with http-get/post (exact host names or IP literals).
+    http_allowlist: list[str] = field(default_factory=lambda: ["127.0.0.1", "localhost"])
+    http_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        _check_choice("control.scheduler", self.scheduler, ("adaptive", "eager", "k", "t"))
+        if self.batch_k < 1 or self.batch_t_ms <= 0 or self.max_dist_k < 1:
+            raise ConfigError("control.batch_k, batch_t_ms and max_dist_k must be positive")
+
+
+@dataclass
+class RuntimeConfig:
+    max_instances: int = 256
+    memory_limit_mb: int = 256  # linear-memory cap per instance
+    # Longest stretch of guest computation between two host calls before the instance is
+    # stopped (wasmtime epoch deadline): ends infinite loops, not long generations.
+    cpu_slice_ms: int = 5000
+
+    def __post_init__(self) -> None:
+        if self.max_instances < 1 or self.memory_limit_mb < 1 or self.cpu_slice_ms < 1:
+            raise ConfigError("runtime.max_instances, memory_limit_mb and cpu_slice_ms must be positive")
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    # Clients authenticate with one of these tokens; empty = no authentication.
+    auth_tokens: list[str] = field(default_factory=list)
+    max_upload_bytes: int = 64 * 2**20
+    max_message_bytes: int = 2**20
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"server.port must be in [0, 65535], got {self.port}")
+        if self.max_upload_bytes < 1 or self.max_message_bytes < 1:
+            raise ConfigError("server.max_upload_bytes and max_message_bytes must be positive")
+
+
+@dataclass
 class PathsConfig:
     cache_dir: str = "~/.cache/pie"
 
@@ -56,6 +104,9 @@ class PathsConfig:
 class PieConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
+    control: ControlConfig = field(default_factory=ControlConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
 
 
@@ -80,12 +131,12 @@ def _build(cls: type, table: dict[str, Any], where: str) -> Any:
             if not isinstance(value, dict):
                 raise ConfigError(f"{where}{key} must be a table")
             kwargs[key] = _build(type(default), value, f"{where}{key}.")
-        elif type(value) is not type(default):
+        elif type(value) is not type(default) and not (type(default) is float and type(value) is int):
             raise ConfigError(
                 f"{where}{key} must be {type(default).__name__}, got {type(value).__name__}"
             )
         else:
-            kwargs[key] = value
+            kwargs[key] = float(value) if type(default) is float else value
     return cls(**kwargs)
 
 
