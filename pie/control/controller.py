@@ -1,0 +1,263 @@
+"""The control layer's front door: one `Controller` per served model, one `Session` per
+inferlet instance. Every host call of the API lands on a Session method, which validates
+the instance's handles, translates virtual ids to physical ones, and either answers at once
+(control-layer calls) or enqueues a command for the batch scheduler (inference-layer calls).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+from pie import __version__
+from pie import protocol as P
+from pie.config import PieConfig
+from pie.control.errors import ErrorKind, HostError
+from pie.control.future import HostFuture
+from pie.control.http_client import HttpClient
+from pie.control.messaging import Inbox, KeyValueStore, MessageBus
+from pie.control.resources import InstanceResources, ResourceManager
+from pie.control.scheduler import MARKER, Command, CommandQueue, Scheduler
+from pie.control.tokenizer import TextTokenizer
+
+MAX_ALLOC = 1 << 16  # most pages or embeds one call may ask for
+
+
+class Controller:
+    def __init__(self, config: PieConfig, endpoint: str, handshake: P.HandshakeReply):
+        self.config, self.hs = config, handshake
+        self.resources = ResourceManager(handshake.num_kv_pages, handshake.num_embeds)
+        self.scheduler = Scheduler(endpoint, config.control, handshake.max_batch_tokens)
+        self.tokenizer = TextTokenizer(handshake)
+        self.bus = MessageBus()
+        self.kvs = KeyValueStore()
+        self.http = HttpClient(config.control)
+
+    def session(self, instance_id: str, arguments: list[str]) -> "Session":
+        return Session(self, instance_id, arguments)
+
+    def stats(self) -> dict:
+        with self.resources.lock:
+            pools = {"kv_pages_free": self.resources.pages.available,
+                     "kv_pages_total": self.resources.pages.size,
+                     "embeds_free": self.resources.embeds.available,
+                     "embeds_total": self.resources.embeds.size,
+                     "exports": len(self.resources.exports)}
+        return {"scheduler": self.scheduler.snapshot_stats(), "resources": pools}
+
+    def shutdown(self) -> None:
+        self.scheduler.stop()
+        self.http.close()
+
+
+def _invalid(message: str) -> HostError:
+    return HostError(ErrorKind.INVALID_ARGUMENT, message)
+
+
+class Session:
+    """One instance's view of the system; all methods run on that instance's thread."""
+
+    def __init__(self, controller: Controller, instance_id: str, arguments: list[str]):
+        self.c = controller
+        self.instance_id = instance_id
+        self.arguments = arguments
+        self.resources = InstanceResources()
+        self.inbox = Inbox()
+        self.page_size = controller.hs.page_size
+
+    # --- runtime --------------------------------------------------------------------------
+
+    def version(self) -> str:
+        return __version__
+
+    def now_ns(self) -> int:
+        return time.monotonic_ns()
+
+    def random_bytes(self, n: int) -> bytes:
+        if n > 1 << 20:
+            raise _invalid(f"at most 1 MiB of random bytes per call, asked {n}")
+        return os.urandom(n)
+
+    def available_models(self) -> list[str]:
+        return [self.c.hs.model_name]
+
+    def available_traits(self, model: str) -> list[str]:
+        self._check_model(model)
+        return list(self.c.hs.traits)
+
+    def _check_model(self, model: str) -> None:
+        if model != self.c.hs.model_name:
+            raise HostError(ErrorKind.NOT_FOUND, f"no model named {model!r} "
+                            f"(available: {self.c.hs.model_name})")
+
+    def create_queue(self, model: str) -> CommandQueue:
+        self._check_model(model)
+        return self.c.scheduler.create_queue(self.instance_id)
+
+    def synchronize(self, q: CommandQueue) -> HostFuture:
+        return self._submit(Command(MARKER, q, HostFuture()))
+
+    def set_queue_priority(self, q: CommandQueue, priority: int) -> None:
+        q.priority = priority
+
+    # --- messaging, kvs, http --------------------------------------------------------------
+
+    def receive(self) -> HostFuture:
+        return self.inbox.next()
+
+    def broadcast(self, topic: str, message: str) -> None:
+        self.c.bus.broadcast(topic, message)
+
+    def subscribe(self, topic: str) -> Inbox:
+        if not topic:
+            raise _invalid("topic must not be empty")
+        return self.c.bus.subscribe(self.instance_id, topic)
+
+    def http(self, method: str, url: str, headers: list[tuple[str, str]],
+             body: str | None = None) -> HostFuture:
+        return self.c.http.request(method, url, headers, body)
+
+    # --- allocate --------------------------------------------------------------------------
+
+    def _count(self, count: int) -> int:
+        if count > MAX_ALLOC:
+            raise _invalid(f"at most {MAX_ALLOC} per allocation, asked {count}")
+        return count
+
+    def alloc_kvpage(self, q: CommandQueue, count: int) -> list[int]:
+        return self.c.resources.alloc_pages(self.resources, self._count(count))
+
+    def alloc_emb(self, q: CommandQueue, count: int) -> list[int]:
+        return self.c.resources.alloc_embeds(self.resources, self._count(count))
+
+    def dealloc_kvpage(self, q: CommandQueue, pages: list[int]) -> None:
+        physical = self.c.resources.take_pages(self.resources, pages)
+        self._release_after(q, physical, [])
+
+    def dealloc_emb(self, q: CommandQueue, embeds: list[int]) -> None:
+        physical = self.c.resources.take_embeds(self.resources, embeds)
+        self._release_after(q, [], physical)
+
+    def _release_after(self, q: CommandQueue, pages: list[int], embeds: list[int]) -> None:
+        """Physical release waits for the queue's earlier commands, which may still use them."""
+        self._submit(Command(MARKER, q, HostFuture(), silent=True,
+                             on_head=lambda: self.c.resources.release(pages, embeds)))
+
+    def copy_kvpage(self, q: CommandQueue, src: int, dst: int, src_offset: int,
+                    dst_offset: int, length: int) -> None:
+        (src_page,) = self.resources.pages.resolve([src])
+        (dst_page,) = self.c.resources.writable_pages(self.resources, [dst])
+        ps = self.page_size
+        if src_offset + length > ps or dst_offset + length > ps:
+            raise _invalid(f"range does not fit in a page of {ps}: src offset {src_offset}, "
+                           f"dst offset {dst_offset}, length {length}")
+        self._submit(Command(
+            P.Kind.COPY_KVPAGE, q, HostFuture(), silent=True,
+            item={"src": src_page, "dst": dst_page, "src_offset": src_offset,
+                  "dst_offset": dst_offset, "length": length},
+            reads=frozenset({("p", src_page)}), writes=frozenset({("p", dst_page)})))
+
+    def export_kvpage(self, pages: list[int], name: str, persistent: bool) -> None:
+        if not name:
+            raise _invalid("export name must not be empty")
+        self.c.resources.export(self.resources, self.instance_id, pages, name, persistent)
+
+    def import_kvpage(self, name: str) -> list[int]:
+        return self.c.resources.import_(self.resources, name)
+
+    def unexport_kvpage(self, name: str) -> None:
+        self.c.resources.unexport(name)
+
+    # --- forward ---------------------------------------------------------------------------
+
+    def forward(self, q: CommandQueue, kv_pages: list[int], last_len: int, embeds: list[int],
+                out_pages: list[int], out_offset: int, out_embeds: list[int],
+                out_indices: list[int], mask: bytes | None) -> None:
+        ps = self.page_size
+        n_new = len(embeds)
+        if n_new == 0:
+            raise _invalid("forward needs at least one input embed")
+        if kv_pages and not 1 <= last_len <= ps:
+            raise _invalid(f"input-kv-last-page-len {last_len} must be in [1, {ps}]")
+        if len(out_embeds) != len(out_indices):
+            raise _invalid(f"{len(out_embeds)} output embeds but {len(out_indices)} token indices")
+        if any(i >= n_new for i in out_indices):
+            raise _invalid(f"output token index out of range [0, {n_new})")
+        if out_pages and (out_offset >= ps or len(out_pages) * ps - out_offset < n_new):
+            raise _invalid(f"output pages from offset {out_offset} hold "
+                           f"{max(0, len(out_pages) * ps - out_offset)} slots, {n_new} needed")
+        n_keys = (len(kv_pages) - 1) * ps + last_len + n_new if kv_pages else n_new
+        if mask is not None and len(mask) != math.ceil(n_new * n_keys / 8):
+            raise _invalid(f"attention mask must be {math.ceil(n_new * n_keys / 8)} bytes "
+                           f"(packed bits of {n_new} x {n_keys}), got {len(mask)}")
+        pages = self.resources.pages.resolve(kv_pages)
+        embeds_in = self.resources.embeds.resolve(embeds)
+        written = self.c.resources.writable_pages(self.resources, out_pages)
+        embeds_out = self.resources.embeds.resolve(out_embeds)
+        self._submit(Command(
+            P.Kind.FORWARD, q, HostFuture(), silent=True, tokens=n_new,
+            item={"kv_pages": pages, "last_len": last_len if pages else 0, "embeds": embeds_in,
+                  "out_pages": written, "out_offset": out_offset, "out_embeds": embeds_out,
+                  "out_indices": out_indices, "mask": mask},
+            reads=frozenset([("p", p) for p in pages] + [("e", e) for e in embeds_in]),
+            writes=frozenset([("p", p) for p in written] + [("e", e) for e in embeds_out])))
+
+    def mask_kvpage(self, q: CommandQueue, page: int, mask: list[bool]) -> None:
+        if len(mask) != self.page_size:
+            raise _invalid(f"mask must have {self.page_size} entries (the page size), got {len(mask)}")
+        (physical,) = self.c.resources.writable_pages(self.resources, [page])
+        self._submit(Command(P.Kind.MASK_KVPAGE, q, HostFuture(), silent=True,
+                             item={"page": physical, "mask": list(mask)},
+                             writes=frozenset({("p", physical)})))
+
+    def embed_text(self, q: CommandQueue, token_ids: list[int], positions: list[int],
+                   embeds: list[int]) -> None:
+        if not len(token_ids) == len(positions) == len(embeds):
+            raise _invalid(f"{len(token_ids)} tokens, {len(positions)} positions and "
+                           f"{len(embeds)} embeds must be equally many")
+        vocab = self.c.hs.vocab_size
+        if any(t >= vocab for t in token_ids):
+            raise _invalid(f"token id out of range [0, {vocab})")
+        physical = self.resources.embeds.resolve(embeds)
+        self._submit(Command(
+            P.Kind.EMBED_TEXT, q, HostFuture(), silent=True, tokens=len(token_ids),
+            item={"token_ids": list(token_ids), "positions": list(positions), "embed_ids": physical},
+            writes=frozenset(("e", e) for e in physical)))
+
+    # --- output-text -----------------------------------------------------------------------
+
+    def get_next_dist(self, q: CommandQueue, embed: int, k: int) -> HostFuture:
+        if not 1 <= k <= self.c.config.control.max_dist_k:
+            raise _invalid(f"k {k} must be in [1, {self.c.config.control.max_dist_k}] "
+                           f"(control.max_dist_k)")
+        (physical,) = self.resources.embeds.resolve([embed])
+        return self._submit(Command(P.Kind.NEXT_DIST, q, HostFuture(),
+                                    item={"embed": physical, "k": k},
+                                    reads=frozenset({("e", physical)})))
+
+    def sample(self, q: CommandQueue, embed: int, temperature: float, top_k: int, top_p: float,
+               seed: int | None) -> HostFuture:
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise _invalid(f"temperature {temperature} must be a finite number >= 0")
+        if not 0 < top_p <= 1:
+            raise _invalid(f"top-p {top_p} must be in (0, 1]")
+        (physical,) = self.resources.embeds.resolve([embed])
+        return self._submit(Command(
+            P.Kind.SAMPLE, q, HostFuture(),
+            item={"embed": physical, "temperature": float(temperature), "top_k": top_k,
+                  "top_p": float(top_p), "seed": -1 if seed is None else seed % (1 << 63)},
+            reads=frozenset({("e", physical)})))
+
+    def _submit(self, command: Command) -> HostFuture:
+        if command.queue.instance_id != self.instance_id:
+            raise HostError(ErrorKind.INVALID_HANDLE, "the queue belongs to another instance")
+        return self.c.scheduler.submit(command)
+
+    # --- teardown --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release everything the instance held: queues, pages, embeds, exports, topics."""
+        self.c.scheduler.close_instance(self.instance_id)
+        self.c.resources.release_instance(self.resources, self.instance_id)
+        self.c.bus.drop_instance(self.instance_id)

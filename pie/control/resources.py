@@ -1,0 +1,165 @@
+"""Physical KV pages and embed slots, and each instance's virtual view of them.
+
+The backend owns the memory; the control layer owns the bookkeeping. Every id an inferlet
+holds is virtual and resolved through its own table on every call, so a forged, foreign or
+freed id is an error, never another inferlet's data. KV pages are reference-counted so
+fork, export and import can share them.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from pie.control.errors import ErrorKind, HostError
+
+
+class PhysicalPool:
+    """Free list plus reference counts over ids [0, size)."""
+
+    def __init__(self, size: int, what: str):
+        self.size, self.what = size, what
+        self.free = list(range(size - 1, -1, -1))  # pop() hands out low ids first
+        self.refs = [0] * size
+
+    @property
+    def available(self) -> int:
+        return len(self.free)
+
+    def alloc(self, count: int) -> list[int]:
+        if count > len(self.free):
+            raise HostError(ErrorKind.OUT_OF_RESOURCES,
+                            f"{count} {self.what} requested, {len(self.free)} free of {self.size}")
+        ids = [self.free.pop() for _ in range(count)]
+        for i in ids:
+            self.refs[i] = 1
+        return ids
+
+    def retain(self, ids: list[int]) -> None:
+        for i in ids:
+            self.refs[i] += 1
+
+    def release(self, ids: list[int]) -> None:
+        for i in ids:
+            self.refs[i] -= 1
+            if self.refs[i] == 0:
+                self.free.append(i)
+
+
+@dataclass
+class VirtualTable:
+    """One instance's ids for one kind of resource: virtual id -> physical id."""
+
+    what: str
+    mapping: dict[int, int] = field(default_factory=dict)
+    next_id: int = 1
+
+    def add(self, physical: list[int]) -> list[int]:
+        ids = list(range(self.next_id, self.next_id + len(physical)))
+        self.next_id += len(physical)
+        self.mapping.update(zip(ids, physical))
+        return ids
+
+    def resolve(self, ids: list[int]) -> list[int]:
+        try:
+            return [self.mapping[i] for i in ids]
+        except KeyError as e:
+            raise HostError(ErrorKind.INVALID_HANDLE,
+                            f"{self.what} {e.args[0]} is not a live {self.what} of this instance") from None
+
+    def remove(self, ids: list[int]) -> list[int]:
+        if len(set(ids)) != len(ids):
+            raise HostError(ErrorKind.INVALID_HANDLE, f"a {self.what} id appears twice")
+        physical = self.resolve(ids)
+        for i in ids:
+            del self.mapping[i]
+        return physical
+
+
+@dataclass
+class Export:
+    pages: list[int]  # physical
+    owner: str | None  # instance id; None = persistent (outlives its creator)
+
+
+@dataclass
+class InstanceResources:
+    pages: VirtualTable = field(default_factory=lambda: VirtualTable("kv page"))
+    embeds: VirtualTable = field(default_factory=lambda: VirtualTable("embed"))
+
+
+class ResourceManager:
+    """All pools of one model, guarded by one lock (calls come from many instance threads)."""
+
+    def __init__(self, num_pages: int, num_embeds: int):
+        self.lock = threading.Lock()
+        self.pages = PhysicalPool(num_pages, "kv pages")
+        self.embeds = PhysicalPool(num_embeds, "embeds")
+        self.exports: dict[str, Export] = {}
+
+    def alloc_pages(self, inst: InstanceResources, count: int) -> list[int]:
+        with self.lock:
+            return inst.pages.add(self.pages.alloc(count))
+
+    def alloc_embeds(self, inst: InstanceResources, count: int) -> list[int]:
+        with self.lock:
+            return inst.embeds.add(self.embeds.alloc(count))
+
+    def take_pages(self, inst: InstanceResources, ids: list[int]) -> list[int]:
+        """Invalidate virtual page ids now; the caller releases the physical ones later."""
+        with self.lock:
+            return inst.pages.remove(ids)
+
+    def take_embeds(self, inst: InstanceResources, ids: list[int]) -> list[int]:
+        with self.lock:
+            return inst.embeds.remove(ids)
+
+    def release(self, pages: list[int], embeds: list[int]) -> None:
+        with self.lock:
+            self.pages.release(pages)
+            self.embeds.release(embeds)
+
+    def writable_pages(self, inst: InstanceResources, ids: list[int]) -> list[int]:
+        """Physical ids of pages the instance may write: shared pages are read-only."""
+        with self.lock:
+            physical = inst.pages.resolve(ids)
+            for virtual, page in zip(ids, physical):
+                if self.pages.refs[page] > 1:
+                    raise HostError(ErrorKind.INVALID_ARGUMENT,
+                                    f"kv page {virtual} is shared (exported, imported or forked) "
+                                    f"and read-only; copy it into a page of your own to write")
+            return physical
+
+    def export(self, inst: InstanceResources, owner: str, ids: list[int], name: str,
+               persistent: bool) -> None:
+        with self.lock:
+            if name in self.exports:
+                raise HostError(ErrorKind.ALREADY_EXISTS, f"an export named {name!r} exists")
+            physical = inst.pages.resolve(ids)
+            self.pages.retain(physical)
+            self.exports[name] = Export(physical, None if persistent else owner)
+
+    def import_(self, inst: InstanceResources, name: str) -> list[int]:
+        with self.lock:
+            export = self.exports.get(name)
+            if export is None:
+                raise HostError(ErrorKind.NOT_FOUND, f"no export named {name!r}")
+            self.pages.retain(export.pages)
+            return inst.pages.add(list(export.pages))
+
+    def unexport(self, name: str) -> None:
+        with self.lock:
+            export = self.exports.pop(name, None)
+            if export is None:
+                raise HostError(ErrorKind.NOT_FOUND, f"no export named {name!r}")
+            self.pages.release(export.pages)
+
+    def release_instance(self, inst: InstanceResources, owner: str) -> None:
+        """Teardown: every page and embed the instance held, and its non-persistent exports."""
+        with self.lock:
+            self.pages.release(list(inst.pages.mapping.values()))
+            self.embeds.release(list(inst.embeds.mapping.values()))
+            inst.pages.mapping.clear()
+            inst.embeds.mapping.clear()
+            for name in [n for n, e in self.exports.items() if e.owner == owner]:
+                self.pages.release(self.exports.pop(name).pages)

@@ -1,0 +1,373 @@
+"""The batch scheduler: command queues in, batches to the backend out, results back.
+
+Every batchable call is a `Command` on a `CommandQueue`; commands of one queue run in order.
+One thread owns the backend socket. It forms a batch of one call kind from the heads of all
+queues (horizontal batching) plus, per queue, the following commands of the same kind that
+do not conflict with the ones before them (vertical batching); higher-priority queues come
+first and the batch is cut at the backend's token budget. *When* to dispatch is the policy:
+
+- adaptive (default, work-conserving): as soon as the backend reports idle;
+- eager: at once, without waiting for the backend (batches queue up behind each other);
+- k: once `batch_k` calls of one kind wait (a call never waits longer than 100 ms);
+- t: once the oldest waiting call has waited `batch_t_ms`.
+
+Among kinds with eligible calls, the kind whose oldest call has waited longest goes first.
+Markers (synchronize, deferred release) complete when they reach the head of their queue.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from pie import protocol as P
+from pie.config import ControlConfig
+from pie.control.errors import ErrorKind, HostError
+from pie.control.future import HostFuture
+
+log = logging.getLogger("pie.control")
+
+K_POLICY_MAX_WAIT_S = 0.1
+MARKER = "marker"
+
+
+@dataclass(eq=False)
+class CommandQueue:
+    instance_id: str
+    priority: int = 0
+    pending: deque["Command"] = field(default_factory=deque)
+    closed: bool = False
+    # First failure of a call whose result nobody awaits (forward, embed, copy, mask):
+    # reported by the next synchronize.
+    error: HostError | None = None
+
+
+@dataclass(eq=False)
+class Command:
+    """One API call. `item` holds protocol fields (physical ids); `tokens` counts toward the
+    backend's max_batch_tokens; `reads`/`writes` name the embeds/pages it touches."""
+
+    kind: str  # a protocol Kind value, or MARKER
+    queue: CommandQueue
+    future: HostFuture
+    item: dict[str, Any] = field(default_factory=dict)
+    tokens: int = 0
+    reads: frozenset = frozenset()
+    writes: frozenset = frozenset()
+    on_head: Callable[[], Any] | None = None  # markers: run when the command reaches the head
+    silent: bool = False  # no caller awaits the future: a failure goes to queue.error
+    enqueued: float = field(default_factory=time.monotonic)
+
+
+def conflicts(later: Command, earlier: list[Command]) -> bool:
+    """A later command may join a batch with earlier ones of its queue only if it neither
+    reads nor writes what they write (read-after-write, write-after-write)."""
+    written = frozenset().union(*(c.writes for c in earlier))
+    return bool(written & (later.reads | later.writes))
+
+
+@dataclass
+class SchedulerStats:
+    batches: Counter = field(default_factory=Counter)  # kind -> batches
+    calls: Counter = field(default_factory=Counter)  # kind -> calls
+    batch_sizes: Counter = field(default_factory=Counter)  # calls per batch -> batches
+    wait_s_total: float = 0.0
+    wait_s_max: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        calls = sum(self.calls.values())
+        return {
+            "batches": {str(k): v for k, v in self.batches.items()},
+            "calls": {str(k): v for k, v in self.calls.items()},
+            "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
+            "mean_batch_size": calls / max(1, sum(self.batches.values())),
+            "mean_wait_ms": 1e3 * self.wait_s_total / max(1, calls),
+            "max_wait_ms": 1e3 * self.wait_s_max,
+        }
+
+
+class Scheduler:
+    def __init__(self, endpoint: str, config: ControlConfig, max_batch_tokens: int):
+        self.config = config
+        self.max_batch_tokens = max_batch_tokens
+        self.lock = threading.Lock()
+        self.queues: list[CommandQueue] = []
+        self.stats = SchedulerStats()
+        self.in_flight: dict[int, list[Command]] = {}
+        self.backend_idle = True
+        self.request_ids = itertools.count(1)
+        self.endpoint = endpoint
+        self.wake_read, self.wake_write = os.pipe()
+        os.set_blocking(self.wake_read, False)
+        self.running = True
+        self.failure: str | None = None
+        self.thread = threading.Thread(target=self._loop, name="pie-scheduler", daemon=True)
+        self.thread.start()
+
+    # --- called from instance threads -----------------------------------------------------
+
+    def create_queue(self, instance_id: str) -> CommandQueue:
+        queue = CommandQueue(instance_id)
+        with self.lock:
+            self.queues.append(queue)
+        return queue
+
+    def submit(self, command: Command) -> HostFuture:
+        with self.lock:
+            if self.failure:
+                command.future.set_error(HostError(ErrorKind.INFERENCE_FAILED, self.failure))
+                return command.future
+            if command.queue.closed:
+                raise HostError(ErrorKind.INVALID_HANDLE, "the queue is closed")
+            command.queue.pending.append(command)
+        os.write(self.wake_write, b"x")
+        return command.future
+
+    def close_instance(self, instance_id: str) -> None:
+        """Drop an instance's queues; its pending calls fail (batches in flight finish)."""
+        with self.lock:
+            mine = [q for q in self.queues if q.instance_id == instance_id]
+            self.queues = [q for q in self.queues if q.instance_id != instance_id]
+        for queue in mine:
+            queue.closed = True
+            for command in queue.pending:
+                if command.on_head:  # deferred releases still release
+                    command.on_head()
+                command.future.set_error(HostError(ErrorKind.INVALID_HANDLE, "instance terminated"))
+            queue.pending.clear()
+
+    def snapshot_stats(self) -> dict[str, Any]:
+        with self.lock:
+            return self.stats.as_dict()
+
+    def stop(self) -> None:
+        self.running = False
+        os.write(self.wake_write, b"x")
+        self.thread.join(5)
+
+    # --- the scheduler thread -------------------------------------------------------------
+
+    def _loop(self) -> None:
+        context = zmq.Context()
+        socket = context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(self.endpoint)
+        poller = zmq.Poller()
+        poller.register(socket, zmq.POLLIN)
+        poller.register(self.wake_read, zmq.POLLIN)
+        try:
+            while self.running:
+                timeout_ms = self._dispatch(socket)
+                for source, _ in poller.poll(timeout_ms):
+                    if source is socket:
+                        while socket.poll(0):
+                            self._on_reply(socket.recv())
+                    else:
+                        try:
+                            os.read(self.wake_read, 4096)
+                        except BlockingIOError:
+                            pass
+        except Exception as e:  # a scheduler bug fails every waiting call instead of hanging it
+            log.exception("scheduler stopped")
+            self._fail_everything(f"scheduler failed: {e}")
+        finally:
+            socket.close()
+            context.term()
+
+    def _fail_everything(self, reason: str) -> None:
+        with self.lock:
+            self.failure = reason
+            commands = [c for batch in self.in_flight.values() for c in batch]
+            commands += [c for q in self.queues for c in q.pending]
+            for q in self.queues:
+                q.pending.clear()
+        for command in commands:
+            command.future.set_error(HostError(ErrorKind.INFERENCE_FAILED, reason))
+
+    def _dispatch(self, socket: zmq.Socket) -> int | None:
+        """Send every batch the policy allows now; return how long the loop may sleep (ms)."""
+        while True:
+            with self.lock:
+                self._complete_markers()
+                heads = self._eligible_heads()
+                if not heads:
+                    return None
+                kind, wait_ms = self._choose(heads)
+                if kind is None:
+                    return wait_ms
+                batch = self._form_batch(kind)
+                request_id = next(self.request_ids)
+                self.in_flight[request_id] = batch
+                self.backend_idle = False
+                now = time.monotonic()
+                self.stats.batches[kind] += 1
+                self.stats.calls[kind] += len(batch)
+                self.stats.batch_sizes[len(batch)] += 1
+                for command in batch:
+                    waited = now - command.enqueued
+                    self.stats.wait_s_total += waited
+                    self.stats.wait_s_max = max(self.stats.wait_s_max, waited)
+            socket.send(P.encode(request_id, build_batch(kind, batch)))
+
+    def _complete_markers(self) -> None:
+        for queue in self.queues:
+            while queue.pending and queue.pending[0].kind == MARKER and not self._queue_busy(queue):
+                marker = queue.pending.popleft()
+                if marker.on_head:
+                    marker.on_head()
+                if queue.error is not None and not marker.silent:
+                    marker.future.set_error(queue.error)
+                    queue.error = None
+                else:
+                    marker.future.set_result(None)
+
+    def _queue_busy(self, queue: CommandQueue) -> bool:
+        return any(c.queue is queue for batch in self.in_flight.values() for c in batch)
+
+    def _eligible_heads(self) -> list[Command]:
+        """Head commands of queues with nothing in flight (a queue's calls run in order)."""
+        busy = {id(c.queue) for batch in self.in_flight.values() for c in batch}
+        return [q.pending[0] for q in self.queues
+                if q.pending and q.pending[0].kind != MARKER and id(q) not in busy]
+
+    def _choose(self, heads: list[Command]) -> tuple[str | None, int | None]:
+        """The kind to dispatch now, or (None, ms to wait before asking again)."""
+        oldest: dict[str, float] = {}
+        count: Counter = Counter()
+        for command in heads:
+            count[command.kind] += 1
+            oldest[command.kind] = min(oldest.get(command.kind, command.enqueued), command.enqueued)
+        kind = min(oldest, key=oldest.get)
+        policy = self.config.scheduler
+        if policy == "eager":
+            return kind, None
+        if not self.backend_idle:
+            return None, None  # the idle signal wakes the loop
+        if policy == "adaptive":
+            return kind, None
+        waited = time.monotonic() - oldest[kind]
+        if policy == "k":
+            ready = [k for k in count if count[k] >= self.config.batch_k]
+            if ready:
+                return min(ready, key=oldest.get), None
+            if waited >= K_POLICY_MAX_WAIT_S:
+                return kind, None
+            return None, max(1, int((K_POLICY_MAX_WAIT_S - waited) * 1e3))
+        limit = self.config.batch_t_ms / 1e3  # policy t
+        if waited >= limit:
+            return kind, None
+        return None, max(1, int((limit - waited) * 1e3))
+
+    def _form_batch(self, kind: str) -> list[Command]:
+        busy = {id(c.queue) for batch in self.in_flight.values() for c in batch}
+        queues = sorted((q for q in self.queues if q.pending and id(q) not in busy
+                         and q.pending[0].kind == kind),
+                        key=lambda q: (-q.priority, q.pending[0].enqueued))
+        batch: list[Command] = []
+        budget = self.max_batch_tokens
+        for queue in queues:
+            taken: list[Command] = []
+            for command in queue.pending:  # vertical batching within the queue
+                if command.kind != kind or conflicts(command, taken):
+                    break
+                if command.tokens > budget and (batch or taken):
+                    break
+                taken.append(command)
+                budget -= command.tokens
+            for _ in taken:
+                queue.pending.popleft()
+            batch += taken
+            if budget <= 0:
+                break
+        return batch
+
+    def _on_reply(self, frame: bytes) -> None:
+        request_id, kind, reply = P.decode_reply(frame)
+        if kind is P.Kind.IDLE:
+            with self.lock:
+                self.backend_idle = not self.in_flight
+            return
+        with self.lock:
+            batch = self.in_flight.pop(request_id, None)
+        if batch is None:
+            log.warning("reply to unknown request %s", request_id)
+            return
+        if kind is P.Kind.ERROR:
+            message = reply.message  # type: ignore[attr-defined]
+            for command in batch:
+                _settle(command, message, None)
+            return
+        resolve_batch(batch, reply)
+
+
+# --- batch <-> protocol messages ----------------------------------------------------------
+
+
+def build_batch(kind: str, batch: list[Command]) -> P.Message:
+    items = [c.item for c in batch]
+    if kind == P.Kind.EMBED_TEXT:
+        return P.EmbedText(*(sum((i[f] for i in items), []) for f in ("token_ids", "positions", "embed_ids")))
+    if kind == P.Kind.FORWARD:
+        msg = P.Forward([], [0], [], [], [0], [], [0], [], [], [], [0], [])
+        for i in items:
+            msg.kv_page_ids += i["kv_pages"]
+            msg.kv_page_indptr.append(len(msg.kv_page_ids))
+            msg.kv_last_page_lens.append(i["last_len"])
+            msg.embed_ids += i["embeds"]
+            msg.embed_indptr.append(len(msg.embed_ids))
+            msg.out_kv_page_ids += i["out_pages"]
+            msg.out_kv_page_indptr.append(len(msg.out_kv_page_ids))
+            msg.out_kv_offsets.append(i["out_offset"])
+            msg.out_embed_ids += i["out_embeds"]
+            msg.out_token_indices += i["out_indices"]
+            msg.out_embed_indptr.append(len(msg.out_embed_ids))
+            msg.attention_masks.append(i["mask"])
+        return msg
+    if kind == P.Kind.SAMPLE:
+        return P.Sample(*([i[f] for i in items] for f in ("embed", "temperature", "top_k", "top_p", "seed")))
+    if kind == P.Kind.NEXT_DIST:
+        return P.NextDist([i["embed"] for i in items], [i["k"] for i in items])
+    if kind == P.Kind.COPY_KVPAGE:
+        return P.CopyKvPage(*([i[f] for i in items] for f in ("src", "dst", "src_offset", "dst_offset", "length")))
+    if kind == P.Kind.MASK_KVPAGE:
+        return P.MaskKvPage([i["page"] for i in items], [i["mask"] for i in items])
+    raise ValueError(f"not a batchable kind: {kind}")
+
+
+def resolve_batch(batch: list[Command], reply: P.Message) -> None:
+    """Map the reply's per-item results and errors back to each command's future."""
+    errors: dict[int, str] = getattr(reply, "errors", {})
+    if isinstance(reply, P.BatchReply) and batch and batch[0].kind == P.Kind.EMBED_TEXT:
+        start = 0  # embed_text items are tokens; a call owns a range of them
+        for command in batch:
+            n = len(command.item["token_ids"])
+            bad = [errors[i] for i in range(start, start + n) if i in errors]
+            start += n
+            _settle(command, bad[0] if bad else None, None)
+        return
+    for index, command in enumerate(batch):
+        value = None
+        if isinstance(reply, P.SampleReply):
+            value = reply.token_ids[index]
+        elif isinstance(reply, P.NextDistReply):
+            value = (reply.token_ids[index], reply.probs[index])
+        _settle(command, errors.get(index), value)
+
+
+def _settle(command: Command, error: str | None, value: Any) -> None:
+    if error is None:
+        command.future.set_result(value)
+        return
+    failure = HostError(ErrorKind.INFERENCE_FAILED, f"{command.kind}: {error}")
+    command.future.set_error(failure)
+    if command.silent and command.queue.error is None:
+        command.queue.error = failure

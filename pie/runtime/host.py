@@ -1,0 +1,310 @@
+"""The host side of the WIT world `pie:inferlet/inferlet` (sdk/wit), for one instance.
+
+Each WIT function becomes a Python function on a per-instance linker whose closures hold
+the instance's `Session` (pie/control). Wasm resources (queues, futures, pollables,
+subscriptions) live in a per-instance table keyed by the rep we hand to wasmtime.
+Conventions of wasmtime-py 50 that this file relies on:
+- a `borrow<T>` argument arrives as a ResourceAny; `.to_host(store)` must be called on it
+  exactly once (it also ends the borrow);
+- `result<T, error>` is lowered untagged when T is not a record: return the value or an
+  error `Record`; with a record T (and inside `option`) a `Variant("ok"/"err", ...)`.
+Every call checks whether the instance is being terminated and re-arms the CPU deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from enum import IntEnum
+from typing import Any
+
+from wasmtime import Engine, Store
+from wasmtime.component import Linker, Record, ResourceAny, ResourceHost, ResourceType, Variant
+
+from pie.control.controller import Session
+from pie.control.errors import ErrorKind, HostError
+from pie.control.future import HostFuture, wait_any
+
+log = logging.getLogger("pie.inferlet")
+PACKAGE = "pie:inferlet/{}@0.1.0"
+
+
+class Kind(IntEnum):
+    QUEUE = 1
+    POLLABLE = 2
+    FUTURE_UNIT = 3
+    FUTURE_STRING = 4
+    SUBSCRIPTION = 5
+    FUTURE_RESPONSE = 6
+    FUTURE_DIST = 7
+    FUTURE_TOKEN = 8
+
+
+class Terminated(Exception):
+    """Raised inside a host call to unwind an instance that is being terminated."""
+
+
+def error_record(error: HostError) -> Record:
+    record = Record()
+    record.kind = str(error.kind)
+    record.message = error.message
+    return record
+
+
+def record(**fields: Any) -> Record:
+    out = Record()
+    for name, value in fields.items():
+        setattr(out, name.replace("_", "-"), value)
+    return out
+
+
+class HostState:
+    """One instance's wasm resources and its link to the control layer."""
+
+    def __init__(self, session: Session, send: Callable[[str], None], cpu_ticks: int):
+        self.session = session
+        self.send_message = send
+        self.cpu_ticks = cpu_ticks
+        self.objects: dict[int, tuple[Kind, Any]] = {}
+        self.next_rep = 1
+        self.cancelled = threading.Event()
+        self.store: Store | None = None
+
+    def own(self, kind: Kind, obj: Any) -> ResourceHost:
+        rep, self.next_rep = self.next_rep, self.next_rep + 1
+        self.objects[rep] = (kind, obj)
+        return ResourceHost.own(rep, kind)
+
+    def get(self, store: Any, handle: Any, kind: Kind) -> Any:
+        rep = handle.to_host(store).rep if isinstance(handle, ResourceAny) else handle
+        held = self.objects.get(rep)
+        if held is None or held[0] != kind:
+            raise Terminated(f"unknown {kind.name.lower()} handle {rep}")  # wasmtime prevents this
+        return held[1]
+
+    def drop(self, store: Any, rep: int) -> None:
+        self.objects.pop(rep, None)
+
+
+def build_linker(engine: Engine, state: HostState) -> Linker:
+    linker = Linker(engine)
+    s = state.session
+
+    def call(func: Callable[..., Any], fallible: bool = True) -> Callable[..., Any]:
+        """Wrap a host function: cancellation check, HostError → error record, CPU re-arm."""
+
+        def wrapper(store: Any, *args: Any) -> Any:
+            if state.cancelled.is_set():
+                raise Terminated("instance terminated")
+            try:
+                return func(store, *args)
+            except HostError as e:
+                if not fallible:
+                    raise
+                return error_record(e)
+            finally:
+                if state.store is not None:
+                    state.store.set_epoch_deadline(state.cpu_ticks)
+
+        return wrapper
+
+    def queue(store: Any, q: Any) -> Any:
+        return state.get(store, q, Kind.QUEUE)
+
+    def future_getter(kind: Kind, convert: Callable[[HostFuture], Any], pending: Any = None):
+        def get(store: Any, f: Any) -> Any:
+            future = state.get(store, f, kind)
+            return convert(future) if future.done() else pending
+        return get
+
+    def subscribe_to(kind: Kind):
+        return lambda store, f: state.own(Kind.POLLABLE, state.get(store, f, kind))
+
+    def tagged(future: HostFuture, ok: Callable[[Any], Any]) -> Variant:
+        try:
+            return Variant("ok", ok(future.result()))
+        except HostError as e:
+            return Variant("err", error_record(e))
+
+    def untagged(future: HostFuture) -> Any:
+        try:
+            return future.result()
+        except HostError as e:
+            return error_record(e)
+
+    with linker.root() as root:
+        with root.add_instance(PACKAGE.format("types")) as types:
+            types.add_resource("queue", ResourceType.host(Kind.QUEUE), state.drop)
+
+        with root.add_instance(PACKAGE.format("futures")) as futures:
+            for name, kind in (("pollable", Kind.POLLABLE), ("future-unit", Kind.FUTURE_UNIT),
+                               ("future-string", Kind.FUTURE_STRING)):
+                futures.add_resource(name, ResourceType.host(kind), state.drop)
+            futures.add_func("[method]pollable.ready",
+                             call(lambda store, p: state.get(store, p, Kind.POLLABLE).done(), False))
+
+            def poll(store: Any, pollables: list[Any]) -> list[int]:
+                waited = [state.get(store, p, Kind.POLLABLE) for p in pollables]
+                ready = wait_any(waited, state.cancelled)
+                if state.cancelled.is_set():
+                    raise Terminated("instance terminated")
+                return ready
+
+            futures.add_func("poll", call(poll, False))
+            futures.add_func("[method]future-unit.subscribe", call(subscribe_to(Kind.FUTURE_UNIT), False))
+
+            def unit_result(future: HostFuture) -> Variant:
+                try:
+                    future.result()
+                    return Variant("some", None)
+                except HostError as e:
+                    return Variant("some", error_record(e))
+
+            futures.add_func("[method]future-unit.get",
+                             call(future_getter(Kind.FUTURE_UNIT, unit_result, Variant("none")), False))
+            futures.add_func("[method]future-string.subscribe", call(subscribe_to(Kind.FUTURE_STRING), False))
+            futures.add_func("[method]future-string.get",
+                             call(future_getter(Kind.FUTURE_STRING, lambda f: f.result()), False))
+
+        with root.add_instance(PACKAGE.format("runtime")) as runtime:
+            runtime.add_func("get-arguments", call(lambda store: list(s.arguments), False))
+            runtime.add_func("instance-id", call(lambda store: s.instance_id, False))
+            runtime.add_func("version", call(lambda store: s.version(), False))
+
+            def log_message(store: Any, level: str, message: str) -> None:
+                log.log({"debug": 10, "info": 20, "warn": 30, "error": 40}.get(level, 20),
+                        "[%s] %s", s.instance_id[:8], message)
+
+            runtime.add_func("log", call(log_message, False))
+            runtime.add_func("now", call(lambda store: s.now_ns(), False))
+            runtime.add_func("random-bytes", call(lambda store, n: list(s.random_bytes(n))))
+            runtime.add_func("available-models", call(lambda store: s.available_models(), False))
+            runtime.add_func("available-traits", call(lambda store, m: s.available_traits(m)))
+            runtime.add_func("create-queue",
+                             call(lambda store, m: state.own(Kind.QUEUE, s.create_queue(m))))
+            runtime.add_func("synchronize", call(
+                lambda store, q: state.own(Kind.FUTURE_UNIT, s.synchronize(queue(store, q))), False))
+            runtime.add_func("set-queue-priority", call(
+                lambda store, q, p: s.set_queue_priority(queue(store, q), p), False))
+
+        with root.add_instance(PACKAGE.format("messaging")) as messaging:
+            messaging.add_resource("subscription", ResourceType.host(Kind.SUBSCRIPTION), state.drop)
+            messaging.add_func("send", call(lambda store, m: state.send_message(m), False))
+            messaging.add_func("receive",
+                               call(lambda store: state.own(Kind.FUTURE_STRING, s.receive()), False))
+            messaging.add_func("broadcast", call(lambda store, t, m: s.broadcast(t, m), False))
+            messaging.add_func("subscribe",
+                               call(lambda store, t: state.own(Kind.SUBSCRIPTION, s.subscribe(t))))
+            messaging.add_func("[method]subscription.next", call(
+                lambda store, sub: state.own(Kind.FUTURE_STRING,
+                                             state.get(store, sub, Kind.SUBSCRIPTION).next()), False))
+
+        with root.add_instance(PACKAGE.format("kvs")) as kvs:
+            kvs.add_func("store-get", call(lambda store, k: s.c.kvs.get(k), False))
+            kvs.add_func("store-set", call(lambda store, k, v: s.c.kvs.set(k, v)))
+            kvs.add_func("store-delete", call(lambda store, k: s.c.kvs.delete(k), False))
+
+        with root.add_instance(PACKAGE.format("http")) as http:
+            http.add_resource("future-response", ResourceType.host(Kind.FUTURE_RESPONSE), state.drop)
+            http.add_func("http-get", call(lambda store, url, headers: state.own(
+                Kind.FUTURE_RESPONSE, s.http("GET", url, list(headers)))))
+            http.add_func("http-post", call(lambda store, url, headers, body: state.own(
+                Kind.FUTURE_RESPONSE, s.http("POST", url, list(headers), body))))
+            http.add_func("[method]future-response.subscribe",
+                          call(subscribe_to(Kind.FUTURE_RESPONSE), False))
+            http.add_func("[method]future-response.get", call(future_getter(
+                Kind.FUTURE_RESPONSE,
+                lambda f: tagged(f, lambda r: record(status=r[0], body=r[1]))), False))
+
+        with root.add_instance(PACKAGE.format("allocate")) as allocate:
+            allocate.add_func("alloc-kvpage", call(lambda store, q, n: s.alloc_kvpage(queue(store, q), n)))
+            allocate.add_func("dealloc-kvpage",
+                              call(lambda store, q, pages: s.dealloc_kvpage(queue(store, q), pages)))
+            allocate.add_func("alloc-emb", call(lambda store, q, n: s.alloc_emb(queue(store, q), n)))
+            allocate.add_func("dealloc-emb",
+                              call(lambda store, q, embeds: s.dealloc_emb(queue(store, q), embeds)))
+            allocate.add_func("copy-kvpage", call(
+                lambda store, q, src, dst, so, do, n: s.copy_kvpage(queue(store, q), src, dst, so, do, n)))
+            allocate.add_func("export-kvpage", call(
+                lambda store, pages, name, persistent: s.export_kvpage(pages, name, persistent)))
+            allocate.add_func("import-kvpage", call(lambda store, name: s.import_kvpage(name)))
+            allocate.add_func("unexport-kvpage", call(lambda store, name: s.unexport_kvpage(name)))
+            allocate.add_func("kv-page-size", call(lambda store, q: (queue(store, q), s.page_size)[1], False))
+
+        with root.add_instance(PACKAGE.format("forward")) as forward:
+            def run_forward(store: Any, q: Any, p: Any) -> None:
+                mask = getattr(p, "attention-mask")
+                s.forward(queue(store, q), getattr(p, "input-kv-pages"),
+                          getattr(p, "input-kv-last-page-len"), getattr(p, "input-embeds"),
+                          getattr(p, "output-kv-pages"), getattr(p, "output-kv-offset"),
+                          getattr(p, "output-embeds"), getattr(p, "output-token-indices"),
+                          None if mask is None else bytes(mask))
+
+            forward.add_func("forward", call(run_forward))
+
+            def forward_with_adapter(store: Any, q: Any, adapter: str, p: Any) -> None:
+                queue(store, q)
+                raise HostError(ErrorKind.UNSUPPORTED,
+                                f"adapter {adapter!r}: this model serves no LoRA adapters")
+
+            forward.add_func("forward-with-adapter", call(forward_with_adapter))
+            forward.add_func("mask-kvpage",
+                             call(lambda store, q, page, mask: s.mask_kvpage(queue(store, q), page, mask)))
+
+        with root.add_instance(PACKAGE.format("input-text")) as input_text:
+            input_text.add_func("embed-text", call(
+                lambda store, q, tokens, positions, embeds: s.embed_text(queue(store, q), tokens, positions, embeds)))
+
+        with root.add_instance(PACKAGE.format("input-image")) as input_image:
+            def no_images(store: Any, q: Any, *args: Any) -> Any:
+                queue(store, q)
+                raise HostError(ErrorKind.UNSUPPORTED, f"{s.c.hs.model_name} takes no image input")
+
+            input_image.add_func("num-embs-needed", call(no_images))
+            input_image.add_func("embed-image", call(no_images))
+
+        with root.add_instance(PACKAGE.format("tokenize")) as tokenize:
+            tok = s.c.tokenizer
+            tokenize.add_func("tokenize", call(lambda store, q, text: (queue(store, q), tok.encode(text))[1], False))
+
+            def detokenize(store: Any, q: Any, ids: list[int]) -> str:
+                queue(store, q)
+                if any(i >= s.c.hs.vocab_size for i in ids):
+                    raise HostError(ErrorKind.INVALID_ARGUMENT, f"token id out of range [0, {s.c.hs.vocab_size})")
+                return tok.decode(ids)
+
+            tokenize.add_func("detokenize", call(detokenize))
+            tokenize.add_func("get-vocabs", call(lambda store, q: (queue(store, q), [list(b) for b in tok.vocabs])[1], False))
+            tokenize.add_func("get-eos-tokens", call(lambda store, q: (queue(store, q), tok.eos_token_ids)[1], False))
+
+            def chat(store: Any, q: Any, messages: list[Any], add_generation_prompt: bool) -> str:
+                queue(store, q)
+                try:
+                    return tok.apply_chat_template(
+                        [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt)
+                except Exception as e:  # a template error is the caller's input, not a crash
+                    raise HostError(ErrorKind.INVALID_ARGUMENT, f"chat template: {e}") from None
+
+            tokenize.add_func("apply-chat-template", call(chat))
+
+        with root.add_instance(PACKAGE.format("output-text")) as output_text:
+            output_text.add_resource("future-dist", ResourceType.host(Kind.FUTURE_DIST), state.drop)
+            output_text.add_resource("future-token", ResourceType.host(Kind.FUTURE_TOKEN), state.drop)
+            output_text.add_func("get-next-dist", call(lambda store, q, emb, k: state.own(
+                Kind.FUTURE_DIST, s.get_next_dist(queue(store, q), emb, k))))
+
+            def sample(store: Any, q: Any, emb: int, sampler: Any) -> Any:
+                return state.own(Kind.FUTURE_TOKEN, s.sample(
+                    queue(store, q), emb, sampler.temperature, getattr(sampler, "top-k"),
+                    getattr(sampler, "top-p"), sampler.seed))
+
+            output_text.add_func("sample", call(sample))
+            output_text.add_func("[method]future-dist.subscribe", call(subscribe_to(Kind.FUTURE_DIST), False))
+            output_text.add_func("[method]future-dist.get", call(future_getter(
+                Kind.FUTURE_DIST,
+                lambda f: tagged(f, lambda d: record(token_ids=d[0], probs=d[1]))), False))
+            output_text.add_func("[method]future-token.subscribe", call(subscribe_to(Kind.FUTURE_TOKEN), False))
+            output_text.add_func("[method]future-token.get",
+                                 call(future_getter(Kind.FUTURE_TOKEN, untagged), False))
+    return linker

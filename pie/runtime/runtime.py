@@ -1,0 +1,210 @@
+"""The application layer: launches inferlet instances, one thread each, inside wasmtime.
+
+An instance runs its component's `run` export on its own thread; host calls block that
+thread only (wasm execution and blocking waits release the GIL), so hundreds of inferlets
+interleave while the scheduler batches their calls. Limits: a linear-memory cap, a CPU
+slice (wasmtime epoch deadline re-armed at every host call, so only a stretch of pure
+guest computation is bounded) and a maximum number of live instances. However an instance
+ends — normal exit, error, trap or terminate — its session releases every page, embed,
+queue, owned export and subscription it held.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from wasmtime import Config, Engine, Store, Trap, WasmtimeError
+
+from pie import protocol as P
+from pie.config import PieConfig
+from pie.control.controller import Controller, Session
+from pie.runtime.host import HostState, Terminated, build_linker
+from pie.runtime.programs import InvalidProgram, ProgramStore
+
+log = logging.getLogger("pie.runtime")
+
+EPOCH_TICK_S = 0.01
+EventSink = Callable[[str, str, str], None]  # (instance_id, "message" | "terminated", data)
+
+__all__ = ["Runtime", "InstanceInfo", "UnknownProgram", "UnknownInstance", "LaunchRefused",
+           "InvalidProgram", "start_runtime"]
+
+
+class UnknownProgram(LookupError):
+    """Launch of a hash or built-in name the program store does not hold."""
+
+
+class UnknownInstance(LookupError):
+    """An instance id that is not live."""
+
+
+class LaunchRefused(RuntimeError):
+    """The runtime cannot take another instance now (the message says why)."""
+
+
+@dataclass
+class InstanceInfo:
+    id: str
+    program: str
+    name: str | None
+    arguments: list[str]
+    started_at: float
+    state: str = "running"
+
+
+@dataclass(eq=False)
+class Instance:
+    info: InstanceInfo
+    session: Session
+    host: HostState
+    on_event: EventSink
+    thread: threading.Thread | None = None
+    end_reason: str | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class Runtime:
+    def __init__(self, config: PieConfig, controller: Controller):
+        self.config = config
+        self.controller = controller
+        engine_config = Config()
+        engine_config.epoch_interruption = True
+        self.engine = Engine(engine_config)
+        self.programs = ProgramStore(self.engine, config.paths.cache)
+        self.instances: dict[str, Instance] = {}
+        self.lock = threading.Lock()
+        self.running = True
+        self.cpu_ticks = max(1, int(config.runtime.cpu_slice_ms / 1e3 / EPOCH_TICK_S))
+        self.ticker = threading.Thread(target=self._tick, name="pie-epoch", daemon=True)
+        self.ticker.start()
+
+    def _tick(self) -> None:
+        while self.running:
+            time.sleep(EPOCH_TICK_S)
+            self.engine.increment_epoch()
+
+    # --- the server's interface -------------------------------------------------------------
+
+    def launch(self, program: str, arguments: list[str], on_event: EventSink) -> InstanceInfo:
+        try:
+            digest = self.programs.resolve(program)
+        except KeyError:
+            raise UnknownProgram(f"no program {program!r} (neither a built-in name nor an "
+                                 f"uploaded hash)") from None
+        component = self.programs.load(digest)
+        instance_id = uuid.uuid4().hex
+        name = next((n for n, h in self.programs.builtins.items() if h == digest), None)
+        info = InstanceInfo(instance_id, digest, name, list(arguments), time.time())
+        session = self.controller.session(instance_id, list(arguments))
+        host = HostState(session, lambda message: on_event(instance_id, "message", message),
+                         self.cpu_ticks)
+        instance = Instance(info, session, host, on_event)
+        with self.lock:
+            if not self.running:
+                raise LaunchRefused("the server is shutting down")
+            if len(self.instances) >= self.config.runtime.max_instances:
+                raise LaunchRefused(f"{len(self.instances)} instances are live, the limit is "
+                                    f"runtime.max_instances = {self.config.runtime.max_instances}")
+            self.instances[instance_id] = instance
+        instance.thread = threading.Thread(target=self._run, args=(instance, component),
+                                           name=f"inferlet-{instance_id[:8]}", daemon=True)
+        instance.thread.start()
+        return info
+
+    def send(self, instance_id: str, message: str) -> None:
+        self._get(instance_id).session.inbox.put(message)
+
+    def terminate(self, instance_id: str, reason: str = "terminated by client") -> None:
+        instance = self._get(instance_id)
+        with instance.lock:
+            instance.end_reason = instance.end_reason or reason
+        instance.host.cancelled.set()
+
+    def list_instances(self) -> list[InstanceInfo]:
+        with self.lock:
+            return [i.info for i in self.instances.values()]
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        with self.lock:
+            self.running = False
+            instances = list(self.instances.values())
+        for instance in instances:
+            self.terminate(instance.info.id, "server shutting down")
+        for instance in instances:
+            if instance.thread:
+                instance.thread.join(timeout_s)
+        self.controller.shutdown()
+
+    def _get(self, instance_id: str) -> Instance:
+        with self.lock:
+            instance = self.instances.get(instance_id)
+        if instance is None:
+            raise UnknownInstance(f"no live instance {instance_id!r}")
+        return instance
+
+    # --- one instance's thread --------------------------------------------------------------
+
+    def _run(self, instance: Instance, component) -> None:
+        reason = "finished"
+        try:
+            store = Store(self.engine)
+            store.set_limits(memory_size=self.config.runtime.memory_limit_mb * 2**20)
+            store.set_epoch_deadline(self.cpu_ticks)
+            instance.host.store = store
+            linker = build_linker(self.engine, instance.host)
+            wasm = linker.instantiate(store, component)
+            run = wasm.get_func(store, "run")
+            if run is None:
+                raise InvalidProgram("the component exports no `run` function")
+            result = run(store)
+            run.post_return(store)
+            if result is not None:
+                reason = f"error: {result}"
+        except Terminated:
+            reason = "terminated"
+        except Trap as e:
+            reason = "trap: " + _trap_summary(e, self.config)
+        except (WasmtimeError, InvalidProgram) as e:
+            reason = f"error: {str(e).splitlines()[0]}"
+        except Exception as e:  # a host bug must not leak the instance's resources
+            log.exception("instance %s failed in the host", instance.info.id)
+            reason = f"error: host failure: {type(e).__name__}: {e}"
+        finally:
+            with instance.lock:
+                reason = instance.end_reason or reason
+            if instance.host.cancelled.is_set() and instance.end_reason is None:
+                reason = "terminated"
+            instance.session.close()
+            with self.lock:
+                self.instances.pop(instance.info.id, None)
+            instance.info.state = "terminated"
+            log.info("instance %s (%s) ended: %s", instance.info.id[:8],
+                     instance.info.name or instance.info.program[:12], reason)
+            instance.on_event(instance.info.id, "terminated", reason)
+
+
+def _trap_summary(trap: Trap, config: PieConfig) -> str:
+    text = str(trap)
+    first = text.splitlines()[0] if text else "trap"
+    if "interrupt" in text:
+        return (f"CPU limit: ran more than runtime.cpu_slice_ms = {config.runtime.cpu_slice_ms} ms "
+                f"without a host call")
+    if "Terminated" in text or "instance terminated" in text:
+        return "terminated"
+    return first
+
+
+def start_runtime(config: PieConfig, endpoint: str, handshake: P.HandshakeReply,
+                  builtins: dict[str, Path] | None = None) -> Runtime:
+    """The control layer and the runtime for one backend, with built-in programs loaded."""
+    controller = Controller(config, endpoint, handshake)
+    runtime = Runtime(config, controller)
+    for name, path in (builtins or {}).items():
+        runtime.programs.add_builtin(name, path)
+    return runtime
