@@ -168,10 +168,10 @@ class Runtime:
                 reason = f"error: {result}"
         except Terminated:
             reason = "terminated"
-        except Trap as e:
-            reason = "trap: " + _trap_summary(e, self.config)
-        except (WasmtimeError, InvalidProgram) as e:
-            reason = f"error: {str(e).splitlines()[0]}"
+        except (Trap, WasmtimeError) as e:
+            reason = _failure_summary(str(e), self.config)
+        except InvalidProgram as e:
+            reason = f"error: {e}"
         except Exception as e:  # a host bug must not leak the instance's resources
             log.exception("instance %s failed in the host", instance.info.id)
             reason = f"error: host failure: {type(e).__name__}: {e}"
@@ -189,15 +189,22 @@ class Runtime:
             instance.on_event(instance.info.id, "terminated", reason)
 
 
-def _trap_summary(trap: Trap, config: PieConfig) -> str:
-    text = str(trap)
-    first = text.splitlines()[0] if text else "trap"
-    if "interrupt" in text:
-        return (f"CPU limit: ran more than runtime.cpu_slice_ms = {config.runtime.cpu_slice_ms} ms "
-                f"without a host call")
-    if "Terminated" in text or "instance terminated" in text:
+def _failure_summary(text: str, config: PieConfig) -> str:
+    """One line for the client out of wasmtime's multi-line error (backtrace elided)."""
+    cause = text.split("Caused by:")[-1].strip().splitlines()
+    line = cause[0].strip() if cause else text.strip()
+    if "wasm trap: interrupt" in line:
+        return (f"trap: CPU limit — ran longer than runtime.cpu_slice_ms = "
+                f"{config.runtime.cpu_slice_ms} ms without a host call")
+    if "Terminated" in text:
         return "terminated"
-    return first
+    if "unreachable" in line:
+        return (f"trap: {line.removeprefix('wasm trap: ')} (a panic or abort in the inferlet, "
+                f"e.g. allocation failure under runtime.memory_limit_mb = "
+                f"{config.runtime.memory_limit_mb})")
+    if line.startswith("wasm trap:"):
+        return f"trap: {line.removeprefix('wasm trap: ')}"
+    return f"error: {line}"
 
 
 def start_runtime(config: PieConfig, endpoint: str, handshake: P.HandshakeReply,
