@@ -25,6 +25,7 @@ from pie import protocol as P
 from pie.config import PieConfig
 from pie.control.controller import Controller, Session
 from pie.runtime.host import HostState, Terminated, build_linker
+from pie.runtime import wasmtime_compat
 from pie.runtime.programs import InvalidProgram, ProgramStore
 
 log = logging.getLogger("pie.runtime")
@@ -73,6 +74,7 @@ class Runtime:
     def __init__(self, config: PieConfig, controller: Controller):
         self.config = config
         self.controller = controller
+        wasmtime_compat.install()
         engine_config = Config()
         engine_config.epoch_interruption = True
         self.engine = Engine(engine_config)
