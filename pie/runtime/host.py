@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from collections.abc import Callable
 from enum import IntEnum
 from typing import Any
@@ -70,6 +71,7 @@ class HostState:
         self.next_rep = 1
         self.cancelled = threading.Event()
         self.store: Store | None = None
+        self.calls: Counter[str] = Counter()  # host function name -> calls (benchmarks)
 
     def own(self, kind: Kind, obj: Any) -> ResourceHost:
         rep, self.next_rep = self.next_rep, self.next_rep + 1
@@ -109,6 +111,19 @@ def build_linker(engine: Engine, state: HostState) -> Linker:
 
         return wrapper
 
+    def counted(interface: Any) -> Any:
+        """Make `interface.add_func` count each function's calls in `state.calls`."""
+        add_func = interface.add_func
+
+        def add_counted(name: str, func: Callable[..., Any]) -> None:
+            def run(store: Any, *args: Any) -> Any:
+                state.calls[name] += 1
+                return func(store, *args)
+            add_func(name, run)
+
+        interface.add_func = add_counted
+        return interface
+
     def queue(store: Any, q: Any) -> Any:
         return state.get(store, q, Kind.QUEUE)
 
@@ -135,9 +150,11 @@ def build_linker(engine: Engine, state: HostState) -> Linker:
 
     with linker.root() as root:
         with root.add_instance(PACKAGE.format("types")) as types:
+            counted(types)
             types.add_resource("queue", ResourceType.host(Kind.QUEUE), state.drop)
 
         with root.add_instance(PACKAGE.format("futures")) as futures:
+            counted(futures)
             for name, kind in (("pollable", Kind.POLLABLE), ("future-unit", Kind.FUTURE_UNIT),
                                ("future-string", Kind.FUTURE_STRING)):
                 futures.add_resource(name, ResourceType.host(kind), state.drop)
@@ -168,6 +185,7 @@ def build_linker(engine: Engine, state: HostState) -> Linker:
                              call(future_getter(Kind.FUTURE_STRING, lambda f: f.result()), False))
 
         with root.add_instance(PACKAGE.format("runtime")) as runtime:
+            counted(runtime)
             runtime.add_func("get-arguments", call(lambda store: list(s.arguments), False))
             runtime.add_func("instance-id", call(lambda store: s.instance_id, False))
             runtime.add_func("version", call(lambda store: s.version(), False))
@@ -189,6 +207,7 @@ def build_linker(engine: Engine, state: HostState) -> Linker:
                 lambda store, q, p: s.set_queue_priority(queue(store, q), p), False))
 
         with root.add_instance(PACKAGE.format("messaging")) as messaging:
+            counted(messaging)
             messaging.add_resource("subscription", ResourceType.host(Kind.SUBSCRIPTION), state.drop)
             messaging.add_func("send", call(lambda store, m: state.send_message(m), False))
             messaging.add_func("receive",
@@ -201,11 +220,13 @@ def build_linker(engine: Engine, state: HostState) -> Linker:
                                              state.get(store, sub, Kind.SUBSCRIPTION).next()), False))
 
         with root.add_instance(PACKAGE.format("kvs")) as kvs:
+            counted(kvs)
             kvs.add_func("store-get", call(lambda store, k: s.c.kvs.get(k), False))
             kvs.add_func("store-set", call(lambda store, k, v: s.c.kvs.set(k, v)))
             kvs.add_func("store-delete", call(lambda store, k: s.c.kvs.delete(k), False))
 
         with root.add_instance(PACKAGE.format("http")) as http:
+            counted(http)
             http.add_resource("future-response", ResourceType.host(Kind.FUTURE_RESPONSE), state.drop)
             http.add_func("http-get", call(lambda store, url, headers: state.own(
                 Kind.FUTURE_RESPONSE, s.http("GET", url, list(headers)))))
@@ -218,6 +239,7 @@ def build_linker(engine: Engine, state: HostState) -> Linker:
                 lambda f: tagged(f, lambda r: record(status=r[0], body=r[1]))), False))
 
         with root.add_instance(PACKAGE.format("allocate")) as allocate:
+            counted(allocate)
             allocate.add_func("alloc-kvpage", call(lambda store, q, n: s.alloc_kvpage(queue(store, q), n)))
             allocate.add_func("dealloc-kvpage",
                               call(lambda store, q, pages: s.dealloc_kvpage(queue(store, q), pages)))
@@ -233,6 +255,7 @@ def build_linker(engine: Engine, state: HostState) -> Linker:
             allocate.add_func("kv-page-size", call(lambda store, q: (queue(store, q), s.page_size)[1], False))
 
         with root.add_instance(PACKAGE.format("forward")) as forward:
+            counted(forward)
             def run_forward(store: Any, q: Any, p: Any) -> None:
                 mask = getattr(p, "attention-mask")
                 s.forward(queue(store, q), getattr(p, "input-kv-pages"),
@@ -253,10 +276,12 @@ def build_linker(engine: Engine, state: HostState) -> Linker:
                              call(lambda store, q, page, mask: s.mask_kvpage(queue(store, q), page, mask)))
 
         with root.add_instance(PACKAGE.format("input-text")) as input_text:
+            counted(input_text)
             input_text.add_func("embed-text", call(
                 lambda store, q, tokens, positions, embeds: s.embed_text(queue(store, q), tokens, positions, embeds)))
 
         with root.add_instance(PACKAGE.format("input-image")) as input_image:
+            counted(input_image)
             def no_images(store: Any, q: Any, *args: Any) -> Any:
                 queue(store, q)
                 raise HostError(ErrorKind.UNSUPPORTED, f"{s.c.hs.model_name} takes no image input")
@@ -265,6 +290,7 @@ def build_linker(engine: Engine, state: HostState) -> Linker:
             input_image.add_func("embed-image", call(no_images))
 
         with root.add_instance(PACKAGE.format("tokenize")) as tokenize:
+            counted(tokenize)
             tok = s.c.tokenizer
             tokenize.add_func("tokenize", call(lambda store, q, text: (queue(store, q), tok.encode(text))[1], False))
 
@@ -289,6 +315,7 @@ def build_linker(engine: Engine, state: HostState) -> Linker:
             tokenize.add_func("apply-chat-template", call(chat))
 
         with root.add_instance(PACKAGE.format("output-text")) as output_text:
+            counted(output_text)
             output_text.add_resource("future-dist", ResourceType.host(Kind.FUTURE_DIST), state.drop)
             output_text.add_resource("future-token", ResourceType.host(Kind.FUTURE_TOKEN), state.drop)
             output_text.add_func("get-next-dist", call(lambda store, q, emb, k: state.own(

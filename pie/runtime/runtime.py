@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,6 +81,7 @@ class Runtime:
         self.engine = Engine(engine_config)
         self.programs = ProgramStore(self.engine, config.paths.cache)
         self.instances: dict[str, Instance] = {}
+        self.host_calls: dict[str, Counter[str]] = {}  # program name or hash -> calls by function
         self.lock = threading.Lock()
         self.running = True
         self.cpu_ticks = max(1, int(config.runtime.cpu_slice_ms / 1e3 / EPOCH_TICK_S))
@@ -131,6 +133,13 @@ class Runtime:
     def list_instances(self) -> list[InstanceInfo]:
         with self.lock:
             return [i.info for i in self.instances.values()]
+
+    def stats(self) -> dict:
+        """Live instances, host calls per program, and the control layer's statistics."""
+        with self.lock:
+            calls = {program: dict(c) for program, c in self.host_calls.items()}
+            live = len(self.instances)
+        return {"instances": live, "host_calls": calls, **self.controller.stats()}
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         with self.lock:
@@ -185,6 +194,8 @@ class Runtime:
             instance.session.close()
             with self.lock:
                 self.instances.pop(instance.info.id, None)
+                program = instance.info.name or instance.info.program
+                self.host_calls.setdefault(program, Counter()).update(instance.host.calls)
             instance.info.state = "terminated"
             log.info("instance %s (%s) ended: %s", instance.info.id[:8],
                      instance.info.name or instance.info.program[:12], reason)

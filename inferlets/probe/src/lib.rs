@@ -6,8 +6,10 @@
 //!   and exports them; the importer decodes from the imported pages without prefilling.
 //!   Both send the greedy continuation (8 tokens), so equal messages mean shared KV works.
 //!   The exporter then waits for a message before ending (its export lives as long as it).
+//! - `calls N`: times N round trips of each kind of host call and sends them as JSON
+//!   (`{"call": microseconds, ...}`), for benchmarks/overhead.py.
 
-use inferlet::bindings::{allocate, forward, input_text, output_text};
+use inferlet::bindings::{allocate, forward, input_text, kvs, output_text, runtime};
 use inferlet::bindings::forward::ForwardPass;
 use inferlet::{KvPage, Model, Queue, Sampler};
 
@@ -53,6 +55,11 @@ async fn main() -> Result<(), String> {
             let tokens = queue.tokenize(&args[2]);
             let committed = pages.len() as u32 * queue.page_size();
             inferlet::send(&continuation(&queue, &pages, committed, tokens[committed as usize]).await?);
+            Ok(())
+        }
+        Some("calls") => {
+            let n: u32 = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(100);
+            inferlet::send(&time_calls(&queue, n).await?);
             Ok(())
         }
         other => Err(format!("unknown probe mode {other:?}")),
@@ -118,4 +125,44 @@ async fn continuation(queue: &Queue, pages: &[KvPage], committed: u32, first: u3
     allocate::dealloc_emb(queue.raw(), &slot)?;
     allocate::dealloc_kvpage(queue.raw(), &own)?;
     Ok(queue.detokenize(&generated)?)
+}
+
+/// Mean microseconds per round trip of representative control- and inference-layer calls.
+async fn time_calls(queue: &Queue, n: u32) -> Result<String, String> {
+    let page = allocate::alloc_kvpage(queue.raw(), 1)?;
+    let embeds = allocate::alloc_emb(queue.raw(), 2)?;
+    input_text::embed_text(queue.raw(), &[1], &[0], &embeds[..1])?;
+    let greedy = Sampler { temperature: 0.0, top_k: 0, top_p: 1.0, seed: None };
+    let mut out = Vec::new();
+    macro_rules! time {
+        ($name:expr, $body:expr) => {{
+            let start = runtime::now();
+            for _ in 0..n {
+                $body;
+            }
+            out.push(format!("\"{}\": {:.2}", $name, (runtime::now() - start) as f64 / 1e3 / n as f64));
+        }};
+    }
+    time!("control:instance-id", std::hint::black_box(runtime::instance_id()));
+    time!("control:store-get", std::hint::black_box(kvs::store_get("probe")));
+    time!("control:tokenize", std::hint::black_box(queue.tokenize("hello world")));
+    time!("control:alloc+dealloc-emb", {
+        let e = allocate::alloc_emb(queue.raw(), 1)?;
+        allocate::dealloc_emb(queue.raw(), &e)?;
+    });
+    time!("inference:embed-text+sync", {
+        input_text::embed_text(queue.raw(), &[1], &[0], &embeds[..1])?;
+        queue.synchronize().await?;
+    });
+    time!("inference:forward+sync", {
+        forward::forward(queue.raw(), ForwardPass {
+            input_kv_pages: vec![], input_kv_last_page_len: 0, input_embeds: vec![embeds[0]],
+            output_kv_pages: page.clone(), output_kv_offset: 0, output_embeds: vec![embeds[1]],
+            output_token_indices: vec![0], attention_mask: None })?;
+        queue.synchronize().await?;
+    });
+    time!("inference:sample", {
+        output_text::sample(queue.raw(), embeds[1], greedy.clone())?.await?;
+    });
+    Ok(format!("{{{}}}", out.join(", ")))
 }
