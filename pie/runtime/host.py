@@ -209,7 +209,10 @@ def build_linker(engine: Engine, state: HostState) -> Linker:
         with root.add_instance(PACKAGE.format("messaging")) as messaging:
             counted(messaging)
             messaging.add_resource("subscription", ResourceType.host(Kind.SUBSCRIPTION), state.drop)
-            messaging.add_func("send", call(lambda store, m: state.send_message(m), False))
+            def send(store: Any, message: str) -> None:
+                state.send_message(message)
+
+            messaging.add_func("send", call(send, False))
             messaging.add_func("receive",
                                call(lambda store: state.own(Kind.FUTURE_STRING, s.receive()), False))
             messaging.add_func("broadcast", call(lambda store, t, m: s.broadcast(t, m), False))
