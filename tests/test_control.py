@@ -1,0 +1,171 @@
+"""Control-layer unit tests: resources and the batch scheduler, against a fake backend
+(a ZeroMQ ROUTER thread that records batches and answers them)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import zmq
+
+from pie import protocol as P
+from pie.config import ControlConfig
+from pie.control.errors import ErrorKind, HostError
+from pie.control.future import HostFuture
+from pie.control.resources import InstanceResources, ResourceManager
+from pie.control.scheduler import MARKER, Command, Scheduler
+
+
+class FakeBackend:
+    """Answers every batch (sample → token 7 per item) and records (kind, item count)."""
+
+    def __init__(self, endpoint: str):
+        self.batches: list[tuple[str, int]] = []
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.bind(endpoint)
+        self.running = True
+        self.thread = threading.Thread(target=self.serve, daemon=True)
+        self.thread.start()
+
+    def serve(self) -> None:
+        while self.running:
+            if not self.socket.poll(50):
+                continue
+            peer, frame = self.socket.recv_multipart()
+            request_id, message = P.decode_request(frame)
+            items = message.kv_last_page_lens if isinstance(message, P.Forward) else message.embed_ids
+            n = len(items)
+            self.batches.append((str(message.kind), n))
+            if isinstance(message, P.Sample):
+                reply: P.Message = P.SampleReply([7] * len(message.embed_ids))
+            else:
+                reply = P.BatchReply()
+            self.socket.send_multipart([peer, P.encode(request_id, reply, message.kind)])
+            self.socket.send_multipart([peer, P.encode(0, P.Idle())])
+
+    def close(self) -> None:
+        self.running = False
+        self.thread.join()
+        self.socket.close()
+        self.context.term()
+
+
+@pytest.fixture
+def setup(tmp_path):
+    endpoint = f"ipc://{tmp_path}/fake.sock"
+    backend = FakeBackend(endpoint)
+    # Policy t with a long window: everything submitted within it forms one decision.
+    scheduler = Scheduler(endpoint, ControlConfig(scheduler="t", batch_t_ms=300), max_batch_tokens=64)
+    yield scheduler, backend
+    scheduler.stop()
+    backend.close()
+
+
+def forward(queue, reads=(), writes=(), tokens=1) -> Command:
+    item = {"kv_pages": [], "last_len": 0, "embeds": [0] * tokens, "out_pages": [], "out_offset": 0,
+            "out_embeds": [], "out_indices": [], "mask": None}
+    return Command(P.Kind.FORWARD, queue, HostFuture(), item=item, tokens=tokens,
+                   reads=frozenset(reads), writes=frozenset(writes))
+
+
+def sample(queue) -> Command:
+    item = {"embed": 0, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": -1}
+    return Command(P.Kind.SAMPLE, queue, HostFuture(), item=item)
+
+
+def test_horizontal_and_vertical_batching(setup):
+    scheduler, backend = setup
+    queues = [scheduler.create_queue(f"i{n}") for n in range(3)]
+    futures = [scheduler.submit(forward(q)) for q in queues]  # horizontal: 3 queues
+    futures.append(scheduler.submit(forward(queues[0])))  # vertical: 2nd in queue 0
+    futures += [scheduler.submit(sample(q)) for q in queues]
+    for f in futures:
+        assert _wait(f)
+    assert backend.batches == [("forward", 4), ("sample", 3)]
+    assert [f.result() for f in futures[4:]] == [7, 7, 7]
+    stats = scheduler.snapshot_stats()
+    assert stats["mean_batch_size"] == 3.5 and stats["calls"]["forward"] == 4
+
+
+def test_conflicting_commands_are_not_batched_vertically(setup):
+    scheduler, backend = setup
+    q = scheduler.create_queue("i")
+    first = scheduler.submit(forward(q, writes={("e", 5)}))
+    second = scheduler.submit(forward(q, reads={("e", 5)}))  # reads what the first writes
+    assert _wait(first) and _wait(second)
+    assert backend.batches == [("forward", 1), ("forward", 1)]
+
+
+def test_token_budget_cuts_the_batch(setup):
+    scheduler, backend = setup
+    queues = [scheduler.create_queue(f"i{n}") for n in range(3)]
+    futures = [scheduler.submit(forward(q, tokens=30)) for q in queues]  # budget 64
+    for f in futures:
+        assert _wait(f)
+    assert backend.batches == [("forward", 2), ("forward", 1)]
+
+
+def test_markers_complete_in_queue_order_and_release(setup):
+    scheduler, backend = setup
+    q = scheduler.create_queue("i")
+    released = []
+    f1 = scheduler.submit(forward(q))
+    marker = scheduler.submit(Command(MARKER, q, HostFuture(), on_head=lambda: released.append(1)))
+    assert _wait(marker) and f1.done() and released == [1]
+
+
+def test_close_instance_fails_pending_calls_but_still_releases(setup):
+    scheduler, _ = setup
+    q = scheduler.create_queue("gone")
+    released = []
+    f = scheduler.submit(forward(q))
+    scheduler.submit(Command(MARKER, q, HostFuture(), on_head=lambda: released.append(1)))
+    scheduler.close_instance("gone")
+    assert released == [1]
+    assert f.done()
+    with pytest.raises(HostError):
+        f.result()
+
+
+def _wait(future: HostFuture, timeout: float = 5.0) -> bool:
+    from pie.control.future import wait_any
+
+    done = threading.Event()
+    timer = threading.Timer(timeout, done.set)
+    timer.start()
+    wait_any([future], done)
+    timer.cancel()
+    return future.done()
+
+
+def test_resources_virtualize_and_refcount():
+    manager = ResourceManager(num_pages=4, num_embeds=4)
+    a, b = InstanceResources(), InstanceResources()
+    pages = manager.alloc_pages(a, 2)
+    with pytest.raises(HostError) as e:  # b holds no pages: a's ids are foreign to it
+        b.pages.resolve(pages)
+    assert e.value.kind == ErrorKind.INVALID_HANDLE
+    manager.export(a, "a", pages, "prefix", persistent=False)
+    imported = manager.import_(b, "prefix")
+    assert manager.pages.available == 2
+    with pytest.raises(HostError, match="shared"):
+        manager.writable_pages(b, imported)
+    manager.release_instance(a, "a")  # a's pages live on in b; the owned export is gone
+    assert manager.pages.available == 2 and "prefix" not in manager.exports
+    manager.release_instance(b, "b")
+    assert manager.pages.available == 4
+    with pytest.raises(HostError) as e:
+        manager.alloc_pages(a, 5)
+    assert e.value.kind == ErrorKind.OUT_OF_RESOURCES
+
+
+def test_freed_handle_is_invalid():
+    manager = ResourceManager(num_pages=2, num_embeds=2)
+    inst = InstanceResources()
+    (page,) = manager.alloc_pages(inst, 1)
+    manager.release(manager.take_pages(inst, [page]), [])
+    with pytest.raises(HostError, match="not a live kv page"):
+        inst.pages.resolve([page])
+    with pytest.raises(HostError, match="appears twice"):
+        manager.take_embeds(inst, [1, 1])
