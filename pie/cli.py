@@ -1,8 +1,10 @@
-"""The `pie` command line: `pie model pull`, `pie backend`, `pie generate`."""
+"""The `pie` command line: `pie model`, `pie backend`, `pie generate`, `pie serve`, `pie run`, `pie build`."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import dataclasses
 import logging
 import sys
 import time
@@ -108,11 +110,101 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """The control process: RPC server + runtime + a spawned backend, until Ctrl-C / SIGTERM."""
+    from pie.server.serve import serve
+
+    config = _config(args)
+    overrides = {"host": args.host, "port": args.port}
+    config.server = dataclasses.replace(
+        config.server, **{k: v for k, v in overrides.items() if v is not None})
+    return serve(config, _model_dir(config), args.config, _backend_overrides(args), console,
+                 verbose=args.verbose)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Run one inferlet: its messages to stdout, status to stderr; exit 0 iff it finished."""
+    from pie.client import PieConnectionError, RpcError
+
+    program = Path(args.program)
+    if not program.is_file() and (program.suffix == ".wasm" or "/" in args.program):
+        raise FileNotFoundError(f"no such component file: {args.program}")
+    data = program.read_bytes() if program.is_file() else None
+    try:
+        return asyncio.run(_run(args, data))
+    except (RpcError, PieConnectionError, RuntimeError, ValueError) as e:  # ValueError: bad --server
+        console.print(f"[red]error:[/] {e}")
+        return 1
+
+
+async def _run(args: argparse.Namespace, data: bytes | None) -> int:
+    """On `--server`, or on a private `pie serve` child started for this call (local.py)."""
+    from pie.server.local import LocalServer
+
+    if args.server:
+        return await _run_on(args.server, args.token, args.program, data, args.arguments)
+    config = _config(args)
+    token = args.token or next(iter(config.server.auth_tokens), None)
+    serve_args: list[str] = []
+    for flag, value in (("--config", args.config), ("--model", args.model), ("--dtype", args.dtype)):
+        if value:
+            serve_args += [flag, value]
+    async with LocalServer(serve_args) as url:
+        return await _run_on(url, token, args.program, data, args.arguments)
+
+
+async def _run_on(url: str, token: str | None, program: str, data: bytes | None,
+                  arguments: list[str]) -> int:
+    from pie.client import PieClient
+
+    async with PieClient(url, token) as client:
+        target = await client.upload(data) if data is not None else program
+        instance = await client.launch(target, arguments)
+        console.print(f"[dim]{program}: instance {instance.id}[/]")
+        async for text in instance:
+            sys.stdout.write(text + "\n")
+            sys.stdout.flush()
+        reason = await instance.wait()
+    if reason == "finished":
+        return 0
+    console.print(f"[red]{program} did not finish:[/] {reason}", highlight=False)
+    return 1
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    """Build a Rust inferlet crate into a component; print the component's path."""
+    from pie.toolchain import ToolchainError, build_inferlet
+
+    config = load_config(args.config)
+    try:
+        path = build_inferlet(Path(args.crate), release=True, console=console, cache=config.paths.cache)
+    except ToolchainError as e:
+        console.print(f"[red]error:[/] {e}", highlight=False)
+        return 1
+    print(path)
+    return 0
+
+
 def _backend_overrides(args: argparse.Namespace) -> list[str]:
     extra = []
     if args.dtype:
         extra += ["--dtype", args.dtype]
     return extra
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """argparse, except that everything after `--` goes to `pie run`'s inferlet arguments:
+    argparse cannot take them after options that follow PROGRAM (`pie run P --server U -- A`)."""
+    passthrough: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, passthrough = argv[:cut], argv[cut + 1:]
+    args = parser.parse_args(argv)
+    if passthrough:
+        if args.command != "run":
+            parser.error("`--` passes arguments to an inferlet and is only valid with `pie run`")
+        args.arguments += passthrough
+    return args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -144,11 +236,32 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-p", type=float, default=1.0)
     generate.add_argument("--seed", type=int, default=-1)
     generate.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="serve inferlets: RPC server + runtime + backend")
+    _add_common(serve)
+    serve.add_argument("--host", help="address to listen on (default: server.host)")
+    serve.add_argument("--port", type=int, help="port to listen on; 0 = any free port (default: server.port)")
+    serve.set_defaults(func=cmd_serve)
+
+    run = sub.add_parser("run", help="run an inferlet and print its messages",
+                         description="Run PROGRAM (a component file or a built-in inferlet name) "
+                                     "with ARGS; without --server, start a private server for the call.")
+    _add_common(run)
+    run.add_argument("program", metavar="PROGRAM", help="component file (.wasm) or built-in inferlet name")
+    run.add_argument("arguments", metavar="ARGS", nargs="*", help="the inferlet's arguments (after --)")
+    run.add_argument("--server", metavar="URL", help="a running server, e.g. http://127.0.0.1:8080")
+    run.add_argument("--token", help="authentication token (default: the first of server.auth_tokens)")
+    run.set_defaults(func=cmd_run)
+
+    build = sub.add_parser("build", help="build a Rust inferlet crate into a component")
+    build.add_argument("crate", metavar="CRATE_DIR")
+    build.add_argument("--config", metavar="FILE")
+    build.set_defaults(func=cmd_build)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = _parse(build_parser(), sys.argv[1:] if argv is None else argv)
     logging.basicConfig(
         level=logging.DEBUG if getattr(args, "verbose", False) else logging.INFO,
         format="%(message)s",

@@ -1,0 +1,118 @@
+"""`pie serve`: the control process — the RPC server, the runtime, and the backend it spawns.
+
+Order matters for `/health`: the server binds first (answering 503), then the backend is
+spawned and handshaken (the built-in inferlets are built meanwhile), then the runtime is
+built and `/health` turns 200. SIGINT/SIGTERM stop uvicorn (its shutdown closes every
+connection, which terminates their instances); then the runtime and the backend are shut
+down, however serving ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from pathlib import Path
+
+import uvicorn
+from rich.console import Console
+
+from pie.config import PieConfig
+from pie.control.backend_link import BackendError, BackendProcess
+from pie.runtime.runtime import start_runtime
+from pie.server.app import ServerState, create_app, ws_max_size
+from pie.toolchain import REPO, ToolchainError, build_inferlet
+
+BUILTIN_INFERLETS = ("hello", "text_completion")  # crates in inferlets/
+# `pie run` finds the address of the server it started in this line (see local.py).
+READY_LINE = "Pie serving {model} on http://{host}:{port} (ws://{host}:{port}/ws)"
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: after shutdown it re-raises the signal it
+    caught, and the default SIGTERM action would kill us before the backend is stopped."""
+
+    def capture_signals(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+
+def serve(config: PieConfig, model_dir: Path, config_path: str | None, backend_args: list[str],
+          console: Console, verbose: bool = False) -> int:
+    """Serve until SIGINT/SIGTERM; the exit code of `pie serve`."""
+    return asyncio.run(_serve(config, model_dir, config_path, backend_args, console, verbose))
+
+
+async def _serve(config: PieConfig, model_dir: Path, config_path: str | None,
+                 backend_args: list[str], console: Console, verbose: bool) -> int:
+    state = ServerState(config.server)
+    server = _Server(uvicorn.Config(
+        create_app(state), host=config.server.host, port=config.server.port, lifespan="off",
+        log_config=None, log_level=logging.INFO if verbose else logging.WARNING,
+        ws_max_size=ws_max_size(config.server), timeout_graceful_shutdown=10,
+    ))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, _request_exit, server)
+    serving = asyncio.create_task(server.serve())
+    backend: BackendProcess | None = None
+    runtime = None
+    try:
+        while not server.started:  # bound and listening (uvicorn logs why if it cannot bind)
+            if serving.done():
+                return 1
+            await asyncio.sleep(0.02)
+        host, port = server.servers[0].sockets[0].getsockname()[:2]
+        backend = BackendProcess(model_dir, config_path, backend_args)
+        with console.status(f"starting the backend ({model_dir.name}, {config.backend.dtype})") as status:
+            handshake = asyncio.ensure_future(asyncio.to_thread(backend.connect))
+            builtins = asyncio.ensure_future(asyncio.to_thread(_build_builtins, config, console))
+            await asyncio.wait({handshake, serving}, return_when=asyncio.FIRST_COMPLETED)
+            if not handshake.done():  # asked to stop while the backend was loading
+                backend.stop()
+                await asyncio.gather(handshake, builtins, return_exceptions=True)
+                return 0
+            link, hello = handshake.result()
+            link.close()  # the controller's scheduler opens its own link to the endpoint
+            status.update("starting the runtime")
+            runtime = await asyncio.to_thread(start_runtime, config, backend.endpoint, hello,
+                                              await builtins)
+        state.model, state.runtime = hello.model_name, runtime
+        print(READY_LINE.format(model=hello.model_name, host=host, port=port), flush=True)
+        await serving
+        return 0
+    except BackendError as e:
+        console.print(f"[red]error:[/] {e}")
+        return 1
+    finally:
+        server.should_exit = True
+        await asyncio.gather(serving, return_exceptions=True)
+        if runtime is not None:
+            runtime.shutdown()
+        if backend is not None:
+            backend.stop()
+
+
+def _build_builtins(config: PieConfig, console: Console) -> dict[str, Path]:
+    """Components of the built-in inferlets, launchable by name. Built on every start: cargo
+    rebuilds only what changed (< 1 s when nothing did). One that cannot be built (no Rust
+    toolchain, no source tree in an installed package) is left out with a warning."""
+    components = {}
+    for name in BUILTIN_INFERLETS:
+        crate = REPO / "inferlets" / name
+        if not crate.is_dir():
+            continue
+        try:
+            components[name] = build_inferlet(crate, release=True, console=console,
+                                               cache=config.paths.cache)
+        except ToolchainError as e:
+            console.print(f"[yellow]warning:[/] built-in inferlet {name!r} unavailable: {e}",
+                          highlight=False)
+    return components
+
+
+def _request_exit(server: uvicorn.Server) -> None:
+    """First signal: graceful shutdown; a second SIGINT/SIGTERM: stop waiting for connections."""
+    if server.should_exit:
+        server.force_exit = True
+    server.should_exit = True
