@@ -11,12 +11,12 @@ import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from fastapi import FastAPI, WebSocket, WebSocketDisconnect
+from fastapi import FastAPI, Header, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse
 
 from pie.config import ServerConfig
 from pie.server import rpc
-from pie.server.session import Session
+from pie.server.session import Session, token_matches
 
 if TYPE_CHECKING:
     from pie.runtime.runtime import Runtime
@@ -37,6 +37,16 @@ def create_app(state: ServerState) -> FastAPI:
         if state.runtime is None:
             return JSONResponse({"status": "starting"}, status_code=503)
         return JSONResponse({"status": "ok", "model": state.model})
+
+    @app.get("/stats")
+    def stats(authorization: str | None = Header(default=None)) -> JSONResponse:
+        """Scheduler statistics (batch sizes, waits), pool occupancy, host calls per program."""
+        if state.config.auth_tokens and not token_matches(
+                state.config.auth_tokens, (authorization or "").removeprefix("Bearer ")):
+            return JSONResponse({"error": "unauthenticated"}, status_code=401)
+        if state.runtime is None:
+            return JSONResponse({"status": "starting"}, status_code=503)
+        return JSONResponse(state.runtime.stats())
 
     @app.websocket("/ws")
     async def rpc_endpoint(websocket: WebSocket) -> None:

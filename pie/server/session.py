@@ -56,6 +56,14 @@ class _EventGate:
             self.deliver(event)
 
 
+def token_matches(tokens: list[str], given: str) -> bool:
+    """Constant-time check against every configured token (no early exit to time)."""
+    matched = False
+    for token in tokens:
+        matched |= hmac.compare_digest(given.encode(), token.encode())
+    return matched
+
+
 class Session:
     def __init__(self, config: ServerConfig, runtime: Runtime, loop: asyncio.AbstractEventLoop):
         self.config = config
@@ -102,13 +110,8 @@ class Session:
     # --- requests ------------------------------------------------------------------------
 
     async def _on_authenticate(self, request: rpc.Authenticate) -> None:
-        if self.config.auth_tokens:
-            given = request.token.encode()
-            matched = False
-            for token in self.config.auth_tokens:  # compare with all: no early exit to time
-                matched |= hmac.compare_digest(given, token.encode())
-            if not matched:
-                raise RpcError(ErrorCode.AUTH_FAILED, "invalid token")
+        if self.config.auth_tokens and not token_matches(self.config.auth_tokens, request.token):
+            raise RpcError(ErrorCode.AUTH_FAILED, "invalid token")
         self.authenticated = True
         self._reply(request)
 

@@ -1,0 +1,219 @@
+"""End to end through a real `pie serve`: backend process, ZeroMQ, wasmtime, compiled Rust
+inferlets, real weights (fp32, so greedy output can be held to HF transformers')."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import re
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import msgpack
+import pytest
+import websockets
+
+from pie.client import PieClient
+from pie.control.chat_template import chat_prompt
+from pie.server import rpc
+from pie.toolchain import build_inferlet
+
+from conftest import hf_greedy
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "e2e-secret"
+READY = re.compile(r"\(ws://(\S+)/ws\)")
+PROMPTS = ["What is the capital of France?", "Name three colors.",
+           "What is 2 + 2?", "Say hello in Spanish."]
+
+
+class Server:
+    """`pie serve` on a free loopback port with a test config."""
+
+    def __init__(self, tmp: Path, extra_toml: str = ""):
+        config = tmp / "pie.toml"
+        config.write_text(
+            '[backend]\ndtype = "float32"\nnum_kv_pages = 1024\n'
+            "[runtime]\ncpu_slice_ms = 1000\nmemory_limit_mb = 64\n"
+            f'[server]\nmax_upload_bytes = 1048576\nauth_tokens = ["{TOKEN}"]\n' + extra_toml)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "pie.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+             "--config", str(config)], stdout=subprocess.PIPE, text=True)
+        for line in self.process.stdout:
+            if match := READY.search(line):
+                self.address = match.group(1)
+                break
+        else:
+            raise RuntimeError(f"pie serve exited with {self.process.wait()} before it was ready")
+        self.ws = f"ws://{self.address}/ws"
+
+    def get(self, path: str) -> tuple[int, dict]:
+        request = urllib.request.Request(f"http://{self.address}{path}",
+                                         headers={"Authorization": f"Bearer {TOKEN}"})
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(60)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, model_dir):
+    s = Server(tmp_path_factory.mktemp("adaptive"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def probe() -> bytes:
+    return build_inferlet(ROOT / "inferlets" / "probe").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def expected(hf_model, tokenizer, model_dir) -> dict[str, str]:
+    """HF transformers' greedy chat-template completion of each prompt (16 tokens, to EOS)."""
+    template = json.loads((model_dir / "tokenizer_config.json").read_text())["chat_template"]
+    out = {}
+    for prompt in PROMPTS:
+        ids = tokenizer.encode(chat_prompt(template, prompt), add_special_tokens=False).ids
+        tokens = hf_greedy(hf_model, ids, 16)
+        out[prompt] = tokenizer.decode(tokens[: tokens.index(2)] if 2 in tokens else tokens,
+                                       skip_special_tokens=False)
+    return out
+
+
+async def complete(url: str, prompts: list[str], max_tokens: int = 16) -> list[tuple[list[str], str]]:
+    """Launch one text_completion per prompt at once; (messages, end reason) of each."""
+    async with PieClient(url, TOKEN) as client:
+        instances = [await client.launch("text_completion", ["--prompt", p, "--max-tokens",
+                                                             str(max_tokens)]) for p in prompts]
+
+        async def collect(instance):
+            messages = [m async for m in instance]
+            return messages, await instance.wait()
+
+        return await asyncio.gather(*(collect(i) for i in instances))
+
+
+def test_text_completion_equals_hf_greedy(server, expected):
+    [(messages, reason)] = asyncio.run(complete(server.ws, [PROMPTS[0]]))
+    assert reason == "finished"
+    assert messages == [expected[PROMPTS[0]]]
+    assert "Paris" in messages[0]
+
+
+def test_sixteen_concurrent_inferlets_are_batched(server, expected):
+    before = server.get("/stats")[1]["scheduler"]
+    prompts = PROMPTS * 4
+    results = asyncio.run(complete(server.ws, prompts))
+    assert [r for _, r in results] == ["finished"] * 16
+    assert [m for m, _ in results] == [[expected[p]] for p in prompts]
+    after = server.get("/stats")[1]["scheduler"]
+    forwards = after["calls"]["forward"] - before.get("calls", {}).get("forward", 0)
+    batches = after["batches"]["forward"] - before.get("batches", {}).get("forward", 0)
+    assert forwards / batches > 1, "forward calls were not batched"
+
+
+def test_eager_policy_gives_identical_results(tmp_path, server, expected):
+    eager = Server(tmp_path, '[control]\nscheduler = "eager"\n')
+    try:
+        results = asyncio.run(complete(eager.ws, PROMPTS * 2))
+    finally:
+        eager.stop()
+    assert [m for m, _ in results] == [[expected[p]] for p in PROMPTS * 2]
+
+
+def test_export_import_shares_pages(server, probe):
+    prompt = "The quick brown fox jumps over the lazy dog. " * 4
+
+    async def run():
+        async with PieClient(server.ws, TOKEN) as client:
+            digest = await client.upload(probe)
+            exporter = await client.launch(digest, ["export", "shared-prefix", prompt])
+            exported = (await exporter.recv()).text
+            exports = server.get("/stats")[1]["resources"]["exports"]
+            importer = await client.launch(digest, ["import", "shared-prefix", prompt])
+            imported = [m async for m in importer]
+            await exporter.send("done")
+            return exported, exports, imported, await importer.wait(), await exporter.wait()
+
+    exported, exports, imported, importer_end, exporter_end = asyncio.run(run())
+    assert exports == 1
+    assert imported == [exported] and exported.strip()
+    assert importer_end == exporter_end == "finished"
+    assert server.get("/stats")[1]["resources"]["exports"] == 0
+
+
+def test_bad_inputs_get_clear_errors_and_harm_no_one(server, probe):
+    async def run():
+        async with PieClient(server.ws, TOKEN) as client:
+            bystander = await client.launch("hello", ["still", "here"])
+            assert (await bystander.recv()).text == "still here"
+            digest = await client.upload(probe)
+            outcomes = {}
+            for mode in ("forged", "freed", "trap", "loop", "membomb"):
+                instance = await client.launch(digest, [mode])
+                outcomes[mode] = ([m async for m in instance], await instance.wait())
+
+            errors = {}
+            for name, call in {
+                "oversized upload": client._call(rpc.UploadBegin, sha256="0" * 64, size=2 * 2**20),
+                "unknown program": client.launch("no-such-program"),
+                "hash mismatch": _mismatched_upload(client),
+            }.items():
+                with pytest.raises(rpc.RpcError) as e:
+                    await call
+                errors[name] = e.value.code
+
+            async with websockets.connect(server.ws) as raw:  # no token, then garbage
+                await raw.send(rpc.encode(rpc.Launch(corr_id=1, program="hello", arguments=[])))
+                errors["unauthenticated"] = msgpack.unpackb(await raw.recv())["code"]
+                await raw.send(b"\xc1 not msgpack")
+                errors["invalid msgpack"] = msgpack.unpackb(await raw.recv())["code"]
+
+            await bystander.send("ping")
+            echo = (await bystander.recv()).text
+            await bystander.send("quit")
+            return outcomes, errors, echo, await bystander.wait()
+
+    outcomes, errors, echo, bystander_end = asyncio.run(run())
+    assert outcomes["forged"][0] == [
+        "forward: InvalidHandle: kv page 12345 is not a live kv page of this instance",
+        "dealloc: InvalidHandle: kv page 777 is not a live kv page of this instance"]
+    assert all("InvalidHandle" in m for m in outcomes["freed"][0])
+    assert outcomes["trap"][1].startswith("trap: wasm `unreachable`")
+    assert outcomes["loop"][1].startswith("trap: CPU limit")
+    assert outcomes["membomb"][1].startswith("trap:")
+    assert errors == {"oversized upload": "upload_too_large", "unknown program": "unknown_program",
+                      "hash mismatch": "hash_mismatch", "unauthenticated": "unauthenticated",
+                      "invalid msgpack": "invalid_message"}
+    assert echo == "ping" and bystander_end == "finished"
+    status, health = server.get("/health")
+    assert status == 200 and health["status"] == "ok"
+    resources = server.get("/stats")[1]["resources"]
+    assert resources["kv_pages_free"] == resources["kv_pages_total"]
+    assert resources["embeds_free"] == resources["embeds_total"]
+
+
+async def _mismatched_upload(client: PieClient) -> None:
+    data = b"\0asm not really"
+    claimed = hashlib.sha256(b"something else").hexdigest()
+    await client._call(rpc.UploadBegin, sha256=claimed, size=len(data))
+    await client._call(rpc.UploadChunk, sha256=claimed, data=data)
+    await client._call(rpc.UploadEnd, sha256=claimed)
+
+
+def test_pie_run_prints_the_completion(server, expected):
+    done = subprocess.run(
+        [sys.executable, "-m", "pie.cli", "run", "text_completion", "--server",
+         f"http://{server.address}", "--token", TOKEN, "--", "--prompt", PROMPTS[0],
+         "--max-tokens", "16"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == expected[PROMPTS[0]].strip()
