@@ -8,9 +8,10 @@ PROMPT ?= What is the capital of France?
 help:
 	@echo "make setup   install Pie and its dependencies (CPU torch from the local wheel)"
 	@echo "make model   convert the default model once (pie model pull)"
-	@echo "make run     setup + model + generate a completion through the backend"
+	@echo "make run     setup + model + run text_completion on PROMPT through a fresh pie serve"
 	@echo "make test    setup + model + the test suite"
-	@echo "make bench   backend benchmark vs HF transformers (benchmarks/results/)"
+	@echo "make inferlets  build the Rust inferlets into components"
+	@echo "make bench   benchmarks: backend vs HF transformers, Pie overhead (benchmarks/results/)"
 
 setup:
 	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
@@ -25,13 +26,14 @@ model: setup
 	pie model pull
 
 run: model
-	pie generate --chat "$(PROMPT)" --max-tokens 64
+	pie run text_completion -- --prompt "$(PROMPT)" --max-tokens 64
 
 test: model
 	$(PYTHON) -m pytest -q tests
 
 bench: model
 	$(PYTHON) benchmarks/backend.py
+	$(PYTHON) benchmarks/overhead.py
 
 clean:
 	rm -rf build *.egg-info .pytest_cache
