@@ -265,7 +265,8 @@ def decode_envelope(frame: bytes) -> tuple[int, Kind, dict[str, Any]]:
     try:
         envelope = msgpack.unpackb(frame, strict_map_key=False)
     except Exception as e:  # msgpack raises several unrelated types on garbage
-        raise ProtocolError(f"frame is not valid msgpack ({type(e).__name__}: {e})") from None
+        detail = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        raise ProtocolError(f"frame is not valid msgpack ({detail})") from None
     if not (isinstance(envelope, list) and len(envelope) == 3):
         raise ProtocolError("frame must be a msgpack array [request_id, kind, body]")
     request_id, kind, body = envelope

@@ -315,7 +315,9 @@ class Engine:
         embed_ids = self._tensor(np.concatenate([i.embed_ids for i in items]))
         write_slots = self._tensor(np.concatenate([i.write_slots for i in items]))
         context = self._tensor(np.concatenate([i.context_slots for i in items]))
-        # Context visibility is read before this batch clears the bits of the slots it writes.
+        # Slots written by this batch are fresh: clear their mask bits first, so an item that
+        # reads another item's new tokens (vertically batched chained forwards) sees them.
+        self.kv.masked[write_slots] = False
         context_visible = ~self.kv.masked[context]
         kv_slots, kv_visible, start = [], [], 0
         for item in items:
@@ -331,7 +333,6 @@ class Engine:
             kv_visible=torch.cat(kv_visible),
             custom_masks=[item.mask for item in items],
         )
-        self.kv.masked[write_slots] = False
         out_rows = self._tensor(np.concatenate(
             [i.out_token_indices + q0 for i, q0 in zip(items, q_indptr)]))
         out_ids = self._tensor(np.concatenate([i.out_embed_ids for i in items]))

@@ -1,5 +1,5 @@
-"""The control layer's front door: one `Controller` per served model, one `Session` per
-inferlet instance. Every host call of the API lands on a Session method, which validates
+"""The control layer's front door: one `Controller` per served model, one `InstanceSession` per
+inferlet instance. Every host call of the API lands on an InstanceSession method, which validates
 the instance's handles, translates virtual ids to physical ones, and either answers at once
 (control-layer calls) or enqueues a command for the batch scheduler (inference-layer calls).
 """
@@ -34,8 +34,8 @@ class Controller:
         self.kvs = KeyValueStore()
         self.http = HttpClient(config.control)
 
-    def session(self, instance_id: str, arguments: list[str]) -> "Session":
-        return Session(self, instance_id, arguments)
+    def session(self, instance_id: str, arguments: list[str]) -> "InstanceSession":
+        return InstanceSession(self, instance_id, arguments)
 
     def stats(self) -> dict:
         with self.resources.lock:
@@ -55,7 +55,7 @@ def _invalid(message: str) -> HostError:
     return HostError(ErrorKind.INVALID_ARGUMENT, message)
 
 
-class Session:
+class InstanceSession:
     """One instance's view of the system; all methods run on that instance's thread."""
 
     def __init__(self, controller: Controller, instance_id: str, arguments: list[str]):

@@ -103,6 +103,9 @@ class Scheduler:
         self.queues: list[CommandQueue] = []
         self.stats = SchedulerStats()
         self.in_flight: dict[int, list[Command]] = {}
+        self.sent_at: dict[int, float] = {}
+        self.last_forward_s = 0.05  # duration of the latest forward batch (seed: a guess)
+        self.last_forward_queues: set[int] = set()  # id() of the queues in that batch
         self.backend_idle = True
         self.request_ids = itertools.count(1)
         self.endpoint = endpoint
@@ -206,9 +209,12 @@ class Scheduler:
                     return wait_ms
                 batch = self._form_batch(kind)
                 request_id = next(self.request_ids)
+                if kind == P.Kind.FORWARD:
+                    self.last_forward_queues = {id(c.queue) for c in batch}
                 self.in_flight[request_id] = batch
                 self.backend_idle = False
                 now = time.monotonic()
+                self.sent_at[request_id] = now
                 self.stats.batches[kind] += 1
                 self.stats.calls[kind] += len(batch)
                 self.stats.batch_sizes[len(batch)] += 1
@@ -246,14 +252,14 @@ class Scheduler:
         for command in heads:
             count[command.kind] += 1
             oldest[command.kind] = min(oldest.get(command.kind, command.enqueued), command.enqueued)
-        kind = min(oldest, key=oldest.get)
+        kind = self._preferred_kind(oldest)
         policy = self.config.scheduler
         if policy == "eager":
             return kind, None
         if not self.backend_idle:
             return None, None  # the idle signal wakes the loop
         if policy == "adaptive":
-            return kind, None
+            return self._gather_forwards(heads, kind, oldest)
         waited = time.monotonic() - oldest[kind]
         if policy == "k":
             ready = [k for k in count if count[k] >= self.config.batch_k]
@@ -266,6 +272,39 @@ class Scheduler:
         if waited >= limit:
             return kind, None
         return None, max(1, int((limit - waited) * 1e3))
+
+    def _preferred_kind(self, oldest: dict[str, float]) -> str:
+        """The oldest-waiting kind, except that forward yields to cheaper kinds.
+
+        embed_text, sample and the rest cost a fraction of a forward; running them first
+        lets their queues reach their next forward, so forwards gather into one batch instead
+        of splitting across rounds (measured: 8 concurrent decoders went from +156% to
+        near-direct time per token). A forward that has waited longer than the last forward
+        batch took goes first anyway, so it cannot starve.
+        """
+        others = {k: t for k, t in oldest.items() if k != P.Kind.FORWARD}
+        if P.Kind.FORWARD not in oldest or not others:
+            return min(oldest, key=oldest.get)
+        if time.monotonic() - oldest[P.Kind.FORWARD] > self.last_forward_s:
+            return P.Kind.FORWARD
+        return min(others, key=others.get)
+
+    def _gather_forwards(self, heads: list[Command], kind: str,
+                         oldest: dict[str, float]) -> tuple[str | None, int | None]:
+        """Adaptive's one exception to dispatching at once: when the queues of the previous
+        forward batch are about to submit their next forward (they are still between calls),
+        wait for them — at most a quarter of a forward's duration — so decoding inferlets stay
+        in one batch instead of drifting into several smaller ones."""
+        if kind != P.Kind.FORWARD:
+            return kind, None
+        ready = {id(c.queue) for c in heads if c.kind == P.Kind.FORWARD}
+        open_queues = {id(q) for q in self.queues if not q.closed}
+        missing = (self.last_forward_queues & open_queues) - ready
+        patience = 0.25 * self.last_forward_s
+        waited = time.monotonic() - oldest[kind]
+        if not missing or waited >= patience:
+            return kind, None
+        return None, max(1, int((patience - waited) * 1e3))
 
     def _form_batch(self, kind: str) -> list[Command]:
         busy = {id(c.queue) for batch in self.in_flight.values() for c in batch}
@@ -298,6 +337,9 @@ class Scheduler:
             return
         with self.lock:
             batch = self.in_flight.pop(request_id, None)
+            sent = self.sent_at.pop(request_id, None)
+            if batch and sent is not None and batch[0].kind == P.Kind.FORWARD:
+                self.last_forward_s = time.monotonic() - sent
         if batch is None:
             log.warning("reply to unknown request %s", request_id)
             return

@@ -1,7 +1,7 @@
 """The host side of the WIT world `pie:inferlet/inferlet` (sdk/wit), for one instance.
 
 Each WIT function becomes a Python function on a per-instance linker whose closures hold
-the instance's `Session` (pie/control). Wasm resources (queues, futures, pollables,
+the instance's `InstanceSession` (pie/control). Wasm resources (queues, futures, pollables,
 subscriptions) live in a per-instance table keyed by the rep we hand to wasmtime.
 Conventions of wasmtime-py 50 that this file relies on:
 - a `borrow<T>` argument arrives as a ResourceAny; `.to_host(store)` must be called on it
@@ -23,7 +23,7 @@ from typing import Any
 from wasmtime import Engine, Store
 from wasmtime.component import Linker, Record, ResourceAny, ResourceHost, ResourceType, Variant
 
-from pie.control.controller import Session
+from pie.control.controller import InstanceSession
 from pie.control.errors import ErrorKind, HostError
 from pie.control.future import HostFuture, wait_any
 
@@ -63,7 +63,7 @@ def record(**fields: Any) -> Record:
 class HostState:
     """One instance's wasm resources and its link to the control layer."""
 
-    def __init__(self, session: Session, send: Callable[[str], None], cpu_ticks: int):
+    def __init__(self, session: InstanceSession, send: Callable[[str], None], cpu_ticks: int):
         self.session = session
         self.send_message = send
         self.cpu_ticks = cpu_ticks

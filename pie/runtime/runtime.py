@@ -24,7 +24,7 @@ from wasmtime import Config, Engine, Store, Trap, WasmtimeError
 
 from pie import protocol as P
 from pie.config import PieConfig
-from pie.control.controller import Controller, Session
+from pie.control.controller import Controller, InstanceSession
 from pie.runtime.host import HostState, Terminated, build_linker
 from pie.runtime import wasmtime_compat
 from pie.runtime.programs import InvalidProgram, ProgramStore
@@ -63,7 +63,7 @@ class InstanceInfo:
 @dataclass(eq=False)
 class Instance:
     info: InstanceInfo
-    session: Session
+    session: InstanceSession
     host: HostState
     on_event: EventSink
     thread: threading.Thread | None = None
