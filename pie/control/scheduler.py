@@ -105,7 +105,7 @@ class Scheduler:
         self.in_flight: dict[int, list[Command]] = {}
         self.sent_at: dict[int, float] = {}
         self.last_forward_s = 0.05  # duration of the latest forward batch (seed: a guess)
-        self.last_forward_queues: set[int] = set()  # id() of the queues in that batch
+        self.recent_forwards: dict[int, float] = {}  # id(queue) -> when its last forward left
         self.backend_idle = True
         self.request_ids = itertools.count(1)
         self.endpoint = endpoint
@@ -140,6 +140,8 @@ class Scheduler:
         with self.lock:
             mine = [q for q in self.queues if q.instance_id == instance_id]
             self.queues = [q for q in self.queues if q.instance_id != instance_id]
+            for queue in mine:
+                self.recent_forwards.pop(id(queue), None)
         for queue in mine:
             queue.closed = True
             for command in queue.pending:
@@ -210,7 +212,8 @@ class Scheduler:
                 batch = self._form_batch(kind)
                 request_id = next(self.request_ids)
                 if kind == P.Kind.FORWARD:
-                    self.last_forward_queues = {id(c.queue) for c in batch}
+                    sent = time.monotonic()
+                    self.recent_forwards.update((id(c.queue), sent) for c in batch)
                 self.in_flight[request_id] = batch
                 self.backend_idle = False
                 now = time.monotonic()
@@ -291,18 +294,19 @@ class Scheduler:
 
     def _gather_forwards(self, heads: list[Command], kind: str,
                          oldest: dict[str, float]) -> tuple[str | None, int | None]:
-        """Adaptive's one exception to dispatching at once: when the queues of the previous
-        forward batch are about to submit their next forward (they are still between calls),
-        wait for them — at most a quarter of a forward's duration — so decoding inferlets stay
-        in one batch instead of drifting into several smaller ones."""
+        """Adaptive's one exception to dispatching at once: while queues that ran a forward
+        recently are still between calls (about to submit their next forward), wait for
+        them — at most half a forward's duration — so decoding inferlets share one batch
+        instead of drifting into groups that each pay a full forward."""
         if kind != P.Kind.FORWARD:
             return kind, None
+        now = time.monotonic()
+        recent = {q for q, t in self.recent_forwards.items() if now - t < 3 * self.last_forward_s}
         ready = {id(c.queue) for c in heads if c.kind == P.Kind.FORWARD}
         open_queues = {id(q) for q in self.queues if not q.closed}
-        missing = (self.last_forward_queues & open_queues) - ready
-        patience = 0.25 * self.last_forward_s
-        waited = time.monotonic() - oldest[kind]
-        if not missing or waited >= patience:
+        patience = 0.5 * self.last_forward_s
+        waited = now - oldest[kind]
+        if not (recent & open_queues) - ready or waited >= patience:
             return kind, None
         return None, max(1, int((patience - waited) * 1e3))
 

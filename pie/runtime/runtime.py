@@ -12,6 +12,7 @@ queue, owned export and subscription it held.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 import uuid
@@ -76,6 +77,11 @@ class Runtime:
         self.config = config
         self.controller = controller
         wasmtime_compat.install()
+        wasmtime_compat.install_fast_calls()
+        # Work hops between many threads (scheduler → instance → scheduler) every token; a
+        # 0.5 ms GIL switch interval instead of 5 ms cuts those hand-offs (measured: -15% time
+        # per token with 8 concurrent decoders).
+        sys.setswitchinterval(0.0005)
         engine_config = Config()
         engine_config.epoch_interruption = True
         self.engine = Engine(engine_config)
