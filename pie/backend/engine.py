@@ -63,6 +63,13 @@ def float_array(values: list, name: str) -> np.ndarray:
     return array
 
 
+def valid_items(n: int, errors: dict[int, str]) -> np.ndarray:
+    """Bool mask of the items that have no error."""
+    ok = np.ones(n, dtype=bool)
+    ok[list(errors)] = False
+    return ok
+
+
 def same_length(kind: str, **arrays: np.ndarray | list) -> int:
     lengths = {name: len(a) for name, a in arrays.items()}
     if len(set(lengths.values())) > 1:
@@ -178,8 +185,7 @@ class Engine:
             errors[int(i)] = f"position {positions[i]} is negative"
         for i in np.flatnonzero((embed_ids < 0) | (embed_ids >= self.embeds.size)):
             errors[int(i)] = f"embed id {embed_ids[i]} out of range [0, {self.embeds.size})"
-        ok = np.ones(n, dtype=bool)
-        ok[list(errors)] = False
+        ok = valid_items(n, errors)
         if ok.any():
             ids = self._tensor(embed_ids[ok])
             self.embeds.vectors[ids] = self.model.embed(self._tensor(tokens[ok]))
@@ -364,8 +370,7 @@ class Engine:
         self._valid_embeds(ids, errors)
         for i in np.flatnonzero((ks < 1) | (ks > vocab)):
             errors[int(i)] = f"k {ks[i]} out of range [1, {vocab}]"
-        ok = np.ones(n, dtype=bool)
-        ok[list(errors)] = False
+        ok = valid_items(n, errors)
         token_ids: list[list[int]] = [[] for _ in range(n)]
         probs: list[list[float]] = [[] for _ in range(n)]
         if ok.any():
@@ -395,8 +400,7 @@ class Engine:
             errors[int(i)] = f"top_p {top_ps[i]} must be in (0, 1]"
         for i in np.flatnonzero(seeds < -1):
             errors[int(i)] = f"seed {seeds[i]} must be >= 0, or -1 for unseeded"
-        ok = np.ones(n, dtype=bool)
-        ok[list(errors)] = False
+        ok = valid_items(n, errors)
         out = [-1] * n
         if ok.any():
             hidden = self.embeds.vectors[self._tensor(ids[ok])]
