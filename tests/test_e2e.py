@@ -217,3 +217,22 @@ def test_pie_run_prints_the_completion(server, expected):
          "--max-tokens", "16"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == expected[PROMPTS[0]].strip()
+
+
+def test_forked_context_continues_like_the_original(server, probe, hf_model, tokenizer):
+    """Context::fork shares the full pages and copies the partial last one: both decode the
+    same greedy tokens as HF transformers on the prompt."""
+    prompt = "In a quiet harbor town, the old lighthouse keeper"  # not a whole number of pages
+
+    async def run():
+        async with PieClient(server.ws, TOKEN) as client:
+            instance = await client.launch(await client.upload(probe), ["fork", prompt])
+            return [m async for m in instance], await instance.wait()
+
+    messages, reason = asyncio.run(run())
+    ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+    assert len(ids) % 16 != 0
+    expected = tokenizer.decode(hf_greedy(hf_model, ids, 8), skip_special_tokens=False)
+    assert reason == "finished" and messages == [expected, expected]
+    resources = server.get("/stats")[1]["resources"]
+    assert resources["kv_pages_free"] == resources["kv_pages_total"]

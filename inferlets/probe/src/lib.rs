@@ -6,6 +6,9 @@
 //!   and exports them; the importer decodes from the imported pages without prefilling.
 //!   Both send the greedy continuation (8 tokens), so equal messages mean shared KV works.
 //!   The exporter then waits for a message before ending (its export lives as long as it).
+//! - `fork PROMPT`: prefills PROMPT in a Context, forks it, and greedy-decodes 8 tokens in
+//!   the original and in the fork; sends both (they must be equal) and the free page count
+//!   is checked by the caller.
 //! - `calls N`: times N round trips of each kind of host call and sends them as JSON
 //!   (`{"call": microseconds, ...}`), for benchmarks/overhead.py.
 
@@ -55,6 +58,18 @@ async fn main() -> Result<(), String> {
             let tokens = queue.tokenize(&args[2]);
             let committed = pages.len() as u32 * queue.page_size();
             inferlet::send(&continuation(&queue, &pages, committed, tokens[committed as usize]).await?);
+            Ok(())
+        }
+        Some("fork") => {
+            let mut ctx = model.create_context()?;
+            ctx.fill(&args[1]);
+            ctx.flush()?;
+            let mut fork = ctx.fork()?;
+            let stop = inferlet::Stop::new(8);
+            let greedy = Sampler { temperature: 0.0, top_k: 0, top_p: 1.0, seed: None };
+            let (a, b) = (ctx.generate(&greedy, &stop).await?, fork.generate(&greedy, &stop).await?);
+            inferlet::send(&a);
+            inferlet::send(&b);
             Ok(())
         }
         Some("calls") => {
