@@ -1,7 +1,8 @@
 """The host side of the WIT world `pie:inferlet/inferlet` (sdk/wit), for one instance.
 
-Each WIT function becomes a Python function on a per-instance linker whose closures hold
-the instance's `InstanceSession` (pie/control). Wasm resources (queues, futures, pollables,
+Each WIT function becomes a Python function on one linker shared by all instances; a call
+finds its instance's `HostState` (and through it the `InstanceSession` of pie/control) from
+the store it runs in. Wasm resources (queues, futures, pollables,
 subscriptions) live in a per-instance table keyed by the rep we hand to wasmtime.
 Conventions of wasmtime-py 50 that this file relies on:
 - a `borrow<T>` argument arrives as a ResourceAny; `.to_host(store)` must be called on it
@@ -23,7 +24,7 @@ from typing import Any
 from wasmtime import Engine, Store
 from wasmtime.component import Linker, Record, ResourceAny, ResourceHost, ResourceType, Variant
 
-from pie.control.controller import InstanceSession
+from pie.control.controller import Controller, InstanceSession
 from pie.control.errors import ErrorKind, HostError
 from pie.control.future import HostFuture, wait_any
 
@@ -89,52 +90,60 @@ class HostState:
         self.objects.pop(rep, None)
 
 
-def build_linker(engine: Engine, state: HostState) -> Linker:
+def build_linker(engine: Engine, controller: Controller, lookup: Callable[[Any], HostState]) -> Linker:
+    """One linker for every instance: each host function finds its instance through the store."""
     linker = Linker(engine)
-    s = state.session
+    tok = controller.tokenizer
 
     def call(func: Callable[..., Any], fallible: bool = True) -> Callable[..., Any]:
         """Wrap a host function: cancellation check, HostError → error record, CPU re-arm."""
 
-        def wrapper(store: Any, *args: Any) -> Any:
-            if state.cancelled.is_set():
+        def wrapper(st: HostState, store: Any, *args: Any) -> Any:
+            if st.cancelled.is_set():
                 raise Terminated("instance terminated")
             try:
-                return func(store, *args)
+                return func(st, store, *args)
             except HostError as e:
                 if not fallible:
                     raise
                 return error_record(e)
             finally:
-                if state.store is not None:
-                    state.store.set_epoch_deadline(state.cpu_ticks)
+                if st.store is not None:
+                    st.store.set_epoch_deadline(st.cpu_ticks)
 
         return wrapper
 
     def counted(interface: Any) -> Any:
-        """Make `interface.add_func` count each function's calls in `state.calls`."""
+        """Make `interface.add_func` count each function's calls in `st.calls`."""
         add_func = interface.add_func
 
         def add_counted(name: str, func: Callable[..., Any]) -> None:
             def run(store: Any, *args: Any) -> Any:
-                state.calls[name] += 1
-                return func(store, *args)
+                st = lookup(store)
+                st.calls[name] += 1
+                return func(st, store, *args)
             add_func(name, run)
 
         interface.add_func = add_counted
         return interface
 
-    def queue(store: Any, q: Any) -> Any:
-        return state.get(store, q, Kind.QUEUE)
+    def drop(store: Any, rep: int) -> None:
+        try:
+            lookup(store).drop(store, rep)
+        except KeyError:
+            pass  # the instance is gone and its whole table with it
+
+    def queue(st: HostState, store: Any, q: Any) -> Any:
+        return st.get(store, q, Kind.QUEUE)
 
     def future_getter(kind: Kind, convert: Callable[[HostFuture], Any], pending: Any = None):
-        def get(store: Any, f: Any) -> Any:
-            future = state.get(store, f, kind)
+        def get(st: HostState, store: Any, f: Any) -> Any:
+            future = st.get(store, f, kind)
             return convert(future) if future.done() else pending
         return get
 
     def subscribe_to(kind: Kind):
-        return lambda store, f: state.own(Kind.POLLABLE, state.get(store, f, kind))
+        return lambda st, store, f: st.own(Kind.POLLABLE, st.get(store, f, kind))
 
     def tagged(future: HostFuture, ok: Callable[[Any], Any]) -> Variant:
         try:
@@ -151,20 +160,20 @@ def build_linker(engine: Engine, state: HostState) -> Linker:
     with linker.root() as root:
         with root.add_instance(PACKAGE.format("types")) as types:
             counted(types)
-            types.add_resource("queue", ResourceType.host(Kind.QUEUE), state.drop)
+            types.add_resource("queue", ResourceType.host(Kind.QUEUE), drop)
 
         with root.add_instance(PACKAGE.format("futures")) as futures:
             counted(futures)
             for name, kind in (("pollable", Kind.POLLABLE), ("future-unit", Kind.FUTURE_UNIT),
                                ("future-string", Kind.FUTURE_STRING)):
-                futures.add_resource(name, ResourceType.host(kind), state.drop)
+                futures.add_resource(name, ResourceType.host(kind), drop)
             futures.add_func("[method]pollable.ready",
-                             call(lambda store, p: state.get(store, p, Kind.POLLABLE).done(), False))
+                             call(lambda st, store, p: st.get(store, p, Kind.POLLABLE).done(), False))
 
-            def poll(store: Any, pollables: list[Any]) -> list[int]:
-                waited = [state.get(store, p, Kind.POLLABLE) for p in pollables]
-                ready = wait_any(waited, state.cancelled)
-                if state.cancelled.is_set():
+            def poll(st: HostState, store: Any, pollables: list[Any]) -> list[int]:
+                waited = [st.get(store, p, Kind.POLLABLE) for p in pollables]
+                ready = wait_any(waited, st.cancelled)
+                if st.cancelled.is_set():
                     raise Terminated("instance terminated")
                 return ready
 
@@ -186,55 +195,55 @@ def build_linker(engine: Engine, state: HostState) -> Linker:
 
         with root.add_instance(PACKAGE.format("runtime")) as runtime:
             counted(runtime)
-            runtime.add_func("get-arguments", call(lambda store: list(s.arguments), False))
-            runtime.add_func("instance-id", call(lambda store: s.instance_id, False))
-            runtime.add_func("version", call(lambda store: s.version(), False))
+            runtime.add_func("get-arguments", call(lambda st, store: list(st.session.arguments), False))
+            runtime.add_func("instance-id", call(lambda st, store: st.session.instance_id, False))
+            runtime.add_func("version", call(lambda st, store: st.session.version(), False))
 
-            def log_message(store: Any, level: str, message: str) -> None:
+            def log_message(st: HostState, store: Any, level: str, message: str) -> None:
                 log.log({"debug": 10, "info": 20, "warn": 30, "error": 40}.get(level, 20),
-                        "[%s] %s", s.instance_id[:8], message)
+                        "[%s] %s", st.session.instance_id[:8], message)
 
             runtime.add_func("log", call(log_message, False))
-            runtime.add_func("now", call(lambda store: s.now_ns(), False))
-            runtime.add_func("random-bytes", call(lambda store, n: list(s.random_bytes(n))))
-            runtime.add_func("available-models", call(lambda store: s.available_models(), False))
-            runtime.add_func("available-traits", call(lambda store, m: s.available_traits(m)))
+            runtime.add_func("now", call(lambda st, store: st.session.now_ns(), False))
+            runtime.add_func("random-bytes", call(lambda st, store, n: list(st.session.random_bytes(n))))
+            runtime.add_func("available-models", call(lambda st, store: st.session.available_models(), False))
+            runtime.add_func("available-traits", call(lambda st, store, m: st.session.available_traits(m)))
             runtime.add_func("create-queue",
-                             call(lambda store, m: state.own(Kind.QUEUE, s.create_queue(m))))
+                             call(lambda st, store, m: st.own(Kind.QUEUE, st.session.create_queue(m))))
             runtime.add_func("synchronize", call(
-                lambda store, q: state.own(Kind.FUTURE_UNIT, s.synchronize(queue(store, q))), False))
+                lambda st, store, q: st.own(Kind.FUTURE_UNIT, st.session.synchronize(queue(st, store, q))), False))
             runtime.add_func("set-queue-priority", call(
-                lambda store, q, p: s.set_queue_priority(queue(store, q), p), False))
+                lambda st, store, q, p: st.session.set_queue_priority(queue(st, store, q), p), False))
 
         with root.add_instance(PACKAGE.format("messaging")) as messaging:
             counted(messaging)
-            messaging.add_resource("subscription", ResourceType.host(Kind.SUBSCRIPTION), state.drop)
-            def send(store: Any, message: str) -> None:
-                state.send_message(message)
+            messaging.add_resource("subscription", ResourceType.host(Kind.SUBSCRIPTION), drop)
+            def send(st: HostState, store: Any, message: str) -> None:
+                st.send_message(message)
 
             messaging.add_func("send", call(send, False))
             messaging.add_func("receive",
-                               call(lambda store: state.own(Kind.FUTURE_STRING, s.receive()), False))
-            messaging.add_func("broadcast", call(lambda store, t, m: s.broadcast(t, m), False))
+                               call(lambda st, store: st.own(Kind.FUTURE_STRING, st.session.receive()), False))
+            messaging.add_func("broadcast", call(lambda st, store, t, m: st.session.broadcast(t, m), False))
             messaging.add_func("subscribe",
-                               call(lambda store, t: state.own(Kind.SUBSCRIPTION, s.subscribe(t))))
+                               call(lambda st, store, t: st.own(Kind.SUBSCRIPTION, st.session.subscribe(t))))
             messaging.add_func("[method]subscription.next", call(
-                lambda store, sub: state.own(Kind.FUTURE_STRING,
-                                             state.get(store, sub, Kind.SUBSCRIPTION).next()), False))
+                lambda st, store, sub: st.own(Kind.FUTURE_STRING,
+                                             st.get(store, sub, Kind.SUBSCRIPTION).next()), False))
 
         with root.add_instance(PACKAGE.format("kvs")) as kvs:
             counted(kvs)
-            kvs.add_func("store-get", call(lambda store, k: s.c.kvs.get(k), False))
-            kvs.add_func("store-set", call(lambda store, k, v: s.c.kvs.set(k, v)))
-            kvs.add_func("store-delete", call(lambda store, k: s.c.kvs.delete(k), False))
+            kvs.add_func("store-get", call(lambda st, store, k: st.session.c.kvs.get(k), False))
+            kvs.add_func("store-set", call(lambda st, store, k, v: st.session.c.kvs.set(k, v)))
+            kvs.add_func("store-delete", call(lambda st, store, k: st.session.c.kvs.delete(k), False))
 
         with root.add_instance(PACKAGE.format("http")) as http:
             counted(http)
-            http.add_resource("future-response", ResourceType.host(Kind.FUTURE_RESPONSE), state.drop)
-            http.add_func("http-get", call(lambda store, url, headers: state.own(
-                Kind.FUTURE_RESPONSE, s.http("GET", url, list(headers)))))
-            http.add_func("http-post", call(lambda store, url, headers, body: state.own(
-                Kind.FUTURE_RESPONSE, s.http("POST", url, list(headers), body))))
+            http.add_resource("future-response", ResourceType.host(Kind.FUTURE_RESPONSE), drop)
+            http.add_func("http-get", call(lambda st, store, url, headers: st.own(
+                Kind.FUTURE_RESPONSE, st.session.http("GET", url, list(headers)))))
+            http.add_func("http-post", call(lambda st, store, url, headers, body: st.own(
+                Kind.FUTURE_RESPONSE, st.session.http("POST", url, list(headers), body))))
             http.add_func("[method]future-response.subscribe",
                           call(subscribe_to(Kind.FUTURE_RESPONSE), False))
             http.add_func("[method]future-response.get", call(future_getter(
@@ -243,25 +252,25 @@ def build_linker(engine: Engine, state: HostState) -> Linker:
 
         with root.add_instance(PACKAGE.format("allocate")) as allocate:
             counted(allocate)
-            allocate.add_func("alloc-kvpage", call(lambda store, q, n: s.alloc_kvpage(queue(store, q), n)))
+            allocate.add_func("alloc-kvpage", call(lambda st, store, q, n: st.session.alloc_kvpage(queue(st, store, q), n)))
             allocate.add_func("dealloc-kvpage",
-                              call(lambda store, q, pages: s.dealloc_kvpage(queue(store, q), pages)))
-            allocate.add_func("alloc-emb", call(lambda store, q, n: s.alloc_emb(queue(store, q), n)))
+                              call(lambda st, store, q, pages: st.session.dealloc_kvpage(queue(st, store, q), pages)))
+            allocate.add_func("alloc-emb", call(lambda st, store, q, n: st.session.alloc_emb(queue(st, store, q), n)))
             allocate.add_func("dealloc-emb",
-                              call(lambda store, q, embeds: s.dealloc_emb(queue(store, q), embeds)))
+                              call(lambda st, store, q, embeds: st.session.dealloc_emb(queue(st, store, q), embeds)))
             allocate.add_func("copy-kvpage", call(
-                lambda store, q, src, dst, so, do, n: s.copy_kvpage(queue(store, q), src, dst, so, do, n)))
+                lambda st, store, q, src, dst, so, do, n: st.session.copy_kvpage(queue(st, store, q), src, dst, so, do, n)))
             allocate.add_func("export-kvpage", call(
-                lambda store, pages, name, persistent: s.export_kvpage(pages, name, persistent)))
-            allocate.add_func("import-kvpage", call(lambda store, name: s.import_kvpage(name)))
-            allocate.add_func("unexport-kvpage", call(lambda store, name: s.unexport_kvpage(name)))
-            allocate.add_func("kv-page-size", call(lambda store, q: (queue(store, q), s.page_size)[1], False))
+                lambda st, store, pages, name, persistent: st.session.export_kvpage(pages, name, persistent)))
+            allocate.add_func("import-kvpage", call(lambda st, store, name: st.session.import_kvpage(name)))
+            allocate.add_func("unexport-kvpage", call(lambda st, store, name: st.session.unexport_kvpage(name)))
+            allocate.add_func("kv-page-size", call(lambda st, store, q: (queue(st, store, q), st.session.page_size)[1], False))
 
         with root.add_instance(PACKAGE.format("forward")) as forward:
             counted(forward)
-            def run_forward(store: Any, q: Any, p: Any) -> None:
+            def run_forward(st: HostState, store: Any, q: Any, p: Any) -> None:
                 mask = getattr(p, "attention-mask")
-                s.forward(queue(store, q), getattr(p, "input-kv-pages"),
+                st.session.forward(queue(st, store, q), getattr(p, "input-kv-pages"),
                           getattr(p, "input-kv-last-page-len"), getattr(p, "input-embeds"),
                           getattr(p, "output-kv-pages"), getattr(p, "output-kv-offset"),
                           getattr(p, "output-embeds"), getattr(p, "output-token-indices"),
@@ -269,46 +278,45 @@ def build_linker(engine: Engine, state: HostState) -> Linker:
 
             forward.add_func("forward", call(run_forward))
 
-            def forward_with_adapter(store: Any, q: Any, adapter: str, p: Any) -> None:
-                queue(store, q)
+            def forward_with_adapter(st: HostState, store: Any, q: Any, adapter: str, p: Any) -> None:
+                queue(st, store, q)
                 raise HostError(ErrorKind.UNSUPPORTED,
                                 f"adapter {adapter!r}: this model serves no LoRA adapters")
 
             forward.add_func("forward-with-adapter", call(forward_with_adapter))
             forward.add_func("mask-kvpage",
-                             call(lambda store, q, page, mask: s.mask_kvpage(queue(store, q), page, mask)))
+                             call(lambda st, store, q, page, mask: st.session.mask_kvpage(queue(st, store, q), page, mask)))
 
         with root.add_instance(PACKAGE.format("input-text")) as input_text:
             counted(input_text)
             input_text.add_func("embed-text", call(
-                lambda store, q, tokens, positions, embeds: s.embed_text(queue(store, q), tokens, positions, embeds)))
+                lambda st, store, q, tokens, positions, embeds: st.session.embed_text(queue(st, store, q), tokens, positions, embeds)))
 
         with root.add_instance(PACKAGE.format("input-image")) as input_image:
             counted(input_image)
-            def no_images(store: Any, q: Any, *args: Any) -> Any:
-                queue(store, q)
-                raise HostError(ErrorKind.UNSUPPORTED, f"{s.c.hs.model_name} takes no image input")
+            def no_images(st: HostState, store: Any, q: Any, *args: Any) -> Any:
+                queue(st, store, q)
+                raise HostError(ErrorKind.UNSUPPORTED, f"{st.session.c.hs.model_name} takes no image input")
 
             input_image.add_func("num-embs-needed", call(no_images))
             input_image.add_func("embed-image", call(no_images))
 
         with root.add_instance(PACKAGE.format("tokenize")) as tokenize:
             counted(tokenize)
-            tok = s.c.tokenizer
-            tokenize.add_func("tokenize", call(lambda store, q, text: (queue(store, q), tok.encode(text))[1], False))
+            tokenize.add_func("tokenize", call(lambda st, store, q, text: (queue(st, store, q), tok.encode(text))[1], False))
 
-            def detokenize(store: Any, q: Any, ids: list[int]) -> str:
-                queue(store, q)
-                if any(i >= s.c.hs.vocab_size for i in ids):
-                    raise HostError(ErrorKind.INVALID_ARGUMENT, f"token id out of range [0, {s.c.hs.vocab_size})")
+            def detokenize(st: HostState, store: Any, q: Any, ids: list[int]) -> str:
+                queue(st, store, q)
+                if any(i >= st.session.c.hs.vocab_size for i in ids):
+                    raise HostError(ErrorKind.INVALID_ARGUMENT, f"token id out of range [0, {st.session.c.hs.vocab_size})")
                 return tok.decode(ids)
 
             tokenize.add_func("detokenize", call(detokenize))
-            tokenize.add_func("get-vocabs", call(lambda store, q: (queue(store, q), [list(b) for b in tok.vocabs])[1], False))
-            tokenize.add_func("get-eos-tokens", call(lambda store, q: (queue(store, q), tok.eos_token_ids)[1], False))
+            tokenize.add_func("get-vocabs", call(lambda st, store, q: (queue(st, store, q), [list(b) for b in tok.vocabs])[1], False))
+            tokenize.add_func("get-eos-tokens", call(lambda st, store, q: (queue(st, store, q), tok.eos_token_ids)[1], False))
 
-            def chat(store: Any, q: Any, messages: list[Any], add_generation_prompt: bool) -> str:
-                queue(store, q)
+            def chat(st: HostState, store: Any, q: Any, messages: list[Any], add_generation_prompt: bool) -> str:
+                queue(st, store, q)
                 try:
                     return tok.apply_chat_template(
                         [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt)
@@ -319,14 +327,14 @@ def build_linker(engine: Engine, state: HostState) -> Linker:
 
         with root.add_instance(PACKAGE.format("output-text")) as output_text:
             counted(output_text)
-            output_text.add_resource("future-dist", ResourceType.host(Kind.FUTURE_DIST), state.drop)
-            output_text.add_resource("future-token", ResourceType.host(Kind.FUTURE_TOKEN), state.drop)
-            output_text.add_func("get-next-dist", call(lambda store, q, emb, k: state.own(
-                Kind.FUTURE_DIST, s.get_next_dist(queue(store, q), emb, k))))
+            output_text.add_resource("future-dist", ResourceType.host(Kind.FUTURE_DIST), drop)
+            output_text.add_resource("future-token", ResourceType.host(Kind.FUTURE_TOKEN), drop)
+            output_text.add_func("get-next-dist", call(lambda st, store, q, emb, k: st.own(
+                Kind.FUTURE_DIST, st.session.get_next_dist(queue(st, store, q), emb, k))))
 
-            def sample(store: Any, q: Any, emb: int, sampler: Any) -> Any:
-                return state.own(Kind.FUTURE_TOKEN, s.sample(
-                    queue(store, q), emb, sampler.temperature, getattr(sampler, "top-k"),
+            def sample(st: HostState, store: Any, q: Any, emb: int, sampler: Any) -> Any:
+                return st.own(Kind.FUTURE_TOKEN, st.session.sample(
+                    queue(st, store, q), emb, sampler.temperature, getattr(sampler, "top-k"),
                     getattr(sampler, "top-p"), sampler.seed))
 
             output_text.add_func("sample", call(sample))

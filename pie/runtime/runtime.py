@@ -11,6 +11,7 @@ queue, owned export and subscription it held.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import sys
 import threading
@@ -87,12 +88,18 @@ class Runtime:
         self.engine = Engine(engine_config)
         self.programs = ProgramStore(self.engine, config.paths.cache)
         self.instances: dict[str, Instance] = {}
+        self.by_store: dict[int, HostState] = {}  # store context address -> its instance
+        self.linker = build_linker(self.engine, controller, self._host_state)
         self.host_calls: dict[str, Counter[str]] = {}  # program name or hash -> calls by function
         self.lock = threading.Lock()
         self.running = True
         self.cpu_ticks = max(1, int(config.runtime.cpu_slice_ms / 1e3 / EPOCH_TICK_S))
         self.ticker = threading.Thread(target=self._tick, name="pie-epoch", daemon=True)
         self.ticker.start()
+
+    def _host_state(self, store: object) -> HostState:
+        """The instance a host call belongs to, from the store it runs in."""
+        return self.by_store[store_key(store)]
 
     def _tick(self) -> None:
         while self.running:
@@ -157,6 +164,7 @@ class Runtime:
             if instance.thread:
                 instance.thread.join(timeout_s)
         self.controller.shutdown()
+        self.linker.close()  # now, not at interpreter exit when wasmtime's FFI is gone
 
     def _get(self, instance_id: str) -> Instance:
         with self.lock:
@@ -174,8 +182,8 @@ class Runtime:
             store.set_limits(memory_size=self.config.runtime.memory_limit_mb * 2**20)
             store.set_epoch_deadline(self.cpu_ticks)
             instance.host.store = store
-            linker = build_linker(self.engine, instance.host)
-            wasm = linker.instantiate(store, component)
+            self.by_store[store_key(store)] = instance.host
+            wasm = self.linker.instantiate(store, component)
             run = wasm.get_func(store, "run")
             if run is None:
                 raise InvalidProgram("the component exports no `run` function")
@@ -198,6 +206,8 @@ class Runtime:
             if instance.host.cancelled.is_set() and instance.end_reason is None:
                 reason = "terminated"
             instance.session.close()
+            if instance.host.store is not None:
+                self.by_store.pop(store_key(instance.host.store), None)
             with self.lock:
                 self.instances.pop(instance.info.id, None)
                 program = instance.info.name or instance.info.program
@@ -206,6 +216,12 @@ class Runtime:
             log.info("instance %s (%s) ended: %s", instance.info.id[:8],
                      instance.info.name or instance.info.program[:12], reason)
             instance.on_event(instance.info.id, "terminated", reason)
+
+
+def store_key(store: object) -> int:
+    """The address of a store's context: the same for the Store and for the StoreContext
+    wasmtime-py hands to host functions called from it."""
+    return ctypes.cast(store._context(), ctypes.c_void_p).value  # type: ignore[attr-defined]
 
 
 def _failure_summary(text: str, config: PieConfig) -> str:
