@@ -93,8 +93,14 @@ def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's LlamaRMSNorm (normalise in fp32, cast back, scale) as one fused kernel."""
-    return F.rms_norm(x, weight.shape, weight, eps)
+    """HF's LlamaRMSNorm: normalise in fp32, cast back, then scale in the model dtype.
+
+    Not F.rms_norm: its single rounding differs from HF's two in bf16 and, compounded over
+    30 layers, flipped SmolLM2's greedy answers (tests/test_bf16.py guards this).
+    """
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
