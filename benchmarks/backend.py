@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import statistics
 import time
@@ -27,71 +26,30 @@ from pie import protocol as P
 from pie.backend.weights import resolve_model_dir
 from pie.config import load_config
 from pie.control.backend_link import BackendLink, BackendProcess
+from pie.control.direct import DirectBatch
 
 RESULTS = Path(__file__).parent / "results"
 
 
 class PieSide:
-    """B sequences with L cached tokens each in a real backend; one decode step = 3 calls."""
+    """B sequences of L cached tokens in a real backend; a decode step is the three calls
+    the control layer issues (sample, embed_text, forward), as the direct driver makes them."""
 
-    def __init__(self, link: BackendLink, hs: P.HandshakeReply):
-        self.link, self.hs = link, hs
-
-    def _ok(self, message: P.Message) -> P.Message:
-        reply = self.link.call(message)
-        assert not getattr(reply, "errors", None), reply
-        return reply
+    def __init__(self, link: BackendLink, hs: P.HandshakeReply, steps: int):
+        self.link, self.hs, self.steps = link, hs, steps
 
     def prepare(self, batch: int, context: int) -> None:
-        ps = self.hs.page_size
-        self.batch, self.context = batch, context
-        self.pages_each = math.ceil((context + 64) / ps)
-        self.length = [0] * batch
-        chunk = 512
-        for start in range(0, context, chunk):
-            n = min(chunk, context - start)
-            for b in range(batch):
-                self._ok(P.EmbedText([100 + (b + i) % 1000 for i in range(n)],
-                                     list(range(start, start + n)), list(range(n))))
-                self._forward([b], list(range(n)))
-
-    def _forward(self, seqs: list[int], embeds: list[int], per_seq: int | None = None) -> None:
-        ps = self.hs.page_size
-        m = P.Forward([], [0], [], [], [0], [], [0], [], [], [], [0], [])
-        for j, b in enumerate(seqs):
-            pages = list(range(b * self.pages_each, (b + 1) * self.pages_each))
-            length = self.length[b]
-            own = embeds if per_seq is None else embeds[j * per_seq : (j + 1) * per_seq]
-            m.kv_page_ids += pages[: math.ceil(length / ps)]
-            m.kv_page_indptr.append(len(m.kv_page_ids))
-            m.kv_last_page_lens.append((length - 1) % ps + 1 if length else 0)
-            m.embed_ids += own
-            m.embed_indptr.append(len(m.embed_ids))
-            out = pages[length // ps : math.ceil((length + len(own)) / ps)]
-            m.out_kv_page_ids += out
-            m.out_kv_page_indptr.append(len(m.out_kv_page_ids))
-            m.out_kv_offsets.append(length % ps)
-            m.out_embed_ids.append(self.hs.num_embeds - 1 - b)
-            m.out_token_indices.append(len(own) - 1)
-            m.out_embed_indptr.append(len(m.out_embed_ids))
-            m.attention_masks.append(None)
-            self.length[b] += len(own)
-        self._ok(m)
+        prompts = [[100 + (b + i) % 1000 for i in range(context)] for b in range(batch)]
+        self.batch = DirectBatch(self.link, self.hs, prompts, self.steps)
+        self.batch.prefill()
 
     def decode_step(self) -> None:
-        seqs = list(range(self.batch))
-        outs = [self.hs.num_embeds - 1 - b for b in seqs]
-        tokens = self._ok(P.Sample(outs, [0.0] * self.batch, [0] * self.batch,
-                                   [1.0] * self.batch, [-1] * self.batch)).token_ids
-        self._ok(P.EmbedText(tokens, [self.length[b] for b in seqs], seqs))
-        self._forward(seqs, seqs, per_seq=1)
+        self.batch.step()
 
     def prefill(self, n: int) -> None:
-        self._ok(P.EmbedText([100 + i % 1000 for i in range(n)], list(range(n)), list(range(n))))
-        self.length = [0]
-        self.pages_each = math.ceil(n / self.hs.page_size) + 1
-        self._forward([0], list(range(n)))
-        self._ok(P.Sample([self.hs.num_embeds - 1], [0.0], [0], [1.0], [-1]))
+        batch = DirectBatch(self.link, self.hs, [[100 + i % 1000 for i in range(n)]], 1)
+        batch.prefill()
+        batch.step(limit=1)  # the first token, as a request would
 
 
 class HfSide:
@@ -141,7 +99,8 @@ def main() -> None:
     process = BackendProcess(model_dir, extra_args=["--dtype", args.dtype])
     try:
         link, hs = process.connect()
-        pie, hf = PieSide(link, hs), HfSide(model_dir, getattr(torch, args.dtype))
+        pie = PieSide(link, hs, steps=args.rounds * args.steps + 2)
+        hf = HfSide(model_dir, getattr(torch, args.dtype))
         results = {"prefill": {}, "decode": []}
 
         pie_times, hf_times = [], []

@@ -8,7 +8,7 @@ import pytest
 from pie import protocol as P
 from pie.control.backend_link import BackendError, BackendLink, BackendProcess
 from pie.control.chat_template import chat_prompt
-from pie.control.direct import DirectDriver, SamplingParams
+from pie.control.direct import DirectBatch, DirectDriver, SamplingParams
 
 from conftest import HF_PROMPTS, hf_greedy
 
@@ -61,12 +61,11 @@ def test_sampling_controls(backend, tokenizer):
 
 def test_next_dist_is_sorted_topk_consistent_with_greedy(backend, tokenizer):
     link, hs = backend
-    driver = DirectDriver(link, hs)
-    prompt = tokenizer.encode("The capital of France is").ids
-    greedy = driver.generate([prompt], 1)[0][0]
-    # The driver left the last hidden state in the first sequence's output slot.
-    out_slot = len(prompt) + 2 - 1
-    reply = link.call(P.NextDist([out_slot, out_slot], [5, 1]))
+    batch = DirectBatch(link, hs, [tokenizer.encode("The capital of France is").ids], 1)
+    batch.prefill()  # leaves the last token's hidden state in the output slot
+    out = batch.seqs[0].out_embed
+    reply = link.call(P.NextDist([out, out], [5, 1]))
+    greedy = batch.step()[0]
     assert reply.errors == {}
     assert reply.token_ids[0][0] == greedy and reply.token_ids[1] == [greedy]
     assert reply.probs[0] == sorted(reply.probs[0], reverse=True)
