@@ -1,0 +1,89 @@
+"""The runtime (wasmtime, instance threads, limits, teardown) with a real control layer
+whose backend is never needed: `hello` and the probe's limit modes make no model calls."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+
+from pie import protocol as P
+from pie.config import PieConfig
+from pie.runtime.runtime import LaunchRefused, UnknownInstance, UnknownProgram, start_runtime
+from pie.toolchain import build_inferlet
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Events:
+    """Collects one instance's events; `ended` is set by its terminated event."""
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+        self.reason: str | None = None
+        self.ended = threading.Event()
+
+    def __call__(self, _id: str, kind: str, data: str) -> None:
+        if kind == "message":
+            self.messages.append(data)
+        else:
+            self.reason = data
+            self.ended.set()
+
+
+@pytest.fixture
+def runtime(tmp_path, model_dir):
+    config = PieConfig()
+    config.paths.cache_dir = str(tmp_path)
+    config.runtime.max_instances = 2
+    config.runtime.cpu_slice_ms = 300
+    handshake = P.HandshakeReply(
+        protocol_version=P.PROTOCOL_VERSION, model_name="test-model", traits=["forward"],
+        page_size=16, num_kv_pages=8, num_embeds=8, vocab_size=49152, hidden_size=576,
+        max_batch_tokens=64, tokenizer_json=(model_dir / "tokenizer.json").read_text(),
+        eos_token_ids=[2], bos_token_id=1, chat_template="", dtype="float32", device="cpu")
+    builtins = {name: build_inferlet(ROOT / "inferlets" / name) for name in ("hello", "probe")}
+    rt = start_runtime(config, f"ipc://{tmp_path}/no-backend.sock", handshake, builtins)
+    yield rt
+    rt.shutdown()
+
+
+def test_launch_echo_terminate_and_limits(runtime):
+    first, second = Events(), Events()
+    a = runtime.launch("hello", ["one"], first)
+    runtime.launch("hello", ["two"], second)
+    with pytest.raises(LaunchRefused, match="max_instances = 2"):
+        runtime.launch("hello", [], Events())
+    runtime.send(a.id, "ping")
+    runtime.send(a.id, "quit")
+    assert first.ended.wait(10) and first.reason == "finished"
+    assert first.messages == ["one", "ping"]
+    info = runtime.list_instances()
+    assert [i.name for i in info] == ["hello"] and info[0].arguments == ["two"]
+    runtime.terminate(info[0].id)
+    assert second.ended.wait(10) and second.reason == "terminated by client"
+    assert runtime.list_instances() == []
+    with pytest.raises(UnknownInstance):
+        runtime.send(a.id, "too late")
+    with pytest.raises(UnknownProgram):
+        runtime.launch("f" * 64, [], Events())
+
+
+def test_cpu_limit_stops_a_spinning_instance(runtime):
+    events = Events()
+    runtime.launch("probe", ["loop"], events)
+    assert events.ended.wait(10)
+    assert events.reason.startswith("trap: CPU limit") and "300 ms" in events.reason
+
+
+def test_compiled_programs_survive_a_restart(runtime):
+    digest = runtime.programs.builtins["hello"]
+    artifact = runtime.programs.dir / f"{digest}.cwasm"
+    assert artifact.is_file()
+    runtime.programs.loaded.clear()  # as after a restart: only the disk cache is left
+    assert runtime.programs.exists(digest)
+    events = Events()
+    runtime.launch(digest, ["again"], events)
+    runtime.send(runtime.list_instances()[0].id, "quit")
+    assert events.ended.wait(10) and events.messages == ["again"]
