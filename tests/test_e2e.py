@@ -236,3 +236,21 @@ def test_forked_context_continues_like_the_original(server, probe, hf_model, tok
     assert reason == "finished" and messages == [expected, expected]
     resources = server.get("/stats")[1]["resources"]
     assert resources["kv_pages_free"] == resources["kv_pages_total"]
+
+
+def test_text_completion_sampling_arguments(server):
+    """--temperature/--top-p/--seed reach the host sampler: a seed reproduces a draw."""
+    args = ["--prompt", "Write one sentence about cats.", "--max-tokens", "12",
+            "--temperature", "1.2", "--top-p", "0.95"]
+
+    async def run(extra: list[str]) -> str:
+        async with PieClient(server.ws, TOKEN) as client:
+            instance = await client.launch("text_completion", args + extra)
+            messages = [m async for m in instance]
+            assert await instance.wait() == "finished"
+            return messages[0]
+
+    first, again = asyncio.run(run(["--seed", "7"])), asyncio.run(run(["--seed", "7"]))
+    others = {asyncio.run(run(["--seed", str(s)])) for s in range(8, 12)}
+    assert first == again
+    assert len(others | {first}) > 1
