@@ -6,9 +6,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -254,3 +257,23 @@ def test_text_completion_sampling_arguments(server):
     others = {asyncio.run(run(["--seed", str(s)])) for s in range(8, 12)}
     assert first == again
     assert len(others | {first}) > 1
+
+
+def test_backend_death_fails_calls_instead_of_hanging(tmp_path):
+    """kill -9 of the backend: waiting and later inference calls fail with the reason, the
+    server keeps answering, /health says why. (Restarting the backend: issue 7.)"""
+    victim = Server(tmp_path)
+    try:
+        children = Path(f"/proc/{victim.process.pid}/task/{victim.process.pid}/children")
+        (backend_pid,) = [int(p) for p in children.read_text().split()]
+        os.kill(backend_pid, signal.SIGKILL)
+        for _ in range(40):
+            status, health = victim.get("/health")
+            if status == 503:
+                break
+            time.sleep(0.25)
+        assert status == 503 and "backend process exited" in health["reason"]
+        [(messages, reason)] = asyncio.run(complete(victim.ws, [PROMPTS[0]]))
+        assert messages == [] and "backend process exited" in reason
+    finally:
+        victim.stop()

@@ -183,12 +183,13 @@ class Scheduler:
                             pass
         except Exception as e:  # a scheduler bug fails every waiting call instead of hanging it
             log.exception("scheduler stopped")
-            self._fail_everything(f"scheduler failed: {e}")
+            self.fail_all(f"scheduler failed: {e}")
         finally:
             socket.close()
             context.term()
 
-    def _fail_everything(self, reason: str) -> None:
+    def fail_all(self, reason: str) -> None:
+        """Fail every waiting and in-flight call, and every later one (backend gone)."""
         with self.lock:
             self.failure = reason
             commands = [c for batch in self.in_flight.values() for c in batch]

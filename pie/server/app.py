@@ -27,6 +27,7 @@ class ServerState:
     config: ServerConfig
     runtime: Runtime | None = None  # set once the backend handshake is done
     model: str | None = None
+    failure: str | None = None  # set if the backend dies: /health reports it
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -34,6 +35,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     def health() -> JSONResponse:
+        if state.failure is not None:
+            return JSONResponse({"status": "failed", "reason": state.failure}, status_code=503)
         if state.runtime is None:
             return JSONResponse({"status": "starting"}, status_code=503)
         return JSONResponse({"status": "ok", "model": state.model})

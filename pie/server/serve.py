@@ -20,7 +20,7 @@ from rich.console import Console
 
 from pie.config import PieConfig
 from pie.control.backend_link import BackendError, BackendProcess
-from pie.runtime.runtime import start_runtime
+from pie.runtime.runtime import Runtime, start_runtime
 from pie.server.app import ServerState, create_app, ws_max_size
 from pie.toolchain import REPO, ToolchainError, build_inferlet
 
@@ -79,7 +79,9 @@ async def _serve(config: PieConfig, model_dir: Path, config_path: str | None,
                                               await builtins)
         state.model, state.runtime = hello.model_name, runtime
         print(READY_LINE.format(model=hello.model_name, host=host, port=port), flush=True)
+        watchdog = asyncio.create_task(_watch_backend(backend, runtime, state, console))
         await serving
+        watchdog.cancel()
         return 0
     except BackendError as e:
         console.print(f"[red]error:[/] {e}")
@@ -91,6 +93,19 @@ async def _serve(config: PieConfig, model_dir: Path, config_path: str | None,
             runtime.shutdown()
         if backend is not None:
             backend.stop()
+
+
+async def _watch_backend(backend: BackendProcess, runtime: Runtime, state: ServerState,
+                         console: Console) -> None:
+    """If the backend process dies, fail every pending and later inference call with the
+    reason (instead of leaving inferlets waiting forever) and report it on /health.
+    Restarting the backend is left to a later issue."""
+    while backend.process.poll() is None:
+        await asyncio.sleep(0.5)
+    reason = f"the backend process exited with code {backend.process.returncode}"
+    console.print(f"[red]error:[/] {reason}; inference calls fail until `pie serve` is restarted")
+    state.failure = reason
+    runtime.controller.scheduler.fail_all(reason)
 
 
 def _build_builtins(config: PieConfig, console: Console) -> dict[str, Path]:
