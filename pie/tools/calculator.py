@@ -50,9 +50,9 @@ def evaluate(expression: str) -> int | float:
         raise CalculatorError(f"not a valid expression: {e.msg}") from None
     try:
         value = _eval(tree.body)
+    except CalculatorError:
+        raise
     except (ZeroDivisionError, OverflowError, ValueError, TypeError) as e:
-        if isinstance(e, CalculatorError):
-            raise
         raise CalculatorError(f"cannot evaluate: {e}") from None
     except RecursionError:
         raise CalculatorError("expression nested too deeply") from None
@@ -100,6 +100,8 @@ def _check_power(base: int | float, exponent: int | float) -> None:
 
 
 def _checked(value: int | float) -> int | float:
+    if type(value) not in (int, float):  # (-8) ** 0.5 is complex
+        raise CalculatorError(f"result is not a real number: {value}")
     if isinstance(value, int) and value.bit_length() > MAX_INT_BITS:
         raise CalculatorError(f"result too large (limit {MAX_INT_BITS} bits)")
     return value
