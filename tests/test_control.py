@@ -169,3 +169,46 @@ def test_freed_handle_is_invalid():
         inst.pages.resolve([page])
     with pytest.raises(HostError, match="appears twice"):
         manager.take_embeds(inst, [1, 1])
+
+
+def test_instance_session_validates_before_enqueueing(tmp_path, model_dir):
+    """Bad handles and arguments fail at the call, with the WIT error kind, not later."""
+    from pie.config import PieConfig
+    from pie.control.controller import Controller
+
+    endpoint = f"ipc://{tmp_path}/fake.sock"
+    backend = FakeBackend(endpoint)
+    handshake = P.HandshakeReply(
+        protocol_version=P.PROTOCOL_VERSION, model_name="m", traits=[], page_size=16,
+        num_kv_pages=8, num_embeds=100, vocab_size=49152, hidden_size=576, max_batch_tokens=64,
+        tokenizer_json=(model_dir / "tokenizer.json").read_text(), eos_token_ids=[2],
+        bos_token_id=1, chat_template="", dtype="float32", device="cpu")
+    controller = Controller(PieConfig(), endpoint, handshake)
+    try:
+        a, b = controller.session("a", []), controller.session("b", [])
+        qa = a.create_queue("m")
+        embeds = a.alloc_emb(qa, 70)
+        (page,) = a.alloc_kvpage(qa, 1)
+        cases = [
+            (lambda: a.forward(qa, [], 0, embeds, [], 0, [], [], None), ErrorKind.INVALID_ARGUMENT,
+             "max_batch_tokens = 64"),
+            (lambda: a.forward(qa, [99], 1, embeds[:1], [], 0, [], [], None),
+             ErrorKind.INVALID_HANDLE, "kv page 99"),
+            (lambda: b.forward(b.create_queue("m"), [page], 1, [1], [], 0, [], [], None),
+             ErrorKind.INVALID_HANDLE, "not a live kv page"),
+            (lambda: a.forward(b.create_queue("m"), [], 0, embeds[:1], [], 0, [], [], None),
+             ErrorKind.INVALID_HANDLE, "another instance"),
+            (lambda: a.get_next_dist(qa, embeds[0], 10_000), ErrorKind.INVALID_ARGUMENT, "max_dist_k"),
+            (lambda: a.create_queue("other-model"), ErrorKind.NOT_FOUND, "no model named"),
+            (lambda: a.alloc_kvpage(qa, 100), ErrorKind.OUT_OF_RESOURCES, "free of 8"),
+        ]
+        for call, kind, text in cases:
+            with pytest.raises(HostError) as e:
+                call()
+            assert e.value.kind == kind and text in e.value.message
+        a.close()
+        assert controller.resources.pages.available == 8
+        assert controller.resources.embeds.available == 100
+    finally:
+        controller.shutdown()
+        backend.close()

@@ -178,6 +178,7 @@ class InstanceSession:
         n_new = len(embeds)
         if n_new == 0:
             raise _invalid("forward needs at least one input embed")
+        self._check_batch_tokens(n_new)
         if kv_pages and not 1 <= last_len <= ps:
             raise _invalid(f"input-kv-last-page-len {last_len} must be in [1, {ps}]")
         if len(out_embeds) != len(out_indices):
@@ -203,6 +204,12 @@ class InstanceSession:
             reads=frozenset([("p", p) for p in pages] + [("e", e) for e in embeds_in]),
             writes=frozenset([("p", p) for p in written] + [("e", e) for e in embeds_out])))
 
+    def _check_batch_tokens(self, n: int) -> None:
+        limit = self.c.hs.max_batch_tokens
+        if n > limit:
+            raise _invalid(f"{n} tokens in one call exceed the backend's max_batch_tokens = {limit}; "
+                           f"split the call into chunks")
+
     def mask_kvpage(self, q: CommandQueue, page: int, mask: list[bool]) -> None:
         if len(mask) != self.page_size:
             raise _invalid(f"mask must have {self.page_size} entries (the page size), got {len(mask)}")
@@ -216,6 +223,7 @@ class InstanceSession:
         if not len(token_ids) == len(positions) == len(embeds):
             raise _invalid(f"{len(token_ids)} tokens, {len(positions)} positions and "
                            f"{len(embeds)} embeds must be equally many")
+        self._check_batch_tokens(len(token_ids))
         vocab = self.c.hs.vocab_size
         if any(t >= vocab for t in token_ids):
             raise _invalid(f"token id out of range [0, {vocab})")
