@@ -277,3 +277,39 @@ def test_backend_death_fails_calls_instead_of_hanging(tmp_path):
         assert messages == [] and "backend process exited" in reason
     finally:
         victim.stop()
+
+
+@pytest.fixture(scope="module")
+def tool_server():
+    process = subprocess.Popen([sys.executable, "-m", "pie.tools", "--port", "0"],
+                               stdout=subprocess.PIPE, text=True)
+    url = re.search(r"(http://\S+)", process.stdout.readline()).group(1)
+    yield url
+    process.terminate()
+    process.wait(10)
+
+
+def test_http_reaches_allowlisted_hosts_only(server, probe, tool_server):
+    async def run(url: str) -> list[str]:
+        async with PieClient(server.ws, TOKEN) as client:
+            instance = await client.launch(await client.upload(probe), ["http", url])
+            return [m async for m in instance]
+
+    [allowed] = asyncio.run(run(f"{tool_server}/tools"))
+    assert allowed.startswith("200 ") and "calculator" in allowed
+    [denied] = asyncio.run(run("http://example.invalid/secret"))
+    assert denied.startswith("PermissionDenied") and "http_allowlist" in denied
+
+
+def test_broadcast_reaches_subscribers(server, probe):
+    async def run() -> tuple[list[str], str]:
+        async with PieClient(server.ws, TOKEN) as client:
+            digest = await client.upload(probe)
+            listener = await client.launch(digest, ["subscribe", "news"])
+            assert (await listener.recv()).text == "subscribed"
+            talker = await client.launch(digest, ["broadcast", "news", "hello, swarm"])
+            assert await talker.wait() == "finished"
+            return [m async for m in listener], await listener.wait()
+
+    messages, reason = asyncio.run(run())
+    assert messages == ["hello, swarm"] and reason == "finished"

@@ -9,10 +9,13 @@
 //! - `fork PROMPT`: prefills PROMPT in a Context, forks it, and greedy-decodes 8 tokens in
 //!   the original and in the fork; sends both (they must be equal) and the free page count
 //!   is checked by the caller.
+//! - `http URL`: GETs URL and sends `STATUS BODY` (or the error).
+//! - `subscribe TOPIC` / `broadcast TOPIC TEXT`: the subscriber says "subscribed", then sends
+//!   the first message published on TOPIC; the broadcaster publishes TEXT.
 //! - `calls N`: times N round trips of each kind of host call and sends them as JSON
 //!   (`{"call": microseconds, ...}`), for benchmarks/overhead.py.
 
-use inferlet::bindings::{allocate, forward, input_text, kvs, output_text, runtime};
+use inferlet::bindings::{allocate, forward, http, input_text, kvs, messaging, output_text, runtime};
 use inferlet::bindings::forward::ForwardPass;
 use inferlet::{KvPage, Model, Queue, Sampler};
 
@@ -70,6 +73,26 @@ async fn main() -> Result<(), String> {
             let (a, b) = (ctx.generate(&greedy, &stop).await?, fork.generate(&greedy, &stop).await?);
             inferlet::send(&a);
             inferlet::send(&b);
+            Ok(())
+        }
+        Some("http") => {
+            match http::http_get(&args[1], &[]) {
+                Ok(response) => match response.await {
+                    Ok(r) => inferlet::send(&format!("{} {}", r.status, r.body)),
+                    Err(e) => inferlet::send(&format!("{:?}: {}", e.kind, e.message)),
+                },
+                Err(e) => inferlet::send(&format!("{:?}: {}", e.kind, e.message)),
+            }
+            Ok(())
+        }
+        Some("subscribe") => {
+            let subscription = messaging::subscribe(&args[1])?;
+            inferlet::send("subscribed");
+            inferlet::send(&subscription.next().await);
+            Ok(())
+        }
+        Some("broadcast") => {
+            messaging::broadcast(&args[1], &args[2]);
             Ok(())
         }
         Some("calls") => {
