@@ -11,7 +11,6 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import httpx
 import msgpack
@@ -24,6 +23,15 @@ from pie.config import ServerConfig
 from pie.server import rpc
 from pie.server.app import ServerState, create_app, ws_max_size
 from pie.server.rpc import RpcError
+
+# The runtime's real exception and record types; only its behaviour is faked below.
+from pie.runtime.runtime import (
+    InstanceInfo,
+    InvalidProgram,
+    LaunchRefused,
+    UnknownInstance,
+    UnknownProgram,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -38,30 +46,6 @@ def anyio_backend() -> str:
 # --- a fake runtime ------------------------------------------------------------------------
 
 
-class InvalidProgram(ValueError):
-    pass
-
-
-class UnknownProgram(LookupError):
-    pass
-
-
-class UnknownInstance(LookupError):
-    pass
-
-
-class LaunchRefused(RuntimeError):
-    pass
-
-
-@dataclass
-class InstanceInfo:
-    id: str
-    program: str
-    name: str | None
-    arguments: list[str]
-    started_at: float
-    state: str = "running"
 
 
 class FakePrograms:
