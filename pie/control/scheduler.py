@@ -228,9 +228,14 @@ class Scheduler:
                     self.stats.wait_s_max = max(self.stats.wait_s_max, waited)
             socket.send(P.encode(request_id, build_batch(kind, batch)))
 
+    def _busy_queues(self) -> set[int]:
+        """id() of queues with a command in flight: their next command must wait for it."""
+        return {id(c.queue) for batch in self.in_flight.values() for c in batch}
+
     def _complete_markers(self) -> None:
+        busy = self._busy_queues()
         for queue in self.queues:
-            while queue.pending and queue.pending[0].kind == MARKER and not self._queue_busy(queue):
+            while queue.pending and queue.pending[0].kind == MARKER and id(queue) not in busy:
                 marker = queue.pending.popleft()
                 if marker.on_head:
                     marker.on_head()
@@ -240,12 +245,9 @@ class Scheduler:
                 else:
                     marker.future.set_result(None)
 
-    def _queue_busy(self, queue: CommandQueue) -> bool:
-        return any(c.queue is queue for batch in self.in_flight.values() for c in batch)
-
     def _eligible_heads(self) -> list[Command]:
         """Head commands of queues with nothing in flight (a queue's calls run in order)."""
-        busy = {id(c.queue) for batch in self.in_flight.values() for c in batch}
+        busy = self._busy_queues()
         return [q.pending[0] for q in self.queues
                 if q.pending and q.pending[0].kind != MARKER and id(q) not in busy]
 
@@ -312,7 +314,7 @@ class Scheduler:
         return None, max(1, int((patience - waited) * 1e3))
 
     def _form_batch(self, kind: str) -> list[Command]:
-        busy = {id(c.queue) for batch in self.in_flight.values() for c in batch}
+        busy = self._busy_queues()
         queues = sorted((q for q in self.queues if q.pending and id(q) not in busy
                          and q.pending[0].kind == kind),
                         key=lambda q: (-q.priority, q.pending[0].enqueued))

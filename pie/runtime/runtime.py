@@ -203,8 +203,6 @@ class Runtime:
         finally:
             with instance.lock:
                 reason = instance.end_reason or reason
-            if instance.host.cancelled.is_set() and instance.end_reason is None:
-                reason = "terminated"
             instance.session.close()
             if instance.host.store is not None:
                 self.by_store.pop(store_key(instance.host.store), None)

@@ -72,17 +72,6 @@ def _cached_func_impl() -> object:
     return func_impl
 
 
-def _memoized_tagged(original):  # type: ignore[no-untyped-def]
-    def tagged(self) -> bool:  # type: ignore[no-untyped-def]
-        memo = self.__dict__.get("_pie_tagged")
-        if memo is None:
-            memo = self.__dict__["_pie_tagged"] = original(self)
-        return memo
-
-    tagged.pie_memoized = True  # type: ignore[attr-defined]
-    return tagged
-
-
 def _memoize(cls: type, name: str) -> None:
     """Cache a reflected-type accessor (property or method) on each type object."""
     original = cls.__dict__[name]
@@ -105,8 +94,9 @@ def _memoize(cls: type, name: str) -> None:
 def install_fast_calls() -> None:
     from wasmtime.component import _linker
 
-    for cls, names in ((_types.ListType, ("element",)), (_types.RecordType, ("fields",)),
-                       (_types.TupleType, ("elements",)), (_types.EnumType, ("names",)),
+    for cls, names in ((_types.VariantLikeType, ("_tagged",)), (_types.ListType, ("element",)),
+                       (_types.RecordType, ("fields",)), (_types.TupleType, ("elements",)),
+                       (_types.EnumType, ("names",)),
                        (_types.ResultType, ("ok", "err", "_cases")),
                        (_types.OptionType, ("payload", "_cases")),
                        (_types.VariantType, ("_cases",))):
@@ -117,5 +107,3 @@ def install_fast_calls() -> None:
         impl = _cached_func_impl()
         impl.pie_cached = True  # type: ignore[attr-defined]
         _linker.func_impl = impl
-    if not getattr(_types.VariantLikeType._tagged, "pie_memoized", False):
-        _types.VariantLikeType._tagged = _memoized_tagged(_types.VariantLikeType._tagged)
