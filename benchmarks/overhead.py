@@ -47,7 +47,7 @@ def run_to_end(runtime: Runtime, program: str, args: list[str], timeout: float =
     """Launch, wait for termination, return the messages (raises if it did not finish)."""
     done, messages, reason = threading.Event(), [], []
 
-    def on_event(_: str, kind: str, data: str) -> None:
+    def on_event(_: str, kind: str, data: str, usage: dict | None = None) -> None:
         (messages if kind == "message" else reason).append(data)
         if kind == "terminated":
             done.set()
@@ -82,7 +82,7 @@ def launch_latency(runtime: Runtime, concurrency: int, cold: bool) -> list[float
     lock, done = threading.Lock(), threading.Semaphore(0)
     started: dict[str, float] = {}
 
-    def on_event(instance_id: str, kind: str, _: str) -> None:
+    def on_event(instance_id: str, kind: str, _: str, usage: dict | None = None) -> None:
         if kind == "message":
             with lock:
                 latencies.append(time.perf_counter() - started[instance_id])

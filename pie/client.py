@@ -48,6 +48,8 @@ class Instance:
         self.client = client
         self.events: asyncio.Queue[rpc.Event] = asyncio.Queue()
         self.ended: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        # What it consumed (forward calls/tokens, peak KV pages, host calls), once it has ended.
+        self.usage: dict[str, int] = {}
 
     async def send(self, text: str) -> None:
         await self.client.send(self.id, text)
@@ -73,6 +75,7 @@ class Instance:
     def _push(self, event: rpc.Event) -> None:
         self.events.put_nowait(event)
         if isinstance(event, rpc.InstanceTerminated) and not self.ended.done():
+            self.usage = event.usage
             self.ended.set_result(event.reason)
 
 

@@ -52,3 +52,23 @@ def hf_greedy(hf_model, prompt_ids: list[int], n: int) -> list[int]:
             out = hf_model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values,
                            use_cache=True)
     return tokens
+
+
+@pytest.fixture(scope="session")
+def pie_server(tmp_path_factory, model_dir):
+    """One real `pie serve` (fp32, auth token) shared by the end-to-end tests."""
+    from pie_server import Server
+
+    server = Server(tmp_path_factory.mktemp("pie-serve"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def tool_server():
+    """The local tool server (calculator, search, slow API, sandboxed execute)."""
+    from pie_server import ToolServer
+
+    server = ToolServer()
+    yield server
+    server.stop()

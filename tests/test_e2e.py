@@ -7,12 +7,10 @@ import asyncio
 import hashlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import msgpack
@@ -22,61 +20,22 @@ import websockets
 from pie.client import PieClient
 from pie.control.chat_template import chat_prompt
 from pie.server import rpc
-from pie.toolchain import build_inferlet
 
 from conftest import hf_greedy
+from pie_server import TOKEN, Server, build
 
-ROOT = Path(__file__).resolve().parents[1]
-TOKEN = "e2e-secret"
-READY = re.compile(r"\(ws://(\S+)/ws\)")
 PROMPTS = ["What is the capital of France?", "Name three colors.",
            "What is 2 + 2?", "Say hello in Spanish."]
 
 
-class Server:
-    """`pie serve` on a free loopback port with a test config."""
-
-    def __init__(self, tmp: Path, extra_toml: str = ""):
-        config = tmp / "pie.toml"
-        config.write_text(
-            '[backend]\ndtype = "float32"\nnum_kv_pages = 1024\n'
-            "[runtime]\ncpu_slice_ms = 1000\nmemory_limit_mb = 64\n"
-            f'[server]\nmax_upload_bytes = 1048576\nauth_tokens = ["{TOKEN}"]\n' + extra_toml)
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "pie.cli", "serve", "--host", "127.0.0.1", "--port", "0",
-             "--config", str(config)], stdout=subprocess.PIPE, text=True)
-        for line in self.process.stdout:
-            if match := READY.search(line):
-                self.address = match.group(1)
-                break
-        else:
-            raise RuntimeError(f"pie serve exited with {self.process.wait()} before it was ready")
-        self.ws = f"ws://{self.address}/ws"
-
-    def get(self, path: str) -> tuple[int, dict]:
-        request = urllib.request.Request(f"http://{self.address}{path}",
-                                         headers={"Authorization": f"Bearer {TOKEN}"})
-        try:
-            with urllib.request.urlopen(request, timeout=10) as response:
-                return response.status, json.loads(response.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(60)
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, model_dir):
-    s = Server(tmp_path_factory.mktemp("adaptive"))
-    yield s
-    s.stop()
+def server(pie_server):
+    return pie_server
 
 
 @pytest.fixture(scope="module")
 def probe() -> bytes:
-    return build_inferlet(ROOT / "inferlets" / "probe").read_bytes()
+    return build("probe")
 
 
 @pytest.fixture(scope="module")
@@ -279,23 +238,13 @@ def test_backend_death_fails_calls_instead_of_hanging(tmp_path):
         victim.stop()
 
 
-@pytest.fixture(scope="module")
-def tool_server():
-    process = subprocess.Popen([sys.executable, "-m", "pie.tools", "--port", "0"],
-                               stdout=subprocess.PIPE, text=True)
-    url = re.search(r"(http://\S+)", process.stdout.readline()).group(1)
-    yield url
-    process.terminate()
-    process.wait(10)
-
-
 def test_http_reaches_allowlisted_hosts_only(server, probe, tool_server):
     async def run(url: str) -> list[str]:
         async with PieClient(server.ws, TOKEN) as client:
             instance = await client.launch(await client.upload(probe), ["http", url])
             return [m async for m in instance]
 
-    [allowed] = asyncio.run(run(f"{tool_server}/tools"))
+    [allowed] = asyncio.run(run(f"{tool_server.url}/tools"))
     assert allowed.startswith("200 ") and "calculator" in allowed
     [denied] = asyncio.run(run("http://example.invalid/secret"))
     assert denied.startswith("PermissionDenied") and "http_allowlist" in denied

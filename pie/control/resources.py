@@ -53,11 +53,13 @@ class VirtualTable:
     what: str
     mapping: dict[int, int] = field(default_factory=dict)
     next_id: int = 1
+    peak: int = 0  # the most ids held at once (reported in the instance's usage)
 
     def add(self, physical: list[int]) -> list[int]:
         ids = list(range(self.next_id, self.next_id + len(physical)))
         self.next_id += len(physical)
         self.mapping.update(zip(ids, physical))
+        self.peak = max(self.peak, len(self.mapping))
         return ids
 
     def resolve(self, ids: list[int]) -> list[int]:

@@ -34,7 +34,9 @@ from pie.runtime.programs import InvalidProgram, ProgramStore
 log = logging.getLogger("pie.runtime")
 
 EPOCH_TICK_S = 0.01
-EventSink = Callable[[str, str, str], None]  # (instance_id, "message" | "terminated", data)
+# (instance_id, "message" | "terminated", text or end reason, usage at the end: host calls,
+# forward calls/tokens, peak pages; see InstanceSession.usage)
+EventSink = Callable[[str, str, str, "dict[str, int] | None"], None]
 
 __all__ = ["Runtime", "InstanceInfo", "UnknownProgram", "UnknownInstance", "LaunchRefused",
            "InvalidProgram", "start_runtime"]
@@ -119,7 +121,7 @@ class Runtime:
         name = next((n for n, h in self.programs.builtins.items() if h == digest), None)
         info = InstanceInfo(instance_id, digest, name, list(arguments), time.time())
         session = self.controller.session(instance_id, list(arguments))
-        host = HostState(session, lambda message: on_event(instance_id, "message", message),
+        host = HostState(session, lambda message: on_event(instance_id, "message", message, None),
                          self.cpu_ticks)
         instance = Instance(info, session, host, on_event)
         with self.lock:
@@ -213,7 +215,8 @@ class Runtime:
             instance.info.state = "terminated"
             log.info("instance %s (%s) ended: %s", instance.info.id[:8],
                      instance.info.name or instance.info.program[:12], reason)
-            instance.on_event(instance.info.id, "terminated", reason)
+            usage = {**instance.session.usage(), "host_calls": sum(instance.host.calls.values())}
+            instance.on_event(instance.info.id, "terminated", reason, usage)
 
 
 def store_key(store: object) -> int:

@@ -187,6 +187,9 @@ class InstanceTerminated(Message):
     type: ClassVar[str] = "instance_terminated"
     instance_id: str
     reason: str
+    # What the instance consumed: forward_calls, forward_tokens, kv_pages_peak, embeds_peak,
+    # host_calls (empty when the server does not know).
+    usage: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -282,6 +285,10 @@ def _matches(value: Any, hint: Any) -> bool:
     if origin is list:
         (item,) = typing.get_args(hint)
         return isinstance(value, list) and all(_matches(v, item) for v in value)
+    if origin is dict:
+        key, item = typing.get_args(hint)
+        return isinstance(value, dict) and all(
+            _matches(k, key) and _matches(v, item) for k, v in value.items())
     if hint is type(None):
         return value is None
     if hint is int:

@@ -215,11 +215,11 @@ class Session:
         hands the event over to the event loop."""
         loop = self.loop
 
-        def on_event(instance_id: str, kind: str, data: str) -> None:
+        def on_event(instance_id: str, kind: str, data: str, usage: dict | None = None) -> None:
             if kind == "message":
                 event: rpc.Event = rpc.InstanceMessage(instance_id, data)
             elif kind == "terminated":
-                event = rpc.InstanceTerminated(instance_id, data)
+                event = rpc.InstanceTerminated(instance_id, data, usage or {})
             else:
                 raise ValueError(f"unknown instance event kind {kind!r}")
             try:

@@ -1,0 +1,102 @@
+"""A real `pie serve` (and the tool server) for end-to-end tests, and a one-call way to run
+an inferlet on it. Shared by tests/test_e2e.py and tests/inferlets/."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pie.client import PieClient
+from pie.toolchain import build_inferlet
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "e2e-secret"
+READY = re.compile(r"\(ws://(\S+)/ws\)")
+
+
+class Server:
+    """`pie serve` on a free loopback port with a test config (fp32, so greedy output can be
+    held to HF transformers')."""
+
+    def __init__(self, tmp: Path, extra_toml: str = ""):
+        config = tmp / "pie.toml"
+        config.write_text(
+            '[backend]\ndtype = "float32"\nnum_kv_pages = 1024\n'
+            "[runtime]\ncpu_slice_ms = 1000\nmemory_limit_mb = 64\n"
+            f'[server]\nmax_upload_bytes = 1048576\nauth_tokens = ["{TOKEN}"]\n' + extra_toml)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "pie.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+             "--config", str(config)], stdout=subprocess.PIPE, text=True)
+        for line in self.process.stdout:
+            if match := READY.search(line):
+                self.address = match.group(1)
+                break
+        else:
+            raise RuntimeError(f"pie serve exited with {self.process.wait()} before it was ready")
+        self.ws = f"ws://{self.address}/ws"
+
+    def get(self, path: str) -> tuple[int, dict]:
+        request = urllib.request.Request(f"http://{self.address}{path}",
+                                         headers={"Authorization": f"Bearer {TOKEN}"})
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def resources(self) -> dict:
+        return self.get("/stats")[1]["resources"]
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(60)
+
+
+class ToolServer:
+    """`python -m pie.tools` on a free loopback port (see docs/tools.md)."""
+
+    def __init__(self, *extra_args: str):
+        self.process = subprocess.Popen([sys.executable, "-m", "pie.tools", "--port", "0", *extra_args],
+                                        stdout=subprocess.PIPE, text=True)
+        self.url = re.search(r"(http://\S+)", self.process.stdout.readline()).group(1)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(10)
+
+
+@dataclass
+class Run:
+    """What one inferlet run produced."""
+
+    messages: list[str]
+    reason: str
+    usage: dict[str, int] = field(default_factory=dict)
+
+
+def build(name: str) -> bytes:
+    """The component of inferlets/<name> (cargo builds only what changed)."""
+    return build_inferlet(ROOT / "inferlets" / name).read_bytes()
+
+
+def run_inferlet(server: Server, program: bytes | str, args: list[str],
+                 replies: list[str] = ()) -> Run:
+    """Launch `program` (component bytes or a built-in name) with `args`, send it `replies`
+    one by one, and collect its messages until it ends."""
+    async def run() -> Run:
+        async with PieClient(server.ws, TOKEN) as client:
+            name = await client.upload(program) if isinstance(program, bytes) else program
+            instance = await client.launch(name, args)
+            for reply in replies:
+                await instance.send(reply)
+            messages = [m async for m in instance]
+            return Run(messages, await instance.wait(), instance.usage)
+
+    return asyncio.run(run())
