@@ -202,6 +202,16 @@ class FakeModel(FakeHost):
         for e, index in zip(getattr(p, "output-embeds"), getattr(p, "output-token-indices")):
             self.embeds[e] = "".join(chr(t) for t, _ in context + new[:index + 1])
 
+    def copy_kvpage(self, store, q, src, dst, src_offset, dst_offset, n):
+        self.kv[dst][dst_offset:dst_offset + n] = self.kv[src][src_offset:src_offset + n]
+
+    @staticmethod
+    def unexpected(name: str):
+        """A host function the guest links but must not call in these tests."""
+        def call(store, *args):
+            raise AssertionError(f"the guest called {name}")
+        return call
+
     def sample(self, store, q, emb, sampler):
         self.samplers.append(sampler)
         text = self.embeds[emb]
@@ -229,11 +239,18 @@ class FakeModel(FakeHost):
                 allocate.add_func("dealloc-kvpage", lambda store, q, ids: self.free(ids, self.kv))
                 allocate.add_func("alloc-emb", lambda store, q, n: self.ids(n, self.embeds))
                 allocate.add_func("dealloc-emb", lambda store, q, ids: self.free(ids, self.embeds))
+                allocate.add_func("copy-kvpage", self.copy_kvpage)
+                for name in ("export-kvpage", "import-kvpage", "unexport-kvpage"):
+                    allocate.add_func(name, self.unexpected(name))
+            with root.add_instance("pie:inferlet/kvs@0.1.0") as kvs:
+                for name in ("store-get", "store-set", "store-delete"):
+                    kvs.add_func(name, self.unexpected(name))
             with root.add_instance("pie:inferlet/input-text@0.1.0") as input_text:
                 input_text.add_func("embed-text", lambda store, q, tokens, positions, embeds: self.embeds.update(
                     (e, (t, p)) for t, p, e in zip(tokens, positions, embeds)))
             with root.add_instance("pie:inferlet/forward@0.1.0") as forward:
                 forward.add_func("forward", self.forward)
+                forward.add_func("mask-kvpage", self.unexpected("mask-kvpage"))
             with root.add_instance("pie:inferlet/tokenize@0.1.0") as tokenize:
                 tokenize.add_func("tokenize", lambda store, q, text: [ord(c) for c in text])
                 tokenize.add_func("detokenize", lambda store, q, ids: "".join(chr(i) for i in ids))

@@ -67,7 +67,7 @@ async fn main() -> Result<(), String> {
             let mut ctx = model.create_context()?;
             ctx.fill(&args[1]);
             ctx.flush()?;
-            let mut fork = ctx.fork()?;
+            let mut fork = ctx.fork();
             let stop = inferlet::Stop::new(8);
             let greedy = Sampler { temperature: 0.0, top_k: 0, top_p: 1.0, seed: None };
             let (a, b) = (ctx.generate(&greedy, &stop).await?, fork.generate(&greedy, &stop).await?);

@@ -1,23 +1,29 @@
 //! A token sequence and the KV pages that hold it.
 //!
-//! Bookkeeping: the context's tokens are `committed` (their K/V written into `pages`)
-//! followed by `pending` (filled, not yet run through the model). The pages hold the
-//! committed tokens in order: every page is full except the last, which holds `last_len`
-//! of `page_size` slots. A forward pass reads the pages as context and writes the new
-//! tokens from slot `last_len` of the last page on, into newly allocated pages after it.
-//! Only that partial last page is ever written, so full pages can be shared by forks.
+//! Bookkeeping: the context's tokens are `committed` (run through the model) followed by
+//! `pending` (filled, not yet run). Token i sits at position i. The held pages store the
+//! committed tokens' K/V in order, every page full except the last (`last_len` slots), and
+//! each remembers the position of its first slot: pages can be dropped from the middle
+//! (attention sink, windowed attention), so positions and slots can diverge.
+//!
+//! Pages are shared copy-on-write: `fork` shares every page, imported pages are shared with
+//! other instances, and a forward pass that would write into a shared partial last page
+//! copies it first. Only that partial last page is ever written, so full pages are never
+//! copied.
 
 use std::rc::Rc;
 
 use crate::bindings::forward::{self, ForwardPass};
 use crate::bindings::types::{Embed, Error, ErrorKind, KvPage};
-use crate::bindings::{allocate, input_text, output_text};
+use crate::bindings::{allocate, input_text, kvs};
 use crate::{ChatMessage, Queue, Sampler, Stop};
 
 /// A KV page, freed when the last context holding it drops it.
 struct Page {
     id: KvPage,
     queue: Rc<Queue>,
+    /// Imported from a named export: other instances may read it, so never write it.
+    foreign: bool,
 }
 
 impl Drop for Page {
@@ -27,24 +33,33 @@ impl Drop for Page {
     }
 }
 
+/// A page held by a context: the page, the position of its first slot, and which of its
+/// slots this context has masked out of attention.
+#[derive(Clone)]
+struct Held {
+    page: Rc<Page>,
+    first: u32,
+    masked: Vec<bool>,
+}
+
 /// A sequence being generated: fill it with text or tokens, then decode.
 pub struct Context {
     queue: Rc<Queue>,
-    pages: Vec<Rc<Page>>,
+    pages: Vec<Held>,
     last_len: u32,
     committed: Vec<u32>,
     pending: Vec<u32>,
     /// Input embeds, reused by every forward (the queue orders their reuse).
     embeds: Vec<Embed>,
-    /// The output embed of the last token, allocated on the first decode step.
-    output: Option<Embed>,
+    /// Output embeds, reused likewise: valid until the next forward of this context.
+    outputs: Vec<Embed>,
 }
 
 impl Context {
     /// An empty context whose calls go to `queue`.
     pub fn new(queue: Rc<Queue>) -> Context {
         Context { queue, pages: Vec::new(), last_len: 0, committed: Vec::new(), pending: Vec::new(),
-                  embeds: Vec::new(), output: None }
+                  embeds: Vec::new(), outputs: Vec::new() }
     }
 
     pub fn queue(&self) -> &Rc<Queue> {
@@ -54,6 +69,35 @@ impl Context {
     /// Every token of the sequence: committed, then pending.
     pub fn tokens(&self) -> Vec<u32> {
         [self.committed.as_slice(), self.pending.as_slice()].concat()
+    }
+
+    /// The tokens already run through the model (their K/V are in the pages).
+    pub fn committed(&self) -> &[u32] {
+        &self.committed
+    }
+
+    /// The tokens filled but not yet run through the model.
+    pub fn pending(&self) -> &[u32] {
+        &self.pending
+    }
+
+    /// How many tokens the sequence has, committed and pending.
+    pub fn len(&self) -> usize {
+        self.committed.len() + self.pending.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// How many KV pages this context holds (shared pages count once per holder).
+    pub fn num_pages(&self) -> usize {
+        self.pages.len()
+    }
+
+    /// The host ids of the held pages, in order.
+    pub fn page_ids(&self) -> Vec<KvPage> {
+        self.pages.iter().map(|h| h.page.id).collect()
     }
 
     /// Appends text (tokenized, no special tokens added).
@@ -80,26 +124,43 @@ impl Context {
         if self.pending.len() > 1 {
             let last = self.pending.pop().unwrap();
             let tokens = std::mem::replace(&mut self.pending, vec![last]);
-            self.forward(&tokens, None)?;
+            self.forward(&tokens, &[])?;
         }
         Ok(())
     }
 
+    /// Runs every pending token through the model, returning an output embed holding the
+    /// final hidden state at each of `indices` (indices into the pending tokens). The
+    /// embeds stay valid until this context's next forward pass: sample or inspect them
+    /// first (`Queue::sample`, `Queue::next_dist`).
+    pub fn forward_pending(&mut self, indices: &[u32]) -> Result<Vec<Embed>, Error> {
+        let tokens = std::mem::take(&mut self.pending);
+        self.forward(&tokens, indices)
+    }
+
     /// Runs the pending tokens, samples the next token on the host, and leaves it pending.
     pub async fn decode_step(&mut self, sampler: &Sampler) -> Result<u32, Error> {
-        if self.pending.is_empty() {
-            return Err(Error { kind: ErrorKind::InvalidArgument,
-                               message: "decode_step on a context with no pending token; fill it first".into() });
-        }
-        let output = match self.output {
-            Some(embed) => embed,
-            None => *self.output.insert(allocate::alloc_emb(self.queue.raw(), 1)?[0]),
-        };
-        let tokens = std::mem::take(&mut self.pending);
-        self.forward(&tokens, Some(output))?;
-        let token = output_text::sample(self.queue.raw(), output, sampler.clone())?.await?;
+        let output = self.step_output()?;
+        let token = self.queue.sample(output, sampler).await?;
         self.pending.push(token);
         Ok(token)
+    }
+
+    /// Runs the pending tokens and returns the `k` most likely next tokens with their
+    /// probabilities, most likely first. Nothing is appended: `fill_tokens` the choice.
+    pub async fn next_dist(&mut self, k: u32) -> Result<(Vec<u32>, Vec<f32>), Error> {
+        let output = self.step_output()?;
+        self.queue.next_dist(output, k).await
+    }
+
+    /// Forward the pending tokens with one output embed at the last of them.
+    fn step_output(&mut self) -> Result<Embed, Error> {
+        if self.pending.is_empty() {
+            return Err(Error { kind: ErrorKind::InvalidArgument,
+                               message: "no pending token to predict from; fill the context first".into() });
+        }
+        let last = self.pending.len() as u32 - 1;
+        Ok(self.forward_pending(&[last])?[0])
     }
 
     /// Decodes until `stop`, returning the generated text (without the EOS token or the
@@ -124,69 +185,222 @@ impl Context {
         self.queue.detokenize(&generated)
     }
 
-    /// A copy of this context that can diverge from it: full pages are shared, the partly
-    /// filled last page is copied (on the queue, after the writes before it).
-    pub fn fork(&self) -> Result<Context, Error> {
-        let page_size = self.queue.page_size();
-        let mut pages = self.pages.clone();
-        if self.last_len < page_size {
-            if let Some(last) = pages.pop() {
-                let copy = self.alloc_pages(1)?.remove(0);
-                allocate::copy_kvpage(self.queue.raw(), last.id, copy.id, 0, 0, self.last_len)?;
-                pages.push(copy);
-            }
-        }
-        Ok(Context { queue: self.queue.clone(), pages, last_len: self.last_len,
-                     committed: self.committed.clone(), pending: self.pending.clone(),
-                     embeds: Vec::new(), output: None })
+    /// A copy of this context that can diverge from it. Every page is shared; whichever
+    /// context next writes the shared partial last page copies it first.
+    pub fn fork(&self) -> Context {
+        Context { queue: self.queue.clone(), pages: self.pages.clone(), last_len: self.last_len,
+                  committed: self.committed.clone(), pending: self.pending.clone(),
+                  embeds: Vec::new(), outputs: Vec::new() }
     }
 
-    /// Enqueues one forward pass over `tokens`, writing the last token's final hidden
-    /// state into `output` if given.
-    fn forward(&mut self, tokens: &[u32], output: Option<Embed>) -> Result<(), Error> {
+    /// `n` forks of this context.
+    pub fn fork_n(&self, n: usize) -> Vec<Context> {
+        (0..n).map(|_| self.fork()).collect()
+    }
+
+    /// Forgets every token from position `len` on (committed or pending), e.g. rejected
+    /// draft tokens. Pages left empty are released; the slots past the new end of the last
+    /// page are overwritten by the next forward.
+    pub fn truncate(&mut self, len: usize) {
+        if len >= self.len() {
+            return;
+        }
+        if len >= self.committed.len() {
+            self.pending.truncate(len - self.committed.len());
+            return;
+        }
+        self.pending.clear();
+        self.committed.truncate(len);
+        let len = len as u32;
+        while let Some(last) = self.pages.last() {
+            if last.first < len {
+                break;
+            }
+            self.pages.pop();
+        }
+        self.last_len = match self.pages.last() {
+            Some(last) => len - last.first,
+            None => 0,
+        };
+        // The backend clears a slot's mask bit when the slot is written again.
+        let last_len = self.last_len as usize;
+        if let Some(last) = self.pages.last_mut() {
+            last.masked[last_len..].iter_mut().for_each(|m| *m = false);
+        }
+    }
+
+    /// Hides the committed tokens at positions `[start, end)` from attention (for every
+    /// later forward of this context), or shows them again with `masked = false`.
+    /// Positions whose pages were dropped are skipped.
+    pub fn mask_range(&mut self, start: u32, end: u32, masked: bool) -> Result<(), Error> {
+        let end = end.min(self.committed.len() as u32);
+        let page_size = self.queue.page_size();
+        for index in 0..self.pages.len() {
+            let held = &self.pages[index];
+            let (lo, hi) = (start.max(held.first), end.min(held.first + page_size));
+            if lo >= hi || held.masked[(lo - held.first) as usize..(hi - held.first) as usize]
+                .iter().all(|&m| m == masked) {
+                continue;
+            }
+            self.make_exclusive(index)?;
+            let held = &mut self.pages[index];
+            for slot in lo - held.first..hi - held.first {
+                held.masked[slot as usize] = masked;
+            }
+            forward::mask_kvpage(self.queue.raw(), held.page.id, &held.masked)?;
+        }
+        Ok(())
+    }
+
+    /// Releases every page but the last whose filled slots are all masked: they can no
+    /// longer influence generation. Returns how many pages were dropped.
+    pub fn drop_masked_pages(&mut self) -> usize {
+        let before = self.pages.len();
+        let last = before.saturating_sub(1);
+        let mut index = 0;
+        self.pages.retain(|held| {
+            let keep = index == last || !held.masked.iter().all(|&m| m);
+            index += 1;
+            keep
+        });
+        before - self.pages.len()
+    }
+
+    /// Publishes the committed tokens' pages under `name` for other instances (and later
+    /// launches with `persistent`), with the tokens themselves in the key-value store, so
+    /// that `Context::import` can rebuild the context. Waits for pending writes first.
+    pub async fn export(&self, name: &str, persistent: bool) -> Result<(), Error> {
+        if self.pages.is_empty() {
+            return Err(Error { kind: ErrorKind::InvalidArgument,
+                               message: "nothing to export: no committed tokens (flush first)".into() });
+        }
+        self.queue.synchronize().await?;
+        allocate::export_kvpage(&self.page_ids(), name, persistent)?;
+        let starts: Vec<String> = self.pages.iter().map(|h| h.first.to_string()).collect();
+        let tokens: Vec<String> = self.committed.iter().map(|t| t.to_string()).collect();
+        let record = format!("{}|{}|{}", self.last_len, starts.join(","), tokens.join(","));
+        if let Err(e) = kvs::store_set(&export_key(name), &record) {
+            let _ = allocate::unexport_kvpage(name);
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// A context holding an export's pages and tokens (see `export`), or `None` if there is
+    /// no such export. Its pages are shared read-only: appending copies the last page.
+    pub fn import(queue: Rc<Queue>, name: &str) -> Result<Option<Context>, Error> {
+        let Some(record) = kvs::store_get(&export_key(name)) else { return Ok(None) };
+        let ids = match allocate::import_kvpage(name) {
+            Ok(ids) => ids,
+            Err(e) if e.kind == ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let corrupt = || Error { kind: ErrorKind::InvalidArgument,
+                                 message: format!("export {name:?}: malformed token record") };
+        let mut parts = record.splitn(3, '|');
+        let last_len: u32 = parts.next().and_then(|s| s.parse().ok()).ok_or_else(corrupt)?;
+        let numbers = |s: Option<&str>| -> Option<Vec<u32>> {
+            s?.split(',').filter(|x| !x.is_empty()).map(|x| x.parse().ok()).collect()
+        };
+        let starts = numbers(parts.next()).ok_or_else(corrupt)?;
+        let committed = numbers(parts.next()).ok_or_else(corrupt)?;
+        let page_size = queue.page_size() as usize;
+        let pages: Vec<Held> = ids.iter().zip(&starts).map(|(&id, &first)| Held {
+            page: Rc::new(Page { id, queue: queue.clone(), foreign: true }),
+            first, masked: vec![false; page_size] }).collect();
+        if pages.len() != ids.len() {
+            return Err(corrupt());
+        }
+        Ok(Some(Context { queue, pages, last_len, committed, pending: Vec::new(),
+                          embeds: Vec::new(), outputs: Vec::new() }))
+    }
+
+    /// Removes an export made by `export` (pages already imported stay valid).
+    pub fn unexport(name: &str) -> Result<(), Error> {
+        kvs::store_delete(&export_key(name));
+        allocate::unexport_kvpage(name)
+    }
+
+    /// Enqueues one forward pass over `tokens` (appended to the committed tokens), with an
+    /// output embed at each of `indices`.
+    fn forward(&mut self, tokens: &[u32], indices: &[u32]) -> Result<Vec<Embed>, Error> {
         let queue = self.queue.clone();
         let n = tokens.len() as u32;
+        if n == 0 {
+            return Ok(Vec::new());
+        }
         if self.embeds.len() < tokens.len() {
             let more = allocate::alloc_emb(queue.raw(), (tokens.len() - self.embeds.len()) as u32)?;
             self.embeds.extend(more);
         }
+        if self.outputs.len() < indices.len() {
+            let more = allocate::alloc_emb(queue.raw(), (indices.len() - self.outputs.len()) as u32)?;
+            self.outputs.extend(more);
+        }
+        let outputs = self.outputs[..indices.len()].to_vec();
 
         let start = self.committed.len() as u32;
         let positions: Vec<u32> = (start..start + n).collect();
-        let embeds = &self.embeds[..tokens.len()];
-        input_text::embed_text(queue.raw(), tokens, &positions, embeds)?;
+        let embeds = self.embeds[..tokens.len()].to_vec();
+        input_text::embed_text(queue.raw(), tokens, &positions, &embeds)?;
 
         let page_size = queue.page_size();
         let free = if self.pages.is_empty() { 0 } else { page_size - self.last_len };
+        if free > 0 {
+            self.make_exclusive(self.pages.len() - 1)?;
+        }
         let new_pages = self.alloc_pages((n.saturating_sub(free) + page_size - 1) / page_size)?;
-        let mut output_pages: Vec<KvPage> = if free > 0 { vec![self.pages.last().unwrap().id] } else { vec![] };
+        let mut output_pages: Vec<KvPage> = if free > 0 { vec![self.pages.last().unwrap().page.id] } else { vec![] };
         output_pages.extend(new_pages.iter().map(|p| p.id));
         forward::forward(queue.raw(), ForwardPass {
-            input_kv_pages: self.pages.iter().map(|p| p.id).collect(),
+            input_kv_pages: self.page_ids(),
             input_kv_last_page_len: self.last_len,
-            input_embeds: embeds.to_vec(),
+            input_embeds: embeds,
             output_kv_pages: output_pages,
             output_kv_offset: if free > 0 { self.last_len } else { 0 },
-            output_embeds: output.into_iter().collect(),
-            output_token_indices: if output.is_some() { vec![n - 1] } else { vec![] },
+            output_embeds: outputs.clone(),
+            output_token_indices: indices.to_vec(),
             attention_mask: None,
         })?;
 
-        self.pages.extend(new_pages);
+        let first_new = start + free.min(n);
+        for (i, page) in new_pages.into_iter().enumerate() {
+            self.pages.push(Held { page, first: first_new + i as u32 * page_size,
+                                   masked: vec![false; page_size as usize] });
+        }
         self.committed.extend_from_slice(tokens);
-        self.last_len = self.committed.len() as u32 - (self.pages.len() as u32 - 1) * page_size;
+        self.last_len = self.committed.len() as u32 - self.pages.last().unwrap().first;
+        Ok(outputs)
+    }
+
+    /// Makes sure the page at `index` is written by no one else, copying it if it is
+    /// shared with a fork or imported.
+    fn make_exclusive(&mut self, index: usize) -> Result<(), Error> {
+        let page = self.pages[index].page.clone();
+        if Rc::strong_count(&page) == 2 && !page.foreign {
+            return Ok(()); // held by this context (and `page` above) only
+        }
+        let page_size = self.queue.page_size();
+        let len = if index + 1 == self.pages.len() { self.last_len } else { page_size };
+        let copy = self.alloc_pages(1)?.remove(0);
+        allocate::copy_kvpage(self.queue.raw(), page.id, copy.id, 0, 0, len)?;
+        self.pages[index].page = copy;
         Ok(())
     }
 
     fn alloc_pages(&self, count: u32) -> Result<Vec<Rc<Page>>, Error> {
         let ids = allocate::alloc_kvpage(self.queue.raw(), count)?;
-        Ok(ids.into_iter().map(|id| Rc::new(Page { id, queue: self.queue.clone() })).collect())
+        Ok(ids.into_iter().map(|id| Rc::new(Page { id, queue: self.queue.clone(), foreign: false })).collect())
     }
+}
+
+fn export_key(name: &str) -> String {
+    format!("pie.context-export.{name}")
 }
 
 impl Drop for Context {
     fn drop(&mut self) {
-        let embeds: Vec<Embed> = self.embeds.iter().copied().chain(self.output).collect();
+        let embeds: Vec<Embed> = self.embeds.iter().chain(&self.outputs).copied().collect();
         if !embeds.is_empty() {
             let _ = allocate::dealloc_emb(self.queue.raw(), &embeds);
         }

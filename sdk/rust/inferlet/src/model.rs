@@ -1,8 +1,8 @@
 //! Models and their command queues.
 
-use crate::bindings::types::{self, Error};
-use crate::bindings::{allocate, runtime, tokenize};
-use crate::{ChatMessage, Context};
+use crate::bindings::types::{self, Embed, Error};
+use crate::bindings::{allocate, output_text, runtime, tokenize};
+use crate::{join_all, ChatMessage, Context, Sampler};
 use std::rc::Rc;
 
 /// A model the server serves, by name.
@@ -83,6 +83,24 @@ impl Queue {
     /// Waits until everything enqueued so far has run; reports the first failure.
     pub async fn synchronize(&self) -> Result<(), Error> {
         runtime::synchronize(&self.raw).await
+    }
+
+    /// One token drawn from the distribution after output embed `embed` (see
+    /// `Context::forward_pending`).
+    pub async fn sample(&self, embed: Embed, sampler: &Sampler) -> Result<u32, Error> {
+        output_text::sample(&self.raw, embed, sampler.clone())?.await
+    }
+
+    /// One token per output embed, all requested at once (they batch together).
+    pub async fn sample_all(&self, embeds: &[Embed], sampler: &Sampler) -> Result<Vec<u32>, Error> {
+        join_all(embeds.iter().map(|&e| self.sample(e, sampler))).await.into_iter().collect()
+    }
+
+    /// The `k` most likely next tokens after output embed `embed`, with their
+    /// probabilities, most likely first.
+    pub async fn next_dist(&self, embed: Embed, k: u32) -> Result<(Vec<u32>, Vec<f32>), Error> {
+        let dist = output_text::get_next_dist(&self.raw, embed, k)?.await?;
+        Ok((dist.token_ids, dist.probs))
     }
 
     /// Higher priorities go first when the scheduler must choose; 0 is the default.
