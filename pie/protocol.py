@@ -149,7 +149,10 @@ class Sample(Message):
 
     temperature 0 is greedy; top_k 0 and top_p 1.0 disable those filters; seed -1 draws
     from the backend's generator, any other seed makes the draw reproducible (callers vary
-    the seed per step).
+    the seed per step). `allowed[i]`, if given and not None, restricts item i to a set of
+    tokens (grammar-constrained decoding): a bitmask of ceil(vocab_size / 32) little-endian
+    u32 words, bit t of word w = token 32 w + t allowed (llguidance's layout). An empty
+    `allowed` list means no item is restricted.
     """
 
     kind: ClassVar[Kind] = Kind.SAMPLE
@@ -158,6 +161,7 @@ class Sample(Message):
     top_ks: list[int]
     top_ps: list[float]
     seeds: list[int]
+    allowed: list[bytes | None] = field(default_factory=list)
 
 
 @dataclass

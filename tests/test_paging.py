@@ -128,3 +128,26 @@ def test_batched_items_equal_single_items(engine):
     assert reply.errors == {}
     torch.testing.assert_close(hidden(engine, 140), hidden(engine, 142), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(hidden(engine, 141), hidden(engine, 143), rtol=1e-5, atol=1e-5)
+
+
+def test_allowed_mask_restricts_sampling(engine):
+    """`Sample.allowed` (grammar masks): the draw stays inside the mask, greedy or not; a mask
+    allowing nothing fails that item only; a mask of the wrong size fails the request."""
+    embed(engine, TOKENS[:5], list(range(5)), list(range(5)))
+    forward(engine, [], 0, list(range(5)), [30], 0, [150], [4])
+    vocab = engine.model.config.vocab_size
+    free = engine.sample(P.Sample([150], [0.0], [0], [1.0], [-1])).token_ids[0]
+
+    def mask(tokens: list[int]) -> bytes:
+        bits = np.zeros(vocab, dtype=bool)
+        bits[tokens] = True
+        return np.packbits(bits, bitorder="little").tobytes()
+
+    allowed = [t for t in (17, 4242, 9000) if t != free]
+    reply = engine.sample(P.Sample([150] * 4, [0.0, 2.0, 0.0, 0.0], [0] * 4, [1.0] * 4, [1, 2, -1, -1],
+                                   allowed=[mask(allowed), mask(allowed), None, mask([])]))
+    assert reply.token_ids[0] in allowed and reply.token_ids[1] in allowed
+    assert reply.token_ids[2] == free
+    assert reply.errors == {3: "the allowed-token mask allows no token"}
+    with pytest.raises(P.ProtocolError, match="bitmask"):
+        engine.sample(P.Sample([150], [0.0], [0], [1.0], [-1], allowed=[b"\xff"]))

@@ -123,7 +123,7 @@ def test_world_imports_only_the_traits_and_exports_run(resolved):
     (world,) = resolved["worlds"]
     interfaces = resolved["interfaces"]
     imported = {interfaces[v["interface"]["id"]]["name"] for v in world["imports"].values()}
-    assert imported == {*gen.CORE_TRAITS, *gen.PLUMBING}
+    assert imported == {*gen.CORE_TRAITS, *gen.PLUMBING, *gen.EXTENSIONS}
     assert list(world["exports"]) == ["run"]
 
 

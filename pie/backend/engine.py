@@ -390,6 +390,7 @@ class Engine:
         seeds = int_array(msg.seeds, "seeds")
         n = same_length("sample", embed_ids=ids, temperatures=temps, top_ks=top_ks,
                         top_ps=top_ps, seeds=seeds)
+        allowed = self._allowed_masks(msg.allowed, n)
         errors: dict[int, str] = {}
         self._valid_embeds(ids, errors)
         for i in np.flatnonzero(~np.isfinite(temps) | (temps < 0)):
@@ -406,9 +407,35 @@ class Engine:
             hidden = self.embeds.vectors[self._tensor(ids[ok])]
             logits = self.model.logits(hidden)
             for row, i in enumerate(np.flatnonzero(ok)):
-                out[i] = self._sample_row(logits[row], temps[i], int(top_ks[i]), top_ps[i], int(seeds[i]))
+                row_logits = logits[row]
+                if allowed[i] is not None:
+                    if not allowed[i].any():
+                        errors[int(i)] = "the allowed-token mask allows no token"
+                        continue
+                    row_logits = row_logits.masked_fill(~allowed[i].to(row_logits.device), float("-inf"))
+                out[i] = self._sample_row(row_logits, temps[i], int(top_ks[i]), top_ps[i], int(seeds[i]))
         self._count("sample", n, len(errors))
         return P.SampleReply(token_ids=out, errors=errors)
+
+    def _allowed_masks(self, allowed: list[bytes | None], n: int) -> list[torch.Tensor | None]:
+        """Per item: a bool tensor over the vocabulary (True = may be sampled), or None."""
+        if not allowed:
+            return [None] * n
+        if len(allowed) != n:
+            raise P.ProtocolError(f"sample: {len(allowed)} allowed masks for {n} items")
+        vocab = self.model.config.vocab_size
+        size = (vocab + 31) // 32 * 4
+        masks: list[torch.Tensor | None] = []
+        for i, mask in enumerate(allowed):
+            if mask is None:
+                masks.append(None)
+                continue
+            if not isinstance(mask, bytes) or len(mask) != size:
+                raise P.ProtocolError(f"sample: allowed[{i}] must be {size} bytes (a bitmask over "
+                                      f"{vocab} tokens)")
+            bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")[:vocab]
+            masks.append(torch.from_numpy(bits.astype(bool)))
+        return masks
 
     def _sample_row(self, logits: torch.Tensor, temperature: float, top_k: int, top_p: float, seed: int) -> int:
         if temperature == 0:

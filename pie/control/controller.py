@@ -15,6 +15,7 @@ from pie import protocol as P
 from pie.config import PieConfig
 from pie.control.errors import ErrorKind, HostError
 from pie.control.future import HostFuture
+from pie.control.grammar import GrammarCompiler, Matcher
 from pie.control.http_client import HttpClient
 from pie.control.messaging import Inbox, KeyValueStore, MessageBus
 from pie.control.resources import InstanceResources, ResourceManager
@@ -30,6 +31,7 @@ class Controller:
         self.resources = ResourceManager(handshake.num_kv_pages, handshake.num_embeds)
         self.scheduler = Scheduler(endpoint, config.control, handshake.max_batch_tokens)
         self.tokenizer = TextTokenizer(handshake)
+        self.grammars = GrammarCompiler(handshake)
         self.bus = MessageBus()
         self.kvs = KeyValueStore()
         self.http = HttpClient(config.control)
@@ -254,7 +256,9 @@ class InstanceSession:
                                     reads=frozenset({("e", physical)})))
 
     def sample(self, q: CommandQueue, embed: int, temperature: float, top_k: int, top_p: float,
-               seed: int | None) -> HostFuture:
+               seed: int | None, matcher: Matcher | None = None) -> HostFuture:
+        """A token drawn from `embed`'s distribution; with `matcher`, only among the tokens
+        its grammar allows next (the matcher is not advanced: the caller accepts the token)."""
         if not (math.isfinite(temperature) and temperature >= 0):
             raise _invalid(f"temperature {temperature} must be a finite number >= 0")
         if not 0 < top_p <= 1:
@@ -263,8 +267,12 @@ class InstanceSession:
         return self._submit(Command(
             P.Kind.SAMPLE, q, HostFuture(),
             item={"embed": physical, "temperature": float(temperature), "top_k": top_k,
-                  "top_p": float(top_p), "seed": -1 if seed is None else seed % (1 << 63)},
+                  "top_p": float(top_p), "seed": -1 if seed is None else seed % (1 << 63),
+                  "allowed": None if matcher is None else matcher.allowed_mask()},
             reads=frozenset({("e", physical)})))
+
+    def compile_grammar(self, q: CommandQueue, kind: str, source: str) -> Matcher:
+        return self.c.grammars.compile(kind, source)
 
     def _submit(self, command: Command) -> HostFuture:
         if command.queue.instance_id != self.instance_id:

@@ -382,7 +382,10 @@ def build_batch(kind: str, batch: list[Command]) -> P.Message:
             msg.attention_masks.append(i["mask"])
         return msg
     if kind == P.Kind.SAMPLE:
-        return P.Sample(*([i[f] for i in items] for f in ("embed", "temperature", "top_k", "top_p", "seed")))
+        msg = P.Sample(*([i[f] for i in items] for f in ("embed", "temperature", "top_k", "top_p", "seed")))
+        if any(i.get("allowed") is not None for i in items):
+            msg.allowed = [i.get("allowed") for i in items]
+        return msg
     if kind == P.Kind.NEXT_DIST:
         return P.NextDist([i["embed"] for i in items], [i["k"] for i in items])
     if kind == P.Kind.COPY_KVPAGE:

@@ -41,6 +41,7 @@ class Kind(IntEnum):
     FUTURE_RESPONSE = 6
     FUTURE_DIST = 7
     FUTURE_TOKEN = 8
+    MATCHER = 9
 
 
 class Terminated(Exception):
@@ -345,4 +346,35 @@ def build_linker(engine: Engine, controller: Controller, lookup: Callable[[Any],
             output_text.add_func("[method]future-token.subscribe", call(subscribe_to(Kind.FUTURE_TOKEN), False))
             output_text.add_func("[method]future-token.get",
                                  call(future_getter(Kind.FUTURE_TOKEN, untagged), False))
+
+        with root.add_instance(PACKAGE.format("grammar")) as grammar:
+            counted(grammar)
+            grammar.add_resource("matcher", ResourceType.host(Kind.MATCHER), drop)
+
+            def matcher(st: HostState, store: Any, m: Any) -> Any:
+                return st.get(store, m, Kind.MATCHER)
+
+            # A matcher keeps the queue it was compiled on: wasmtime-py 50 cannot take two
+            # borrows in one host call ("deferred host scope has no call context").
+            def compile_grammar(st: HostState, store: Any, q: Any, kind: str, source: str) -> Any:
+                q = queue(st, store, q)
+                return st.own(Kind.MATCHER, (q, st.session.compile_grammar(q, kind, source)))
+
+            grammar.add_func("compile", call(compile_grammar))
+
+            def constrained_sample(st: HostState, store: Any, m: Any, emb: int, sampler: Any) -> Any:
+                q, grammar_matcher = matcher(st, store, m)
+                return st.own(Kind.FUTURE_TOKEN, st.session.sample(
+                    q, emb, sampler.temperature, getattr(sampler, "top-k"),
+                    getattr(sampler, "top-p"), sampler.seed, grammar_matcher))
+
+            grammar.add_func("[method]matcher.sample", call(constrained_sample))
+            grammar.add_func("[method]matcher.accept",
+                             call(lambda st, store, m, tokens: matcher(st, store, m)[1].accept(list(tokens))))
+            grammar.add_func("[method]matcher.rollback",
+                             call(lambda st, store, m, n: matcher(st, store, m)[1].rollback(n)))
+            for name, method in (("allowed-tokens", "allowed_tokens"), ("forced-tokens", "forced_tokens"),
+                                 ("is-accepting", "is_accepting"), ("is-stopped", "is_stopped")):
+                grammar.add_func(f"[method]matcher.{name}", call(
+                    lambda st, store, m, method=method: getattr(matcher(st, store, m)[1], method)(), False))
     return linker

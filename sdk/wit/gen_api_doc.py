@@ -46,6 +46,8 @@ CORE_TRAITS = (
     "output-text",
 )
 PLUMBING = ("types", "futures")
+# Interfaces beyond the paper's API (not counted in the core), documented after it.
+EXTENSIONS = ("grammar",)
 LAYERS = {
     "control": "control layer (answered in the control process, no GPU work)",
     "inference": "inference layer (enqueued on the queue; the batch scheduler batches it "
@@ -262,7 +264,7 @@ def load_api(resolved: dict) -> Api:
     (world,) = resolved["worlds"]
     types = resolved["types"]
     index = {i["name"]: n for n, i in enumerate(resolved["interfaces"])}
-    order = [*PLUMBING, *CORE_TRAITS]
+    order = [*PLUMBING, *CORE_TRAITS, *EXTENSIONS]
     if sorted(index) != sorted(order):
         raise DocError(f"interfaces {sorted(index)} are not the expected {sorted(order)}")
     functions, declared = [], {}
@@ -300,7 +302,9 @@ def problems(api: Api, error_kinds: list[str]) -> list[str]:
             continue
         if d.layer not in LAYERS:
             found.append(f"{where}: Layer is {d.layer!r}, not one of {sorted(LAYERS)}")
-        if d.layer == "inference" and (not f.params or f.params[0][1] != "borrow<queue>"):
+        # (a method of a resource bound to a queue at creation, like grammar's matcher, is
+        # enqueued on that queue)
+        if d.layer == "inference" and not f.is_method and (not f.params or f.params[0][1] != "borrow<queue>"):
             found.append(f"{where}: an inference-layer call must take the queue first")
         if list(d.arguments) != [n for n, _ in f.params]:
             found.append(f"{where}: Arguments {list(d.arguments)} != parameters {f.params}")
@@ -356,7 +360,9 @@ def render(api: Api) -> str:
         f"{len(CORE_TRAITS)} trait interfaces ({', '.join(f'`{t}`' for t in CORE_TRAITS)}), "
         "host-side `sample` included. Not counted, but listed after the table and documented "
         "below: `futures.poll` and resource methods (asynchrony plumbing, like WASI's poll), "
-        "and the entry point `run` that the inferlet exports.",
+        "the extension interfaces beyond the paper's API "
+        f"({', '.join(f'`{t}`' for t in EXTENSIONS)}), and the entry point `run` that the "
+        "inferlet exports.",
         "",
         "**Layers.** *control*: answered by the control layer in the control process, "
         "without GPU work. *inference*: checked by the control layer, then enqueued on the "
@@ -386,7 +392,7 @@ def render(api: Api) -> str:
     others = [f for f in api.functions if not f.is_core]
     out += ["", "Not counted: " + ", ".join(
         f"[`{f.qualified}`](#{_anchor(f.qualified)})" for f in others) + "."]
-    for iface in [*PLUMBING, *CORE_TRAITS]:
+    for iface in [*PLUMBING, *CORE_TRAITS, *EXTENSIONS]:
         out += ["", f"## `{iface}`", "", _prose(api.interface_docs[iface])]
         for decl, docs, members in api.types[iface]:
             out += ["", f"- `{decl}` — {_indented(_prose(docs))}"]

@@ -1839,6 +1839,243 @@ pub mod output_text {
     }
 }
 
+/// Grammar-constrained decoding: the server compiles a grammar for the queue's model's
+/// tokenizer (with llguidance) and tracks a parse state, the `matcher`; `matcher.sample`
+/// then draws only tokens the grammar allows next, masked on the host before sampling.
+pub mod grammar {
+    pub type Queue = super::types::Queue;
+
+    pub type Embed = super::types::Embed;
+
+    pub type Error = super::types::Error;
+
+    pub type Sampler = super::output_text::Sampler;
+
+    pub type FutureToken = super::output_text::FutureToken;
+
+    /// The language a grammar source is written in.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum GrammarKind {
+        /// A JSON Schema (as JSON text); the output is JSON that validates against it.
+        JsonSchema,
+        /// A regular expression (Rust `regex` syntax); the whole output matches it.
+        Regex,
+        /// A Lark grammar as llguidance reads it (`start:` is the start rule).
+        Lark,
+        /// An EBNF grammar in llama.cpp's GBNF notation (`root ::= ...`).
+        Ebnf,
+    }
+    impl GrammarKind {
+        #[doc(hidden)]
+        pub fn _lift(d: u32) -> Self { match d { 0 => GrammarKind::JsonSchema, 1 => GrammarKind::Regex, 2 => GrammarKind::Lark, 3 => GrammarKind::Ebnf, _ => unreachable!() } }
+    }
+
+    /// A grammar's parse state over the tokens accepted so far, tied to the queue it was
+    /// compiled on.
+    #[derive(Debug)]
+    pub struct Matcher {
+        handle: i32,
+    }
+    impl Matcher {
+        /// Takes ownership of a handle the host gave us.
+        ///
+        /// # Safety
+        /// `handle` must be an owned `matcher` handle not held by any other value.
+        pub unsafe fn from_handle(handle: i32) -> Self {
+            Self { handle }
+        }
+        /// The handle, still owned by `self`.
+        pub fn handle(&self) -> i32 {
+            self.handle
+        }
+        /// The handle, now owned by the caller (no drop).
+        pub fn into_handle(self) -> i32 {
+            let handle = self.handle;
+            core::mem::forget(self);
+            handle
+        }
+    }
+    impl Drop for Matcher {
+        fn drop(&mut self) {
+            #[link(wasm_import_module = "pie:inferlet/grammar@0.1.0")]
+            extern "C" {
+                #[link_name = "[resource-drop]matcher"]
+                fn drop(handle: i32);
+            }
+            unsafe { drop(self.handle) }
+        }
+    }
+
+    /// Compiles a grammar for the queue's model.
+    ///
+    /// Arguments:
+    /// - q: the queue; fixes the model and so the tokenizer.
+    /// - kind: the language `source` is written in.
+    /// - source: the grammar text (at most 1 MiB).
+    ///
+    /// Returns: a matcher at the start of the grammar, drawing on `q`.
+    ///
+    /// Layer: control
+    ///
+    /// Errors:
+    /// - invalid-argument: the source does not parse, or is too large; the message says
+    ///   where.
+    pub fn compile(q: &Queue, kind: GrammarKind, source: &str) -> Result<Matcher, Error> {
+        #[link(wasm_import_module = "pie:inferlet/grammar@0.1.0")]
+        extern "C" {
+            #[link_name = "compile"]
+            fn import(p0: i32, p1: i32, p2: i32, p3: i32, p4: i32);
+        }
+        unsafe {
+            let mut ret_area = crate::abi::RetArea::<16>::new();
+            import(q.handle(), *(&kind) as i32, source.as_ptr() as i32, source.len() as i32, ret_area.ptr() as i32);
+            match ret_area.ptr().cast::<u8>().read() { 0 => Ok(Matcher::from_handle(ret_area.ptr().add(4).cast::<i32>().read())), 1 => Err(Error { kind: super::types::ErrorKind::_lift(ret_area.ptr().add(4).cast::<u8>().read() as u32), message: crate::abi::take_string(ret_area.ptr().add(8).cast::<i32>().read(), ret_area.ptr().add(12).cast::<i32>().read()) }), _ => unreachable!() }
+        }
+    }
+
+    impl Matcher {
+        /// Enqueues drawing one token from an output embed, among the tokens this matcher
+        /// allows next, on the matcher's queue. The matcher is not advanced: `accept` the
+        /// token before the next draw.
+        ///
+        /// Arguments:
+        /// - emb: an output embed filled by an earlier `forward`.
+        /// - sampler: temperature, top-k, top-p and seed, applied after the grammar's mask.
+        ///
+        /// Returns: a future of the token id.
+        ///
+        /// Layer: inference
+        ///
+        /// Errors:
+        /// - invalid-handle: `emb` is not a live embed of this instance for the queue's model.
+        /// - invalid-argument: temperature is negative or not finite, or top-p is not in
+        ///   (0, 1].
+        pub fn sample(&self, emb: Embed, sampler: Sampler) -> Result<FutureToken, Error> {
+            #[link(wasm_import_module = "pie:inferlet/grammar@0.1.0")]
+            extern "C" {
+                #[link_name = "[method]matcher.sample"]
+                fn import(p0: i32, p1: i32, p2: f32, p3: i32, p4: f32, p5: i32, p6: i64, p7: i32);
+            }
+            unsafe {
+                let mut ret_area = crate::abi::RetArea::<16>::new();
+                let (f20, f21,) = match (&sampler.seed) { None => { (0i32, 0i64) } Some(v) => { (1i32, *v as i64) } };
+                import(self.handle(), *(&emb) as i32, *(&sampler.temperature), *(&sampler.top_k) as i32, *(&sampler.top_p), f20, f21, ret_area.ptr() as i32);
+                match ret_area.ptr().cast::<u8>().read() { 0 => Ok(FutureToken::from_handle(ret_area.ptr().add(4).cast::<i32>().read())), 1 => Err(Error { kind: super::types::ErrorKind::_lift(ret_area.ptr().add(4).cast::<u8>().read() as u32), message: crate::abi::take_string(ret_area.ptr().add(8).cast::<i32>().read(), ret_area.ptr().add(12).cast::<i32>().read()) }), _ => unreachable!() }
+            }
+        }
+        /// Advances the parse state over tokens, usually the one `sample` just drew.
+        ///
+        /// Arguments:
+        /// - tokens: the tokens, in order.
+        ///
+        /// Layer: control
+        ///
+        /// Errors:
+        /// - invalid-argument: a token is not allowed at its place; the state is unchanged.
+        pub fn accept(&self, tokens: &[u32]) -> Result<(), Error> {
+            #[link(wasm_import_module = "pie:inferlet/grammar@0.1.0")]
+            extern "C" {
+                #[link_name = "[method]matcher.accept"]
+                fn import(p0: i32, p1: i32, p2: i32, p3: i32);
+            }
+            unsafe {
+                let mut ret_area = crate::abi::RetArea::<16>::new();
+                import(self.handle(), tokens.as_ptr() as i32, tokens.len() as i32, ret_area.ptr() as i32);
+                match ret_area.ptr().cast::<u8>().read() { 0 => Ok(()), 1 => Err(Error { kind: super::types::ErrorKind::_lift(ret_area.ptr().add(4).cast::<u8>().read() as u32), message: crate::abi::take_string(ret_area.ptr().add(8).cast::<i32>().read(), ret_area.ptr().add(12).cast::<i32>().read()) }), _ => unreachable!() }
+            }
+        }
+        /// Undoes the last accepted tokens (rejected draft tokens, backtracking).
+        ///
+        /// Arguments:
+        /// - count: how many tokens to undo.
+        ///
+        /// Layer: control
+        ///
+        /// Errors:
+        /// - invalid-argument: fewer than `count` tokens were accepted.
+        pub fn rollback(&self, count: u32) -> Result<(), Error> {
+            #[link(wasm_import_module = "pie:inferlet/grammar@0.1.0")]
+            extern "C" {
+                #[link_name = "[method]matcher.rollback"]
+                fn import(p0: i32, p1: i32, p2: i32);
+            }
+            unsafe {
+                let mut ret_area = crate::abi::RetArea::<16>::new();
+                import(self.handle(), *(&count) as i32, ret_area.ptr() as i32);
+                match ret_area.ptr().cast::<u8>().read() { 0 => Ok(()), 1 => Err(Error { kind: super::types::ErrorKind::_lift(ret_area.ptr().add(4).cast::<u8>().read() as u32), message: crate::abi::take_string(ret_area.ptr().add(8).cast::<i32>().read(), ret_area.ptr().add(12).cast::<i32>().read()) }), _ => unreachable!() }
+            }
+        }
+        /// The tokens that may come next.
+        ///
+        /// Returns: the allowed token ids, ascending (the EOS tokens once the output is
+        /// complete).
+        ///
+        /// Layer: control
+        pub fn allowed_tokens(&self) -> Vec<u32> {
+            #[link(wasm_import_module = "pie:inferlet/grammar@0.1.0")]
+            extern "C" {
+                #[link_name = "[method]matcher.allowed-tokens"]
+                fn import(p0: i32, p1: i32);
+            }
+            unsafe {
+                let mut ret_area = crate::abi::RetArea::<8>::new();
+                import(self.handle(), ret_area.ptr() as i32);
+                crate::abi::take_vec(ret_area.ptr().cast::<i32>().read(), ret_area.ptr().add(4).cast::<i32>().read())
+            }
+        }
+        /// Tokens the grammar forces next whatever the model predicts, so they can be
+        /// filled without sampling.
+        ///
+        /// Returns: the forced tokens (often empty).
+        ///
+        /// Layer: control
+        pub fn forced_tokens(&self) -> Vec<u32> {
+            #[link(wasm_import_module = "pie:inferlet/grammar@0.1.0")]
+            extern "C" {
+                #[link_name = "[method]matcher.forced-tokens"]
+                fn import(p0: i32, p1: i32);
+            }
+            unsafe {
+                let mut ret_area = crate::abi::RetArea::<8>::new();
+                import(self.handle(), ret_area.ptr() as i32);
+                crate::abi::take_vec(ret_area.ptr().cast::<i32>().read(), ret_area.ptr().add(4).cast::<i32>().read())
+            }
+        }
+        /// Whether the tokens accepted so far form a complete sentence of the grammar.
+        ///
+        /// Returns: true when the output may end here.
+        ///
+        /// Layer: control
+        pub fn is_accepting(&self) -> bool {
+            #[link(wasm_import_module = "pie:inferlet/grammar@0.1.0")]
+            extern "C" {
+                #[link_name = "[method]matcher.is-accepting"]
+                fn import(p0: i32) -> i32;
+            }
+            unsafe {
+                let ret = import(self.handle());
+                ret != 0
+            }
+        }
+        /// Whether nothing but the end of output may follow.
+        ///
+        /// Returns: true once the grammar admits no further token.
+        ///
+        /// Layer: control
+        pub fn is_stopped(&self) -> bool {
+            #[link(wasm_import_module = "pie:inferlet/grammar@0.1.0")]
+            extern "C" {
+                #[link_name = "[method]matcher.is-stopped"]
+                fn import(p0: i32) -> i32;
+            }
+            unsafe {
+                let ret = import(self.handle());
+                ret != 0
+            }
+        }
+    }
+}
+
 #[repr(C, align(4))]
 struct RetAreaRun([u8; 12]);
 static mut RET_RUN: RetAreaRun = RetAreaRun([0; 12]);
@@ -1849,7 +2086,7 @@ static mut RET_RUN: RetAreaRun = RetAreaRun([0; 12]);
 pub unsafe fn _export_run(f: impl FnOnce() -> Result<(), String>) -> i32 {
     let result = f();
     let ptr = core::ptr::addr_of_mut!(RET_RUN) as *mut u8;
-    match result { Ok(_) => { ptr.cast::<u8>().write(0); } Err(e) => { ptr.cast::<u8>().write(1); let pl20 = crate::abi::leak_string(e); ptr.add(4).cast::<i32>().write(pl20.0); ptr.add(8).cast::<i32>().write(pl20.1); } }
+    match result { Ok(_) => { ptr.cast::<u8>().write(0); } Err(e) => { ptr.cast::<u8>().write(1); let pl22 = crate::abi::leak_string(e); ptr.add(4).cast::<i32>().write(pl22.0); ptr.add(8).cast::<i32>().write(pl22.1); } }
     ptr as i32
 }
 

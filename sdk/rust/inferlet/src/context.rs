@@ -154,7 +154,7 @@ impl Context {
     }
 
     /// Forward the pending tokens with one output embed at the last of them.
-    fn step_output(&mut self) -> Result<Embed, Error> {
+    pub(crate) fn step_output(&mut self) -> Result<Embed, Error> {
         if self.pending.is_empty() {
             return Err(Error { kind: ErrorKind::InvalidArgument,
                                message: "no pending token to predict from; fill the context first".into() });

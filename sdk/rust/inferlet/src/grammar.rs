@@ -1,0 +1,82 @@
+//! Grammar-constrained generation: the output is guaranteed to parse.
+//!
+//! The host compiles the grammar for the model's tokenizer (llguidance) and masks every
+//! draw to the tokens the grammar allows next; tokens the grammar forces are filled without
+//! sampling. See sdk/wit/grammar.wit.
+
+use crate::bindings::grammar::{self, GrammarKind, Matcher};
+use crate::bindings::types::Error;
+use crate::{Context, Queue, Sampler};
+
+/// A compiled grammar and its parse state over the output so far.
+pub struct Grammar {
+    matcher: Matcher,
+}
+
+impl Grammar {
+    /// Output that is JSON valid against `schema` (JSON Schema text).
+    pub fn json_schema(queue: &Queue, schema: &str) -> Result<Grammar, Error> {
+        Grammar::compile(queue, GrammarKind::JsonSchema, schema)
+    }
+
+    /// Output that matches `pattern` as a whole (Rust regex syntax).
+    pub fn regex(queue: &Queue, pattern: &str) -> Result<Grammar, Error> {
+        Grammar::compile(queue, GrammarKind::Regex, pattern)
+    }
+
+    /// Output in the language of a Lark grammar (`start: ...`).
+    pub fn lark(queue: &Queue, source: &str) -> Result<Grammar, Error> {
+        Grammar::compile(queue, GrammarKind::Lark, source)
+    }
+
+    /// Output in the language of an EBNF grammar in GBNF notation (`root ::= ...`).
+    pub fn ebnf(queue: &Queue, source: &str) -> Result<Grammar, Error> {
+        Grammar::compile(queue, GrammarKind::Ebnf, source)
+    }
+
+    pub fn compile(queue: &Queue, kind: GrammarKind, source: &str) -> Result<Grammar, Error> {
+        Ok(Grammar { matcher: grammar::compile(queue.raw(), kind, source)? })
+    }
+
+    /// The host matcher, for calling `bindings::grammar` directly.
+    pub fn matcher(&self) -> &Matcher {
+        &self.matcher
+    }
+
+    /// Whether the output so far is a complete sentence of the grammar.
+    pub fn is_accepting(&self) -> bool {
+        self.matcher.is_accepting()
+    }
+}
+
+impl Context {
+    /// Decodes at most `max_tokens` tokens that the grammar allows, until the grammar is
+    /// complete and the model ends (EOS) or nothing else may follow. Returns the output
+    /// text; `grammar.is_accepting()` says whether it is complete.
+    pub async fn generate_constrained(&mut self, grammar: &Grammar, sampler: &Sampler,
+                                      max_tokens: usize) -> Result<String, Error> {
+        let eos = self.queue().eos_tokens();
+        let mut sampler = sampler.clone();
+        let mut generated: Vec<u32> = Vec::new();
+        while generated.len() < max_tokens && !grammar.matcher.is_stopped() {
+            let mut forced = grammar.matcher.forced_tokens();
+            forced.truncate(max_tokens - generated.len());
+            if !forced.is_empty() {
+                grammar.matcher.accept(&forced)?;
+                self.fill_tokens(&forced);
+                generated.extend(forced);
+                continue;
+            }
+            let output = self.step_output()?;
+            let token = grammar.matcher.sample(output, sampler.clone())?.await?;
+            sampler.seed = sampler.seed.map(|seed| seed.wrapping_add(1));
+            if eos.contains(&token) {
+                break;
+            }
+            grammar.matcher.accept(&[token])?;
+            self.fill_tokens(&[token]);
+            generated.push(token);
+        }
+        self.queue().detokenize(&generated)
+    }
+}
