@@ -1,4 +1,5 @@
-"""The `pie` command line: `pie model`, `pie backend`, `pie generate`, `pie serve`, `pie run`, `pie build`."""
+"""The `pie` command line: `pie model`, `pie backend`, `pie generate`, `pie serve`, `pie run`,
+`pie build`, `pie new`."""
 
 from __future__ import annotations
 
@@ -127,8 +128,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     from pie.client import PieConnectionError, RpcError
 
     program = Path(args.program)
-    if not program.is_file() and (program.suffix == ".wasm" or "/" in args.program):
-        raise FileNotFoundError(f"no such component file: {args.program}")
+    if (program / "Cargo.toml").is_file():  # a crate: build it first, like `cargo run`
+        from pie.toolchain import ToolchainError, build_inferlet
+
+        try:
+            program = build_inferlet(program, console=console, cache=_config(args).paths.cache)
+        except ToolchainError as e:
+            console.print(f"[red]error:[/] {e}", highlight=False)
+            return 1
+    elif not program.is_file() and (program.suffix == ".wasm" or "/" in args.program):
+        raise FileNotFoundError(f"no such component file or crate: {args.program}")
     data = program.read_bytes() if program.is_file() else None
     try:
         return asyncio.run(_run(args, data))
@@ -182,6 +191,22 @@ def cmd_build(args: argparse.Namespace) -> int:
         console.print(f"[red]error:[/] {e}", highlight=False)
         return 1
     print(path)
+    return 0
+
+
+def cmd_new(args: argparse.Namespace) -> int:
+    """Scaffold an inferlet crate; say how to build and run it."""
+    from pie.scaffold import new_inferlet
+    from pie.toolchain import ToolchainError
+
+    try:
+        crate = new_inferlet(Path(args.directory), args.name)
+    except ToolchainError as e:
+        console.print(f"[red]error:[/] {e}", highlight=False)
+        return 1
+    console.print(f"Created inferlet crate {crate}\n"
+                  f"  build:  pie build {args.directory}\n"
+                  f"  run:    pie run {args.directory} -- --prompt \"Hello!\"", highlight=False)
     return 0
 
 
@@ -244,14 +269,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
 
     run = sub.add_parser("run", help="run an inferlet and print its messages",
-                         description="Run PROGRAM (a component file or a built-in inferlet name) "
+                         description="Run PROGRAM (a component file, a crate directory or a built-in inferlet name) "
                                      "with ARGS; without --server, start a private server for the call.")
     _add_common(run)
-    run.add_argument("program", metavar="PROGRAM", help="component file (.wasm) or built-in inferlet name")
+    run.add_argument("program", metavar="PROGRAM",
+                     help="component file (.wasm), inferlet crate directory (built first) or built-in name")
     run.add_argument("arguments", metavar="ARGS", nargs="*", help="the inferlet's arguments (after --)")
     run.add_argument("--server", metavar="URL", help="a running server, e.g. http://127.0.0.1:8080")
     run.add_argument("--token", help="authentication token (default: the first of server.auth_tokens)")
     run.set_defaults(func=cmd_run)
+
+    new = sub.add_parser("new", help="create a new Rust inferlet crate")
+    new.add_argument("directory", metavar="DIR", help="where to create it (must not exist or be empty)")
+    new.add_argument("--name", help="crate name (default: the directory's name)")
+    new.set_defaults(func=cmd_new)
 
     build = sub.add_parser("build", help="build a Rust inferlet crate into a component")
     build.add_argument("crate", metavar="CRATE_DIR")

@@ -111,7 +111,7 @@ class FakeHost:
 
 def test_hello_echoes_under_wasmtime(components):
     """Arguments come back as one message, then each message until "quit"; every future
-    is pending at first, so the executor really waits in the host's `poll`."""
+    is pending at first, so the executor really waits in the host's `wait`."""
     host, sent = FakeHost(), []
     incoming = iter(["hi", "there", "quit", "never read"])
 
@@ -130,11 +130,16 @@ def test_hello_echoes_under_wasmtime(components):
             futures.add_func("[method]future-string.get",
                              lambda store, f: (lambda fut: fut.value if fut.ready else None)(host.get(store, f)))
 
-            def poll(store, pollables):
-                for p in pollables:
-                    host.get(store, p).ready = True
-                return list(range(len(pollables)))
-            futures.add_func("poll", poll)
+            watched = {}  # key -> future
+
+            def wait(store):
+                for future in watched.values():
+                    future.ready = True
+                keys = sorted(watched)
+                watched.clear()
+                return keys
+            futures.add_func("[method]pollable.watch", lambda store, p, key: watched.update({key: host.get(store, p)}))
+            futures.add_func("wait", wait)
         with root.add_instance("pie:inferlet/runtime@0.1.0") as runtime:
             runtime.add_func("get-arguments", lambda store: ["hello", "wörld"])
         with root.add_instance("pie:inferlet/messaging@0.1.0") as messaging:
@@ -166,7 +171,7 @@ class FakeModel(FakeHost):
 
     def __init__(self, args: list[str]):
         super().__init__()
-        self.args, self.sent, self.samplers = args, [], []
+        self.args, self.sent, self.samplers, self.watched = args, [], [], []
         self.kv: dict[int, list] = {}
         self.embeds: dict[int, object] = {}
         self.next_id = 100
@@ -226,7 +231,8 @@ class FakeModel(FakeHost):
                 types.add_resource("queue", ResourceType.host(self.QUEUE), self.drop)
             with root.add_instance("pie:inferlet/futures@0.1.0") as futures:
                 futures.add_resource("pollable", ResourceType.host(self.POLLABLE), self.drop)
-                futures.add_func("poll", lambda store, ps: list(range(len(ps))))
+                futures.add_func("[method]pollable.watch", lambda store, p, key: self.watched.append(key))
+                futures.add_func("wait", lambda store: [self.watched.pop() for _ in list(self.watched)][::-1])
             with root.add_instance("pie:inferlet/runtime@0.1.0") as runtime:
                 runtime.add_func("get-arguments", lambda store: self.args)
                 runtime.add_func("available-models", lambda store: ["toy"])

@@ -79,7 +79,7 @@ RUNTIME_NECESSITIES = [
     "tokenize.get-eos-tokens",
     "tokenize.apply-chat-template",
     "output-text.sample",
-    "futures.poll",
+    "futures.wait",
 ]
 
 _DOC_FUNCTION_RE = re.compile(r"^### `([^`]+)`\n\n```wit\n(.+)\n```$", re.MULTILINE)

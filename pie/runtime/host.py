@@ -74,6 +74,7 @@ class HostState:
         self.cancelled = threading.Event()
         self.store: Store | None = None
         self.calls: Counter[str] = Counter()  # host function name -> calls (benchmarks)
+        self.watched: dict[int, tuple[int, HostFuture]] = {}  # pollable rep -> (key, future)
 
     def own(self, kind: Kind, obj: Any) -> ResourceHost:
         rep, self.next_rep = self.next_rep, self.next_rep + 1
@@ -89,6 +90,21 @@ class HostState:
 
     def drop(self, store: Any, rep: int) -> None:
         self.objects.pop(rep, None)
+        self.watched.pop(rep, None)
+
+    def watch(self, store: Any, pollable: Any, key: int) -> None:
+        rep = pollable.to_host(store).rep
+        self.watched[rep] = (key, self.get(store, rep, Kind.POLLABLE))
+
+    def wait(self) -> list[int]:
+        """Block until a watched pollable is ready; unwatch the ready ones, return their keys."""
+        if not self.watched:
+            return []
+        reps = list(self.watched)
+        ready = wait_any([self.watched[r][1] for r in reps], self.cancelled)
+        if self.cancelled.is_set():
+            raise Terminated("instance terminated")
+        return sorted(self.watched.pop(reps[i])[0] for i in ready)
 
 
 def build_linker(engine: Engine, controller: Controller, lookup: Callable[[Any], HostState]) -> Linker:
@@ -122,7 +138,13 @@ def build_linker(engine: Engine, controller: Controller, lookup: Callable[[Any],
             def run(store: Any, *args: Any) -> Any:
                 st = lookup(store)
                 st.calls[name] += 1
-                return func(st, store, *args)
+                import sys; print("CALL", name, args, file=sys.stderr, flush=True)
+                try:
+                    r = func(st, store, *args)
+                except BaseException as e:
+                    print("RAISED", name, repr(e), file=sys.stderr, flush=True); raise
+                print("RET", name, file=sys.stderr, flush=True)
+                return r
             add_func(name, run)
 
         interface.add_func = add_counted
@@ -171,14 +193,8 @@ def build_linker(engine: Engine, controller: Controller, lookup: Callable[[Any],
             futures.add_func("[method]pollable.ready",
                              call(lambda st, store, p: st.get(store, p, Kind.POLLABLE).done(), False))
 
-            def poll(st: HostState, store: Any, pollables: list[Any]) -> list[int]:
-                waited = [st.get(store, p, Kind.POLLABLE) for p in pollables]
-                ready = wait_any(waited, st.cancelled)
-                if st.cancelled.is_set():
-                    raise Terminated("instance terminated")
-                return ready
-
-            futures.add_func("poll", call(poll, False))
+            futures.add_func("[method]pollable.watch", call(lambda st, store, p, key: st.watch(store, p, key), False))
+            futures.add_func("wait", call(lambda st, store: st.wait(), False))
             futures.add_func("[method]future-unit.subscribe", call(subscribe_to(Kind.FUTURE_UNIT), False))
 
             def unit_result(future: HostFuture) -> Variant:

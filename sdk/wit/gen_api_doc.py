@@ -359,7 +359,7 @@ def render(api: Api) -> str:
         f"**Counting.** The core API is the {len(core)} freestanding functions of the "
         f"{len(CORE_TRAITS)} trait interfaces ({', '.join(f'`{t}`' for t in CORE_TRAITS)}), "
         "host-side `sample` included. Not counted, but listed after the table and documented "
-        "below: `futures.poll` and resource methods (asynchrony plumbing, like WASI's poll), "
+        "below: `futures.wait` and resource methods (asynchrony plumbing, like epoll), "
         "the extension interfaces beyond the paper's API "
         f"({', '.join(f'`{t}`' for t in EXTENSIONS)}), and the entry point `run` that the "
         "inferlet exports.",

@@ -94,15 +94,18 @@ pub mod types {
     }
 }
 
-/// Asynchrony: futures that become ready, and a blocking `poll` over them (the WASI-poll
-/// pattern). SDKs build async/await on `poll`.
+/// Asynchrony: futures that become ready, and a blocking `wait` over the pollables the
+/// instance watches (the epoll pattern). SDKs build async/await on `watch` and `wait`.
+///
+/// (Not WASI's `poll(list<borrow<pollable>>)`: wasmtime 50 traps a host call that lifts more
+/// than one borrowed handle, "BUG: deferred host scope has no call context".)
 ///
 /// Every future has `subscribe` (a pollable that is ready once the result is) and `get`
 /// (`none` while pending, then the same result on every call).
 pub mod futures {
     pub type Error = super::types::Error;
 
-    /// Something `poll` can wait for.
+    /// Something `wait` can wait for.
     #[derive(Debug)]
     pub struct Pollable {
         handle: i32,
@@ -207,28 +210,24 @@ pub mod futures {
         }
     }
 
-    /// Blocks until at least one of `in` is ready.
+    /// Blocks until at least one watched pollable is ready, and takes every ready one out
+    /// of the wait set.
     ///
     /// Only the calling instance waits; other instances keep running.
     ///
-    /// Arguments:
-    /// - in: the pollables to wait for; an empty list returns an empty list at once.
-    ///
-    /// Returns: the indices into `in` of every pollable that is ready, in ascending order.
+    /// Returns: the keys of the ready pollables, ascending; empty at once if nothing is
+    /// watched.
     ///
     /// Layer: control
-    pub fn poll(in_: &[&Pollable]) -> Vec<u32> {
+    pub fn wait() -> Vec<u32> {
         #[link(wasm_import_module = "pie:inferlet/futures@0.1.0")]
         extern "C" {
-            #[link_name = "poll"]
-            fn import(p0: i32, p1: i32, p2: i32);
+            #[link_name = "wait"]
+            fn import(p0: i32);
         }
         unsafe {
-            let mut cleanup = crate::abi::Cleanup::new();
             let mut ret_area = crate::abi::RetArea::<8>::new();
-            let buf1 = cleanup.alloc(in_.len() * 4, 4);
-            for (i, e2) in in_.iter().enumerate() { buf1.add(i * 4).cast::<i32>().write(e2.handle()); }
-            import(buf1 as i32, in_.len() as i32, ret_area.ptr() as i32);
+            import(ret_area.ptr() as i32);
             crate::abi::take_vec(ret_area.ptr().cast::<i32>().read(), ret_area.ptr().add(4).cast::<i32>().read())
         }
     }
@@ -248,6 +247,23 @@ pub mod futures {
             unsafe {
                 let ret = import(self.handle());
                 ret != 0
+            }
+        }
+        /// Adds this pollable to the instance's wait set under `key`, until `wait` reports
+        /// it or the pollable is dropped. Watching it again replaces the key.
+        ///
+        /// Arguments:
+        /// - key: the caller's name for it, returned by `wait` once it is ready.
+        ///
+        /// Layer: control
+        pub fn watch(&self, key: u32) {
+            #[link(wasm_import_module = "pie:inferlet/futures@0.1.0")]
+            extern "C" {
+                #[link_name = "[method]pollable.watch"]
+                fn import(p0: i32, p1: i32);
+            }
+            unsafe {
+                import(self.handle(), *(&key) as i32);
             }
         }
     }
@@ -368,7 +384,7 @@ pub mod runtime {
         unsafe {
             let mut ret_area = crate::abi::RetArea::<8>::new();
             import(ret_area.ptr() as i32);
-            crate::abi::take_list(ret_area.ptr().cast::<i32>().read(), ret_area.ptr().add(4).cast::<i32>().read(), 8, 4, |p3| crate::abi::take_string(p3.cast::<i32>().read(), p3.add(4).cast::<i32>().read()))
+            crate::abi::take_list(ret_area.ptr().cast::<i32>().read(), ret_area.ptr().add(4).cast::<i32>().read(), 8, 4, |p1| crate::abi::take_string(p1.cast::<i32>().read(), p1.add(4).cast::<i32>().read()))
         }
     }
 
@@ -485,7 +501,7 @@ pub mod runtime {
         unsafe {
             let mut ret_area = crate::abi::RetArea::<8>::new();
             import(ret_area.ptr() as i32);
-            crate::abi::take_list(ret_area.ptr().cast::<i32>().read(), ret_area.ptr().add(4).cast::<i32>().read(), 8, 4, |p4| crate::abi::take_string(p4.cast::<i32>().read(), p4.add(4).cast::<i32>().read()))
+            crate::abi::take_list(ret_area.ptr().cast::<i32>().read(), ret_area.ptr().add(4).cast::<i32>().read(), 8, 4, |p2| crate::abi::take_string(p2.cast::<i32>().read(), p2.add(4).cast::<i32>().read()))
         }
     }
 
@@ -510,7 +526,7 @@ pub mod runtime {
         unsafe {
             let mut ret_area = crate::abi::RetArea::<16>::new();
             import(model.as_ptr() as i32, model.len() as i32, ret_area.ptr() as i32);
-            match ret_area.ptr().cast::<u8>().read() { 0 => Ok(crate::abi::take_list(ret_area.ptr().add(4).cast::<i32>().read(), ret_area.ptr().add(8).cast::<i32>().read(), 8, 4, |p5| crate::abi::take_string(p5.cast::<i32>().read(), p5.add(4).cast::<i32>().read()))), 1 => Err(Error { kind: super::types::ErrorKind::_lift(ret_area.ptr().add(4).cast::<u8>().read() as u32), message: crate::abi::take_string(ret_area.ptr().add(8).cast::<i32>().read(), ret_area.ptr().add(12).cast::<i32>().read()) }), _ => unreachable!() }
+            match ret_area.ptr().cast::<u8>().read() { 0 => Ok(crate::abi::take_list(ret_area.ptr().add(4).cast::<i32>().read(), ret_area.ptr().add(8).cast::<i32>().read(), 8, 4, |p3| crate::abi::take_string(p3.cast::<i32>().read(), p3.add(4).cast::<i32>().read()))), 1 => Err(Error { kind: super::types::ErrorKind::_lift(ret_area.ptr().add(4).cast::<u8>().read() as u32), message: crate::abi::take_string(ret_area.ptr().add(8).cast::<i32>().read(), ret_area.ptr().add(12).cast::<i32>().read()) }), _ => unreachable!() }
         }
     }
 
@@ -866,9 +882,9 @@ pub mod http {
         unsafe {
             let mut cleanup = crate::abi::Cleanup::new();
             let mut ret_area = crate::abi::RetArea::<16>::new();
-            let buf6 = cleanup.alloc(headers.len() * 16, 4);
-            for (i, e7) in headers.iter().enumerate() { buf6.add(i * 16).cast::<i32>().write((&e7.0).as_ptr() as i32); buf6.add(i * 16).add(4).cast::<i32>().write((&e7.0).len() as i32); buf6.add(i * 16).add(8).cast::<i32>().write((&e7.1).as_ptr() as i32); buf6.add(i * 16).add(12).cast::<i32>().write((&e7.1).len() as i32); }
-            import(url.as_ptr() as i32, url.len() as i32, buf6 as i32, headers.len() as i32, ret_area.ptr() as i32);
+            let buf4 = cleanup.alloc(headers.len() * 16, 4);
+            for (i, e5) in headers.iter().enumerate() { buf4.add(i * 16).cast::<i32>().write((&e5.0).as_ptr() as i32); buf4.add(i * 16).add(4).cast::<i32>().write((&e5.0).len() as i32); buf4.add(i * 16).add(8).cast::<i32>().write((&e5.1).as_ptr() as i32); buf4.add(i * 16).add(12).cast::<i32>().write((&e5.1).len() as i32); }
+            import(url.as_ptr() as i32, url.len() as i32, buf4 as i32, headers.len() as i32, ret_area.ptr() as i32);
             match ret_area.ptr().cast::<u8>().read() { 0 => Ok(FutureResponse::from_handle(ret_area.ptr().add(4).cast::<i32>().read())), 1 => Err(Error { kind: super::types::ErrorKind::_lift(ret_area.ptr().add(4).cast::<u8>().read() as u32), message: crate::abi::take_string(ret_area.ptr().add(8).cast::<i32>().read(), ret_area.ptr().add(12).cast::<i32>().read()) }), _ => unreachable!() }
         }
     }
@@ -897,9 +913,9 @@ pub mod http {
         unsafe {
             let mut cleanup = crate::abi::Cleanup::new();
             let mut ret_area = crate::abi::RetArea::<16>::new();
-            let buf8 = cleanup.alloc(headers.len() * 16, 4);
-            for (i, e9) in headers.iter().enumerate() { buf8.add(i * 16).cast::<i32>().write((&e9.0).as_ptr() as i32); buf8.add(i * 16).add(4).cast::<i32>().write((&e9.0).len() as i32); buf8.add(i * 16).add(8).cast::<i32>().write((&e9.1).as_ptr() as i32); buf8.add(i * 16).add(12).cast::<i32>().write((&e9.1).len() as i32); }
-            import(url.as_ptr() as i32, url.len() as i32, buf8 as i32, headers.len() as i32, body.as_ptr() as i32, body.len() as i32, ret_area.ptr() as i32);
+            let buf6 = cleanup.alloc(headers.len() * 16, 4);
+            for (i, e7) in headers.iter().enumerate() { buf6.add(i * 16).cast::<i32>().write((&e7.0).as_ptr() as i32); buf6.add(i * 16).add(4).cast::<i32>().write((&e7.0).len() as i32); buf6.add(i * 16).add(8).cast::<i32>().write((&e7.1).as_ptr() as i32); buf6.add(i * 16).add(12).cast::<i32>().write((&e7.1).len() as i32); }
+            import(url.as_ptr() as i32, url.len() as i32, buf6 as i32, headers.len() as i32, body.as_ptr() as i32, body.len() as i32, ret_area.ptr() as i32);
             match ret_area.ptr().cast::<u8>().read() { 0 => Ok(FutureResponse::from_handle(ret_area.ptr().add(4).cast::<i32>().read())), 1 => Err(Error { kind: super::types::ErrorKind::_lift(ret_area.ptr().add(4).cast::<u8>().read() as u32), message: crate::abi::take_string(ret_area.ptr().add(8).cast::<i32>().read(), ret_area.ptr().add(12).cast::<i32>().read()) }), _ => unreachable!() }
         }
     }
@@ -1272,8 +1288,8 @@ pub mod forward {
         }
         unsafe {
             let mut ret_area = crate::abi::RetArea::<16>::new();
-            let (f10, f11, f12,) = match (&pass.attention_mask) { None => { (0i32, 0i32, 0i32) } Some(v) => { (1i32, v.as_ptr() as i32, v.len() as i32) } };
-            import(q.handle(), (&pass.input_kv_pages).as_ptr() as i32, (&pass.input_kv_pages).len() as i32, *(&pass.input_kv_last_page_len) as i32, (&pass.input_embeds).as_ptr() as i32, (&pass.input_embeds).len() as i32, (&pass.output_kv_pages).as_ptr() as i32, (&pass.output_kv_pages).len() as i32, *(&pass.output_kv_offset) as i32, (&pass.output_embeds).as_ptr() as i32, (&pass.output_embeds).len() as i32, (&pass.output_token_indices).as_ptr() as i32, (&pass.output_token_indices).len() as i32, f10, f11, f12, ret_area.ptr() as i32);
+            let (f8, f9, f10,) = match (&pass.attention_mask) { None => { (0i32, 0i32, 0i32) } Some(v) => { (1i32, v.as_ptr() as i32, v.len() as i32) } };
+            import(q.handle(), (&pass.input_kv_pages).as_ptr() as i32, (&pass.input_kv_pages).len() as i32, *(&pass.input_kv_last_page_len) as i32, (&pass.input_embeds).as_ptr() as i32, (&pass.input_embeds).len() as i32, (&pass.output_kv_pages).as_ptr() as i32, (&pass.output_kv_pages).len() as i32, *(&pass.output_kv_offset) as i32, (&pass.output_embeds).as_ptr() as i32, (&pass.output_embeds).len() as i32, (&pass.output_token_indices).as_ptr() as i32, (&pass.output_token_indices).len() as i32, f8, f9, f10, ret_area.ptr() as i32);
             match ret_area.ptr().cast::<u8>().read() { 0 => Ok(()), 1 => Err(Error { kind: super::types::ErrorKind::_lift(ret_area.ptr().add(4).cast::<u8>().read() as u32), message: crate::abi::take_string(ret_area.ptr().add(8).cast::<i32>().read(), ret_area.ptr().add(12).cast::<i32>().read()) }), _ => unreachable!() }
         }
     }
@@ -1346,9 +1362,9 @@ pub mod forward {
         unsafe {
             let mut cleanup = crate::abi::Cleanup::new();
             let mut ret_area = crate::abi::RetArea::<16>::new();
-            let buf13 = cleanup.alloc(mask.len() * 1, 1);
-            for (i, e14) in mask.iter().enumerate() { buf13.add(i * 1).cast::<u8>().write(*e14 as u8); }
-            import(q.handle(), *(&page) as i32, buf13 as i32, mask.len() as i32, ret_area.ptr() as i32);
+            let buf11 = cleanup.alloc(mask.len() * 1, 1);
+            for (i, e12) in mask.iter().enumerate() { buf11.add(i * 1).cast::<u8>().write(*e12 as u8); }
+            import(q.handle(), *(&page) as i32, buf11 as i32, mask.len() as i32, ret_area.ptr() as i32);
             match ret_area.ptr().cast::<u8>().read() { 0 => Ok(()), 1 => Err(Error { kind: super::types::ErrorKind::_lift(ret_area.ptr().add(4).cast::<u8>().read() as u32), message: crate::abi::take_string(ret_area.ptr().add(8).cast::<i32>().read(), ret_area.ptr().add(12).cast::<i32>().read()) }), _ => unreachable!() }
         }
     }
@@ -1538,7 +1554,7 @@ pub mod tokenize {
         unsafe {
             let mut ret_area = crate::abi::RetArea::<8>::new();
             import(q.handle(), ret_area.ptr() as i32);
-            crate::abi::take_list(ret_area.ptr().cast::<i32>().read(), ret_area.ptr().add(4).cast::<i32>().read(), 8, 4, |p15| crate::abi::take_vec(p15.cast::<i32>().read(), p15.add(4).cast::<i32>().read()))
+            crate::abi::take_list(ret_area.ptr().cast::<i32>().read(), ret_area.ptr().add(4).cast::<i32>().read(), 8, 4, |p13| crate::abi::take_vec(p13.cast::<i32>().read(), p13.add(4).cast::<i32>().read()))
         }
     }
 
@@ -1588,9 +1604,9 @@ pub mod tokenize {
         unsafe {
             let mut cleanup = crate::abi::Cleanup::new();
             let mut ret_area = crate::abi::RetArea::<16>::new();
-            let buf16 = cleanup.alloc(messages.len() * 16, 4);
-            for (i, e17) in messages.iter().enumerate() { buf16.add(i * 16).cast::<i32>().write((&e17.role).as_ptr() as i32); buf16.add(i * 16).add(4).cast::<i32>().write((&e17.role).len() as i32); buf16.add(i * 16).add(8).cast::<i32>().write((&e17.content).as_ptr() as i32); buf16.add(i * 16).add(12).cast::<i32>().write((&e17.content).len() as i32); }
-            import(q.handle(), buf16 as i32, messages.len() as i32, *(&add_generation_prompt) as i32, ret_area.ptr() as i32);
+            let buf14 = cleanup.alloc(messages.len() * 16, 4);
+            for (i, e15) in messages.iter().enumerate() { buf14.add(i * 16).cast::<i32>().write((&e15.role).as_ptr() as i32); buf14.add(i * 16).add(4).cast::<i32>().write((&e15.role).len() as i32); buf14.add(i * 16).add(8).cast::<i32>().write((&e15.content).as_ptr() as i32); buf14.add(i * 16).add(12).cast::<i32>().write((&e15.content).len() as i32); }
+            import(q.handle(), buf14 as i32, messages.len() as i32, *(&add_generation_prompt) as i32, ret_area.ptr() as i32);
             match ret_area.ptr().cast::<u8>().read() { 0 => Ok(crate::abi::take_string(ret_area.ptr().add(4).cast::<i32>().read(), ret_area.ptr().add(8).cast::<i32>().read())), 1 => Err(Error { kind: super::types::ErrorKind::_lift(ret_area.ptr().add(4).cast::<u8>().read() as u32), message: crate::abi::take_string(ret_area.ptr().add(8).cast::<i32>().read(), ret_area.ptr().add(12).cast::<i32>().read()) }), _ => unreachable!() }
         }
     }
@@ -1752,8 +1768,8 @@ pub mod output_text {
         }
         unsafe {
             let mut ret_area = crate::abi::RetArea::<16>::new();
-            let (f18, f19,) = match (&sampler.seed) { None => { (0i32, 0i64) } Some(v) => { (1i32, *v as i64) } };
-            import(q.handle(), *(&emb) as i32, *(&sampler.temperature), *(&sampler.top_k) as i32, *(&sampler.top_p), f18, f19, ret_area.ptr() as i32);
+            let (f16, f17,) = match (&sampler.seed) { None => { (0i32, 0i64) } Some(v) => { (1i32, *v as i64) } };
+            import(q.handle(), *(&emb) as i32, *(&sampler.temperature), *(&sampler.top_k) as i32, *(&sampler.top_p), f16, f17, ret_area.ptr() as i32);
             match ret_area.ptr().cast::<u8>().read() { 0 => Ok(FutureToken::from_handle(ret_area.ptr().add(4).cast::<i32>().read())), 1 => Err(Error { kind: super::types::ErrorKind::_lift(ret_area.ptr().add(4).cast::<u8>().read() as u32), message: crate::abi::take_string(ret_area.ptr().add(8).cast::<i32>().read(), ret_area.ptr().add(12).cast::<i32>().read()) }), _ => unreachable!() }
         }
     }
@@ -1958,8 +1974,8 @@ pub mod grammar {
             }
             unsafe {
                 let mut ret_area = crate::abi::RetArea::<16>::new();
-                let (f20, f21,) = match (&sampler.seed) { None => { (0i32, 0i64) } Some(v) => { (1i32, *v as i64) } };
-                import(self.handle(), *(&emb) as i32, *(&sampler.temperature), *(&sampler.top_k) as i32, *(&sampler.top_p), f20, f21, ret_area.ptr() as i32);
+                let (f18, f19,) = match (&sampler.seed) { None => { (0i32, 0i64) } Some(v) => { (1i32, *v as i64) } };
+                import(self.handle(), *(&emb) as i32, *(&sampler.temperature), *(&sampler.top_k) as i32, *(&sampler.top_p), f18, f19, ret_area.ptr() as i32);
                 match ret_area.ptr().cast::<u8>().read() { 0 => Ok(FutureToken::from_handle(ret_area.ptr().add(4).cast::<i32>().read())), 1 => Err(Error { kind: super::types::ErrorKind::_lift(ret_area.ptr().add(4).cast::<u8>().read() as u32), message: crate::abi::take_string(ret_area.ptr().add(8).cast::<i32>().read(), ret_area.ptr().add(12).cast::<i32>().read()) }), _ => unreachable!() }
             }
         }
@@ -2086,7 +2102,7 @@ static mut RET_RUN: RetAreaRun = RetAreaRun([0; 12]);
 pub unsafe fn _export_run(f: impl FnOnce() -> Result<(), String>) -> i32 {
     let result = f();
     let ptr = core::ptr::addr_of_mut!(RET_RUN) as *mut u8;
-    match result { Ok(_) => { ptr.cast::<u8>().write(0); } Err(e) => { ptr.cast::<u8>().write(1); let pl22 = crate::abi::leak_string(e); ptr.add(4).cast::<i32>().write(pl22.0); ptr.add(8).cast::<i32>().write(pl22.1); } }
+    match result { Ok(_) => { ptr.cast::<u8>().write(0); } Err(e) => { ptr.cast::<u8>().write(1); let pl20 = crate::abi::leak_string(e); ptr.add(4).cast::<i32>().write(pl20.0); ptr.add(8).cast::<i32>().write(pl20.1); } }
     ptr as i32
 }
 

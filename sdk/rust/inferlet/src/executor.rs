@@ -1,10 +1,10 @@
 //! A single-threaded async executor over the host's blocking `poll`.
 //!
 //! Host futures (`future-string`, `future-token`, ...) are awaited through [`HostFuture`]:
-//! when one is pending, its task registers the future's pollable here and yields. When no
-//! task can make progress, the executor blocks in the host's `poll` on every registered
-//! pollable and wakes the tasks whose pollables are ready. The instance runs on its own
-//! host thread, so blocking only pauses this inferlet.
+//! when one is pending, its task adds the future's pollable to the host's wait set (once,
+//! under a fresh key) and yields. When no task can make progress, the executor blocks in the
+//! host's `wait` and wakes the tasks whose keys come back. The instance runs on its own host
+//! thread, so blocking only pauses this inferlet.
 
 use std::cell::RefCell;
 use std::future::{Future, IntoFuture};
@@ -22,8 +22,10 @@ use crate::bindings::types::Error;
 type Task = Pin<Box<dyn Future<Output = ()>>>;
 
 thread_local! {
-    /// Pollables that pending host futures wait on, with the waker of the waiting task.
-    static WAITING: RefCell<Vec<(Rc<Pollable>, Waker)>> = RefCell::new(Vec::new());
+    /// Watched pollables of pending host futures: key, pollable, waker of the waiting task.
+    static WAITING: RefCell<Vec<(u32, Rc<Pollable>, Waker)>> = RefCell::new(Vec::new());
+    /// The next key for `Pollable::watch`.
+    static NEXT_KEY: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
     /// Spawned tasks not yet polled by `block_on`.
     static SPAWNED: RefCell<Vec<(Task, Arc<Flag>)>> = RefCell::new(Vec::new());
 }
@@ -76,21 +78,20 @@ pub fn block_on<T>(future: impl Future<Output = T>) -> T {
     }
 }
 
-/// Blocks in the host's `poll` until a registered pollable is ready; wakes its task.
+/// Blocks in the host's `wait` until a watched pollable is ready; wakes its task.
 fn wait_for_host() {
-    let waiting = WAITING.with(|w| w.take());
-    assert!(!waiting.is_empty(), "inferlet deadlock: every task waits, and not on the host");
-    let pollables: Vec<&Pollable> = waiting.iter().map(|(p, _)| &**p).collect();
-    let ready = host::poll(&pollables);
-    let mut still_waiting = Vec::with_capacity(waiting.len());
-    for (i, (pollable, waker)) in waiting.into_iter().enumerate() {
-        if ready.contains(&(i as u32)) {
-            waker.wake();
-        } else {
-            still_waiting.push((pollable, waker));
-        }
-    }
-    WAITING.with(|w| w.borrow_mut().extend(still_waiting));
+    assert!(WAITING.with(|w| !w.borrow().is_empty()),
+            "inferlet deadlock: every task waits, and not on the host");
+    let ready = host::wait();
+    WAITING.with(|w| {
+        w.borrow_mut().retain(|(key, _, waker)| {
+            let is_ready = ready.binary_search(key).is_ok();
+            if is_ready {
+                waker.wake_by_ref();
+            }
+            !is_ready
+        })
+    });
 }
 
 /// Starts `future` as a concurrent task of the running `block_on`; await the handle for
@@ -182,8 +183,13 @@ impl<R: HostResult> Future for HostFuture<R> {
         };
         WAITING.with(|w| {
             let mut waiting = w.borrow_mut();
-            if !waiting.iter().any(|(p, _)| Rc::ptr_eq(p, &pollable)) {
-                waiting.push((pollable, cx.waker().clone()));
+            match waiting.iter_mut().find(|(_, p, _)| Rc::ptr_eq(p, &pollable)) {
+                Some(entry) => entry.2 = cx.waker().clone(),
+                None => {
+                    let key = NEXT_KEY.with(|k| k.replace(k.get().wrapping_add(1)));
+                    pollable.watch(key);
+                    waiting.push((key, pollable, cx.waker().clone()));
+                }
             }
         });
         Poll::Pending
@@ -193,7 +199,7 @@ impl<R: HostResult> Future for HostFuture<R> {
 impl<R> Drop for HostFuture<R> {
     fn drop(&mut self) {
         if let Some(pollable) = &self.pollable {
-            WAITING.with(|w| w.borrow_mut().retain(|(p, _)| !Rc::ptr_eq(p, pollable)));
+            WAITING.with(|w| w.borrow_mut().retain(|(_, p, _)| !Rc::ptr_eq(p, pollable)));
         }
     }
 }

@@ -23,6 +23,7 @@ pub mod abi;
 pub mod bindings;
 mod context;
 mod executor;
+mod grammar;
 mod model;
 mod sampling;
 
@@ -31,6 +32,7 @@ pub use bindings::tokenize::ChatMessage;
 pub use bindings::types::{Embed, Error, ErrorKind, KvPage};
 pub use context::Context;
 pub use executor::{block_on, join_all, spawn, HostFuture, HostResult, JoinHandle};
+pub use grammar::Grammar;
 pub use model::{Model, Queue};
 pub use sampling::Stop;
 
