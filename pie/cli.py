@@ -128,11 +128,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     from pie.client import PieConnectionError, RpcError
 
     program = Path(args.program)
-    if (program / "Cargo.toml").is_file():  # a crate: build it first, like `cargo run`
+    if (program / "Cargo.toml").is_file() or program.suffix == ".py":  # build first, like `cargo run`
+        from pie.python_build import build_python_inferlet
         from pie.toolchain import ToolchainError, build_inferlet
 
+        build = build_python_inferlet if program.suffix == ".py" else build_inferlet
         try:
-            program = build_inferlet(program, console=console, cache=_config(args).paths.cache)
+            program = build(program, console=console, cache=_config(args).paths.cache)
         except ToolchainError as e:
             console.print(f"[red]error:[/] {e}", highlight=False)
             return 1
@@ -181,12 +183,18 @@ async def _run_on(url: str, token: str | None, program: str, data: bytes | None,
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    """Build a Rust inferlet crate into a component; print the component's path."""
+    """Build a Rust inferlet crate or a Python inferlet (.py) into a component; print its path."""
     from pie.toolchain import ToolchainError, build_inferlet
 
+    from pie.python_build import build_python_inferlet
+
     config = load_config(args.config)
+    target = Path(args.crate)
     try:
-        path = build_inferlet(Path(args.crate), release=True, console=console, cache=config.paths.cache)
+        if target.suffix == ".py":
+            path = build_python_inferlet(target, console=console, cache=config.paths.cache)
+        else:
+            path = build_inferlet(target, release=True, console=console, cache=config.paths.cache)
     except ToolchainError as e:
         console.print(f"[red]error:[/] {e}", highlight=False)
         return 1
@@ -273,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "with ARGS; without --server, start a private server for the call.")
     _add_common(run)
     run.add_argument("program", metavar="PROGRAM",
-                     help="component file (.wasm), inferlet crate directory (built first) or built-in name")
+                     help="component file (.wasm), Rust crate directory or Python file (built first), or built-in name")
     run.add_argument("arguments", metavar="ARGS", nargs="*", help="the inferlet's arguments (after --)")
     run.add_argument("--server", metavar="URL", help="a running server, e.g. http://127.0.0.1:8080")
     run.add_argument("--token", help="authentication token (default: the first of server.auth_tokens)")
@@ -284,8 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     new.add_argument("--name", help="crate name (default: the directory's name)")
     new.set_defaults(func=cmd_new)
 
-    build = sub.add_parser("build", help="build a Rust inferlet crate into a component")
-    build.add_argument("crate", metavar="CRATE_DIR")
+    build = sub.add_parser("build", help="build an inferlet (Rust crate or Python file) into a component")
+    build.add_argument("crate", metavar="CRATE_DIR|FILE.py")
     build.add_argument("--config", metavar="FILE")
     build.set_defaults(func=cmd_build)
     return parser

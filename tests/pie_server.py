@@ -30,7 +30,7 @@ class Server:
         config.write_text(
             '[backend]\ndtype = "float32"\nnum_kv_pages = 1024\n'
             "[runtime]\ncpu_slice_ms = 1000\nmemory_limit_mb = 64\n"
-            f'[server]\nmax_upload_bytes = 1048576\nauth_tokens = ["{TOKEN}"]\n' + extra_toml)
+            f'[server]\nmax_upload_bytes = 67108864\nauth_tokens = ["{TOKEN}"]\n' + extra_toml)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "pie.cli", "serve", "--host", "127.0.0.1", "--port", "0",
              "--config", str(config)], stdout=subprocess.PIPE, text=True)

@@ -126,7 +126,7 @@ def test_bad_inputs_get_clear_errors_and_harm_no_one(server, probe):
 
             errors = {}
             for name, call in {
-                "oversized upload": client._call(rpc.UploadBegin, sha256="0" * 64, size=2 * 2**20),
+                "oversized upload": client._call(rpc.UploadBegin, sha256="0" * 64, size=2**27),
                 "unknown program": client.launch("no-such-program"),
                 "hash mismatch": _mismatched_upload(client),
             }.items():

@@ -1,0 +1,76 @@
+"""Models and their command queues."""
+
+from __future__ import annotations
+
+from wit_world.imports import allocate, output_text, runtime, tokenize
+
+from inferlet.errors import Error, host
+from inferlet.futures import Future
+from inferlet.sampling import Sampler
+
+
+class Model:
+    """A model the server serves, by name."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    @staticmethod
+    def default() -> Model:
+        """The server's first model."""
+        models = runtime.available_models()
+        if not models:
+            raise Error("not-found", "the server serves no model")
+        return Model(models[0])
+
+    @staticmethod
+    def get(name: str) -> Model | None:
+        return Model(name) if name in runtime.available_models() else None
+
+    def traits(self) -> list[str]:
+        return host(runtime.available_traits, self.name)
+
+    def create_queue(self) -> Queue:
+        """Calls on one queue run in order; calls on different queues batch together."""
+        return Queue(host(runtime.create_queue, self.name))
+
+    def create_context(self):
+        from inferlet.context import Context
+
+        return Context(self.create_queue())
+
+
+class Queue:
+    """A command queue of one model, with the model's tokenizer at hand."""
+
+    def __init__(self, raw):
+        self.raw = raw
+        self.page_size = allocate.kv_page_size(raw)
+
+    def tokenize(self, text: str) -> list[int]:
+        return tokenize.tokenize(self.raw, text)
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return host(tokenize.detokenize, self.raw, tokens)
+
+    def eos_tokens(self) -> list[int]:
+        return tokenize.get_eos_tokens(self.raw)
+
+    def apply_chat_template(self, messages: list, add_generation_prompt: bool = True) -> str:
+        return host(tokenize.apply_chat_template, self.raw, messages, add_generation_prompt)
+
+    def sample(self, embed: int, sampler: Sampler) -> Future[int]:
+        """A token drawn on the host from output embed `embed`."""
+        return Future(host(output_text.sample, self.raw, embed, sampler.to_host()))
+
+    def next_dist(self, embed: int, k: int) -> Future[tuple[list[int], list[float]]]:
+        """The k most likely next tokens after `embed` and their probabilities."""
+        return Future(host(output_text.get_next_dist, self.raw, embed, k),
+                      lambda d: (list(d.token_ids), list(d.probs)))
+
+    def synchronize(self) -> None:
+        """Wait until everything enqueued so far has run; raise its first failure."""
+        Future(runtime.synchronize(self.raw)).result()
+
+    def set_priority(self, priority: int) -> None:
+        runtime.set_queue_priority(self.raw, priority)

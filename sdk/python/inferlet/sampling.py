@@ -1,0 +1,47 @@
+"""How to pick each token (drawn on the host) and when to stop generating."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from wit_world.imports import output_text
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """temperature 0 = greedy; top_k 0 and top_p 1.0 disable those filters; a seed makes
+    the draw reproducible (`Context.generate` uses seed, seed + 1, ... per step)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    @staticmethod
+    def greedy() -> Sampler:
+        return Sampler()
+
+    @staticmethod
+    def top_p_sampling(temperature: float, p: float) -> Sampler:
+        return Sampler(temperature=temperature, top_p=p)
+
+    def with_seed(self, seed: int | None) -> Sampler:
+        return replace(self, seed=seed)
+
+    def to_host(self) -> output_text.Sampler:
+        return output_text.Sampler(self.temperature, self.top_k, self.top_p, self.seed)
+
+
+@dataclass
+class Stop:
+    """Stop after `max_tokens`, at an EOS token (not included in the output), or once the
+    output contains a stop string (cut before it)."""
+
+    max_tokens: int
+    eos: list[int] = field(default_factory=list)
+    strings: list[str] = field(default_factory=list)
+
+    def cut(self, text: str) -> str | None:
+        """The output cut before the first stop string, if it contains one."""
+        found = [text.find(s) for s in self.strings if s in text]
+        return text[: min(found)] if found else None
