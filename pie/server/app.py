@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 
 from pie.config import ServerConfig
 from pie.server import rpc
+from pie.server.openai import add_openai_routes
 from pie.server.session import Session, token_matches
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ class ServerState:
 
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="Pie", docs_url=None, redoc_url=None, openapi_url=None)
+    add_openai_routes(app, state)
 
     @app.get("/health")
     def health() -> JSONResponse:

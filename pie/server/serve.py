@@ -24,7 +24,7 @@ from pie.runtime.runtime import Runtime, start_runtime
 from pie.server.app import ServerState, create_app, ws_max_size
 from pie.toolchain import REPO, ToolchainError, build_inferlet
 
-BUILTIN_INFERLETS = ("hello", "text_completion")  # crates in inferlets/
+BUILTIN_INFERLETS = ("hello", "text_completion", "openai_completion")  # crates in inferlets/
 # `pie run` finds the address of the server it started in this line (see local.py).
 READY_LINE = "Pie serving {model} on http://{host}:{port} (ws://{host}:{port}/ws)"
 

@@ -1,0 +1,160 @@
+//! `openai_completion`: serves one OpenAI-style completion request (the server's `/v1/*`
+//! endpoints launch it for each request).
+//!
+//! The request arrives as flags; the inferlet prefills the prompt once, forks it `n` ways,
+//! decodes the choices concurrently (their calls batch together), and streams one JSON line
+//! per text delta, so the endpoint can answer with server-sent events or collect a whole
+//! response. Stop strings are held back until they can no longer match; log-probabilities
+//! come from the host's next-token distribution.
+//!
+//! Requirements: R2
+//! Host APIs: apply-chat-template, tokenize, forward, sample, get-next-dist, copy-kvpage (fork)
+//! Arguments: (--prompt TEXT | --message ROLE CONTENT ...) --max-tokens N [--temperature T] [--top-p P] [--seed S] [--stop TEXT ...] [--n N] [--logprobs K]
+//! Output: JSON lines: {"prompt_tokens": n}, then per choice {"index", "text", "logprobs"?} deltas and a final {"index", "finish_reason", "completion_tokens"}.
+
+use inferlet::{chat, join_all, ChatMessage, Context, Model, Sampler};
+
+inferlet::main!(main);
+
+struct Request {
+    prompt: Option<String>,
+    messages: Vec<ChatMessage>,
+    max_tokens: usize,
+    sampler: Sampler,
+    stops: Vec<String>,
+    n: usize,
+    logprobs: Option<u32>,
+}
+
+fn parse(args: &[String]) -> Result<Request, String> {
+    let mut r = Request { prompt: None, messages: Vec::new(), max_tokens: 16, sampler: Sampler::greedy(),
+                          stops: Vec::new(), n: 1, logprobs: None };
+    let mut rest = args.iter().cloned();
+    while let Some(flag) = rest.next() {
+        let mut value = || rest.next().ok_or(format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--prompt" => r.prompt = Some(value()?),
+            "--message" => {
+                let (role, content) = (value()?, value()?);
+                r.messages.push(chat(&role, &content));
+            }
+            "--max-tokens" => r.max_tokens = number(&flag, value()?)?,
+            "--temperature" => r.sampler.temperature = number(&flag, value()?)?,
+            "--top-p" => r.sampler.top_p = number(&flag, value()?)?,
+            "--seed" => r.sampler.seed = Some(number(&flag, value()?)?),
+            "--stop" => r.stops.push(value()?),
+            "--n" => r.n = number(&flag, value()?)?,
+            "--logprobs" => r.logprobs = Some(number(&flag, value()?)?),
+            _ => return Err(format!("unknown argument {flag:?}")),
+        }
+    }
+    if r.prompt.is_none() && r.messages.is_empty() {
+        return Err("--prompt or --message is required".into());
+    }
+    Ok(r)
+}
+
+fn number<T: std::str::FromStr>(flag: &str, value: String) -> Result<T, String> {
+    value.parse().map_err(|_| format!("invalid number for {flag}: {value:?}"))
+}
+
+/// `text` as a JSON string literal.
+fn json(text: &str) -> String {
+    let mut out = String::from("\"");
+    for c in text.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+/// How much of `text` may be sent: all of it, except a trailing partial UTF-8 character
+/// and any suffix that could still grow into a stop string.
+fn safe_len(text: &str, stops: &[String]) -> usize {
+    let mut end = text.trim_end_matches('\u{FFFD}').len();
+    for stop in stops {
+        for k in (1..stop.len()).rev() {
+            if stop.is_char_boundary(k) && text[..end].ends_with(&stop[..k]) {
+                end = end.min(text[..end].len() - k);
+                break;
+            }
+        }
+    }
+    end
+}
+
+async fn choice(index: usize, mut ctx: Context, r: &Request, eos: &[u32]) -> Result<(), String> {
+    let queue = ctx.queue().clone();
+    let mut sampler = r.sampler.clone();
+    if let Some(seed) = sampler.seed.as_mut() {
+        *seed = seed.wrapping_add(1_000_003 * index as u64);
+    }
+    let (mut generated, mut sent, mut finish) = (Vec::new(), 0usize, "length");
+    while generated.len() < r.max_tokens {
+        let last = ctx.pending().len() as u32 - 1;
+        let output = ctx.forward_pending(&[last])?[0];
+        let dist = match r.logprobs {
+            Some(k) => Some(queue.next_dist(output, k.clamp(1, 256).max(20)).await?),
+            None => None,
+        };
+        let token = queue.sample(output, &sampler).await?;
+        sampler.seed = sampler.seed.map(|s| s.wrapping_add(1));
+        if eos.contains(&token) {
+            finish = "stop";
+            break;
+        }
+        ctx.fill_tokens(&[token]);
+        generated.push(token);
+        let text = queue.detokenize(&generated)?;
+        let cut = r.stops.iter().filter_map(|s| text.find(s.as_str())).min();
+        let end = cut.unwrap_or_else(|| safe_len(&text, &r.stops));
+        let mut line = format!("{{\"index\":{index},\"text\":{}", json(&text[sent.min(end)..end]));
+        if let (Some(k), Some((ids, probs))) = (r.logprobs, dist) {
+            let p = ids.iter().position(|&t| t == token).map(|i| probs[i]).unwrap_or(*probs.last().unwrap());
+            let top: Vec<String> = ids.iter().zip(&probs).take(k as usize)
+                .map(|(&t, &p)| Ok(format!("[{},{}]", json(&queue.detokenize(&[t])?), p.ln())))
+                .collect::<Result<_, inferlet::Error>>()?;
+            line += &format!(",\"token\":{},\"logprob\":{},\"top\":[{}]", json(&queue.detokenize(&[token])?), p.ln(), top.join(","));
+        }
+        inferlet::send(&(line + "}"));
+        sent = sent.max(end);
+        if cut.is_some() {
+            finish = "stop";
+            break;
+        }
+    }
+    let text = queue.detokenize(&generated)?;
+    let end = r.stops.iter().filter_map(|s| text.find(s.as_str())).min().unwrap_or(text.len());
+    if end > sent {
+        inferlet::send(&format!("{{\"index\":{index},\"text\":{}}}", json(&text[sent..end])));
+    }
+    inferlet::send(&format!("{{\"index\":{index},\"finish_reason\":\"{finish}\",\"completion_tokens\":{}}}", generated.len()));
+    Ok(())
+}
+
+async fn main() -> Result<(), String> {
+    let r = parse(&inferlet::args())?;
+    let model = Model::default_model()?;
+    let mut root = model.create_context()?;
+    match &r.prompt {
+        Some(prompt) => root.fill(prompt),
+        None => root.fill_chat(&r.messages, true)?,
+    }
+    inferlet::send(&format!("{{\"prompt_tokens\":{}}}", root.len()));
+    root.flush()?;
+    let eos = root.queue().eos_tokens();
+    let forks: Vec<Context> = (0..r.n).map(|_| root.fork()).collect();
+    drop(root);
+    for outcome in join_all(forks.into_iter().enumerate().map(|(i, ctx)| choice(i, ctx, &r, &eos))).await {
+        outcome?;
+    }
+    Ok(())
+}
