@@ -1,0 +1,136 @@
+"""The OpenAI-compatible endpoints through a real `pie serve`, driven by the official `openai`
+client: each request is served by the built-in `openai_completion` inferlet."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import httpx
+import openai
+import pytest
+import torch
+
+from conftest import hf_greedy
+from pie_server import TOKEN, run_inferlet
+
+MODEL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def client(pie_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://{pie_server.address}/v1", api_key=TOKEN, max_retries=0)
+
+
+def all_pages_free(server) -> bool:
+    r = server.resources()
+    return r["kv_pages_free"] == r["kv_pages_total"] and r["embeds_free"] == r["embeds_total"]
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_completion_equals_hf_greedy_with_logprobs(client, hf_model, tokenizer):
+    prompt = "The capital of France is"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=2)
+    ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+    expected = hf_greedy(hf_model, ids, 8)
+    assert r.choices[0].text == tokenizer.decode(expected, skip_special_tokens=False)
+    assert r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 8)
+    with torch.inference_mode():
+        logits = hf_model(torch.tensor([ids + expected])).logits[0, len(ids) - 1:-1]
+    hf_logprobs = torch.log_softmax(logits, -1).gather(1, torch.tensor(expected)[:, None])[:, 0]
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == 8 and all(len(top) == 2 for top in lp.top_logprobs)
+    assert all(math.isclose(a, b, abs_tol=1e-3) for a, b in zip(lp.token_logprobs, hf_logprobs.tolist()))
+
+
+def test_chat_equals_text_completion_and_streams_the_same(client, pie_server):
+    question = "What is the capital of France?"
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
+                                       max_tokens=16, temperature=0)
+    expected = run_inferlet(pie_server, "text_completion", ["--prompt", question, "--max-tokens", "16"]).messages
+    assert [r.choices[0].message.content] == expected
+    assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason == "stop"
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
+                                            max_tokens=16, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected[0]
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 3  # token by token
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_stop_strings_cut_the_output(client):
+    full = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0).choices[0].text
+    assert " 7," in full  # the model counts on
+    cut = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12, temperature=0,
+                                    stop=[" 7", "zzz"]).choices[0]
+    assert cut.text == full[:full.index(" 7")] and cut.finish_reason == "stop"
+
+
+def test_n_choices_and_seeds(client):
+    kwargs = dict(model=MODEL, prompt="Once upon a time", max_tokens=8, n=3, seed=11, temperature=1.0)
+    first, again = client.completions.create(**kwargs), client.completions.create(**kwargs)
+    texts = [c.text for c in first.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert texts == [c.text for c in again.choices] and len(set(texts)) > 1
+    assert first.usage.completion_tokens == 3 * 8  # no EOS within 8 tokens here
+
+
+def test_bad_requests_get_openai_errors(client, pie_server):
+    cases = {
+        "unknown model": (dict(model="gpt-4", prompt="x"), 404, "model"),
+        "negative max_tokens": (dict(model=MODEL, prompt="x", max_tokens=-1), 400, "max_tokens"),
+        "temperature out of range": (dict(model=MODEL, prompt="x", temperature=7), 400, "temperature"),
+        "too many stops": (dict(model=MODEL, prompt="x", stop=["a", "b", "c", "d", "e"]), 400, "stop"),
+    }
+    for name, (kwargs, status, param) in cases.items():
+        with pytest.raises(openai.APIStatusError) as e:
+            client.completions.create(**kwargs)
+        assert (e.value.status_code, e.value.body["param"]) == (status, param), name
+        assert e.value.body["type"] == "invalid_request_error" and e.value.body["message"]
+    url = f"http://{pie_server.address}/v1/chat/completions"
+    malformed = httpx.post(url, content=b"{not json", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert malformed.status_code == 400 and malformed.json()["error"]["type"] == "invalid_request_error"
+    anonymous = httpx.post(url, json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+    assert anonymous.status_code == 401 and anonymous.json()["error"]["code"] == "invalid_api_key"
+    assert all_pages_free(pie_server)
+
+
+def test_sixteen_concurrent_requests_are_all_answered(pie_server):
+    async def run() -> list:
+        client = openai.AsyncOpenAI(base_url=f"http://{pie_server.address}/v1", api_key=TOKEN, max_retries=0)
+        return await asyncio.gather(*(
+            client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0,
+                                           messages=[{"role": "user", "content": f"Say the number {i}."}])
+            for i in range(16)))
+
+    before = pie_server.get("/stats")[1]["scheduler"]
+    answers = asyncio.run(run())
+    assert all(a.choices[0].message.content and a.usage.completion_tokens > 0 for a in answers)
+    after = pie_server.get("/stats")[1]["scheduler"]
+    forwards = after["calls"]["forward"] - before["calls"].get("forward", 0)
+    batches = after["batches"]["forward"] - before["batches"].get("forward", 0)
+    assert forwards / batches > 1, "concurrent requests were not batched"
+    assert all_pages_free(pie_server)
+
+
+def test_a_client_leaving_mid_stream_stops_its_inferlet(pie_server):
+    url = f"http://{pie_server.address}/v1/completions"
+    # ~2000 tokens would take over a minute here: only a terminated inferlet ends in seconds
+    body = {"model": MODEL, "prompt": "Write a long story.", "max_tokens": 2000, "stream": True}
+    with httpx.stream("POST", url, json=body, headers={"Authorization": f"Bearer {TOKEN}"}) as response:
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first[6:])["object"] == "text_completion"
+    for _ in range(100):  # the server notices the disconnect and terminates the inferlet
+        if pie_server.get("/stats")[1]["instances"] == 0 and all_pages_free(pie_server):
+            break
+        asyncio.run(asyncio.sleep(0.1))
+    assert pie_server.get("/stats")[1]["instances"] == 0 and all_pages_free(pie_server)
