@@ -1,0 +1,66 @@
+"""Python inferlets (sdk/python, built with componentize-py) through a real `pie serve`, held
+to the same properties as their Rust twins."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import hf_greedy
+from pie.control.chat_template import chat_prompt
+from pie.python_build import build_python_inferlet
+from pie_server import ROOT, run_inferlet
+
+PYTHON = ROOT / "inferlets" / "python"
+
+
+@pytest.fixture(scope="module")
+def python_component():
+    cache: dict[str, bytes] = {}
+
+    def get(name: str) -> bytes:
+        if name not in cache:
+            cache[name] = build_python_inferlet(PYTHON / f"{name}.py").read_bytes()
+        return cache[name]
+    return get
+
+
+@pytest.fixture(scope="module")
+def chat_ids(tokenizer, model_dir):
+    template = json.loads((model_dir / "tokenizer_config.json").read_text())["chat_template"]
+    return lambda prompt: tokenizer.encode(chat_prompt(template, prompt), add_special_tokens=False).ids
+
+
+def test_text_completion_equals_the_rust_one(pie_server, python_component):
+    args = ["--prompt", "Name three colors.", "--max-tokens", "16"]
+    python = run_inferlet(pie_server, python_component("text_completion"), args)
+    rust = run_inferlet(pie_server, "text_completion", args)
+    assert python.reason == rust.reason == "finished"
+    assert python.messages == rust.messages and python.messages[0]
+    assert python.usage["forward_tokens"] == rust.usage["forward_tokens"]  # same token sequence fed
+    bad = run_inferlet(pie_server, python_component("text_completion"), ["--max-tokens", "many"])
+    assert bad.reason == "error: ValueError: invalid number for --max-tokens: 'many'"
+    resources = pie_server.resources()
+    assert resources["kv_pages_free"] == resources["kv_pages_total"]
+
+
+def sequence_logprob(hf_model, prompt_ids: list[int], tokens: list[int]) -> float:
+    with torch.inference_mode():
+        logits = hf_model(torch.tensor([prompt_ids + tokens])).logits[0, len(prompt_ids) - 1:-1]
+    return float(torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None]).sum())
+
+
+def test_beam_search_beats_greedy(pie_server, python_component, hf_model, chat_ids):
+    prompt = "Name a fruit."
+    run = run_inferlet(pie_server, python_component("beam_search"),
+                       ["--prompt", prompt, "--beams", "3", "--max-tokens", "8"])
+    assert run.reason == "finished", run.reason
+    best = json.loads(run.messages[0])
+    ids = chat_ids(prompt)
+    assert abs(sequence_logprob(hf_model, ids, best["tokens"]) - best["logprob"]) < 1e-2
+    greedy = hf_greedy(hf_model, ids, len(best["tokens"]))
+    assert best["logprob"] >= sequence_logprob(hf_model, ids, greedy) - 1e-3
+    unshared = 3 * -(-(len(ids) + len(best["tokens"])) // 16)  # 3 beams holding their own pages
+    assert run.usage["kv_pages_peak"] < unshared  # the beams share the prompt's pages
