@@ -138,13 +138,7 @@ def build_linker(engine: Engine, controller: Controller, lookup: Callable[[Any],
             def run(store: Any, *args: Any) -> Any:
                 st = lookup(store)
                 st.calls[name] += 1
-                import sys; print("CALL", name, args, file=sys.stderr, flush=True)
-                try:
-                    r = func(st, store, *args)
-                except BaseException as e:
-                    print("RAISED", name, repr(e), file=sys.stderr, flush=True); raise
-                print("RET", name, file=sys.stderr, flush=True)
-                return r
+                return func(st, store, *args)
             add_func(name, run)
 
         interface.add_func = add_counted
