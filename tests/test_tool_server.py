@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from pie.tools import ToolConfig, ToolConfigError, create_tool_app
 
 CONFIG = ToolConfig(slow_default_latency_ms=10, slow_max_latency_ms=1000,
-                    execute_timeout_s=1.0, execute_cpu_s=1, execute_memory_mb=256,
+                    execute_timeout_s=4.0, execute_cpu_s=1, execute_memory_mb=256,  # wall > CPU: a loaded machine still hits the CPU limit first
                     execute_max_output_bytes=1000)
 
 
@@ -73,6 +73,18 @@ def test_bad_requests_are_400_and_unknown_tools_404(client):
     assert not_json.status_code == 400 and "not JSON" in not_json.json()["error"]
     unknown = call(client, "teleport")
     assert unknown.status_code == 404 and "calculator" in unknown.json()["error"]
+
+
+def test_stats_count_requests_per_tool():
+    with TestClient(create_tool_app(CONFIG)) as fresh:
+        assert fresh.get("/stats").json() == {"calls": {"calculator": 0, "search": 0, "slow": 0,
+                                                        "execute": 0}}
+        call(fresh, "calculator", expression="1 + 1")
+        call(fresh, "calculator", expression="1 +")  # refused, still a request
+        call(fresh, "search", query="gold")
+        call(fresh, "teleport")  # unknown: not counted
+        assert fresh.get("/stats").json()["calls"] == {"calculator": 2, "search": 1, "slow": 0,
+                                                       "execute": 0}
 
 
 def test_search_ranks_by_overlap_and_is_deterministic(client):

@@ -1,7 +1,8 @@
 """The tool server: deterministic tools for agent inferlets and benchmarks, over HTTP.
 
 Every tool is `POST /tools/<name>` with a JSON object in and a JSON object out; `GET /tools`
-lists them with a one-line description and the JSON schema of their input. A request the
+lists them with a one-line description and the JSON schema of their input; `GET /stats`
+counts the requests each tool received. A request the
 tool refuses (bad expression, limit exceeded, malformed body) answers 400 with
 {"error": "<why>"}; an unknown tool answers 404 the same way, so an agent always finds a
 message it can show the model.
@@ -65,7 +66,12 @@ class Tool:
 def create_tool_app(config: ToolConfig) -> FastAPI:
     """The FastAPI app serving every tool with the limits in `config`."""
     tools = _tools(config)
+    calls = dict.fromkeys(tools, 0)  # requests per known tool, refused ones included
     app = FastAPI(title="Pie tool server")
+
+    @app.get("/stats")
+    async def stats() -> dict[str, Any]:
+        return {"calls": dict(calls)}
 
     @app.get("/tools")
     async def list_tools() -> list[dict[str, Any]]:
@@ -80,6 +86,7 @@ def create_tool_app(config: ToolConfig) -> FastAPI:
         tool = tools.get(name)
         if tool is None:
             return _error(404, f"unknown tool {name!r} (known: {', '.join(tools)})")
+        calls[name] += 1
         try:
             arguments = tool.input_model.model_validate(json.loads(await request.body()))
             return JSONResponse(await tool.run(arguments))

@@ -123,6 +123,8 @@ class Context:
             raise Error("invalid-argument", "nothing to export: no committed tokens (flush first)")
         self.queue.synchronize()
         host(allocate.export_kvpage, [p.id for p in self.pages], name, persistent)
+        for page in self.pages:
+            page.shared = True  # read-only from now on: appending copies the last page
         host(kvs.store_set, _export_key(name), ",".join(map(str, self.committed)))
 
     @staticmethod

@@ -11,6 +11,7 @@
 //! copies it first. Only that partial last page is ever written, so full pages are never
 //! copied.
 
+use std::cell::Cell;
 use std::rc::Rc;
 
 use crate::bindings::forward::{self, ForwardPass};
@@ -22,8 +23,8 @@ use crate::{ChatMessage, Queue, Sampler, Stop};
 struct Page {
     id: KvPage,
     queue: Rc<Queue>,
-    /// Imported from a named export: other instances may read it, so never write it.
-    foreign: bool,
+    /// Exported or imported: other instances may read it, so never write it.
+    foreign: Cell<bool>,
 }
 
 impl Drop for Page {
@@ -268,7 +269,8 @@ impl Context {
 
     /// Publishes the committed tokens' pages under `name` for other instances (and later
     /// launches with `persistent`), with the tokens themselves in the key-value store, so
-    /// that `Context::import` can rebuild the context. Waits for pending writes first.
+    /// that `Context::import` can rebuild the context. Waits for pending writes first. The
+    /// exported pages become read-only: appending afterwards copies the partial last page.
     pub async fn export(&self, name: &str, persistent: bool) -> Result<(), Error> {
         if self.pages.is_empty() {
             return Err(Error { kind: ErrorKind::InvalidArgument,
@@ -276,6 +278,7 @@ impl Context {
         }
         self.queue.synchronize().await?;
         allocate::export_kvpage(&self.page_ids(), name, persistent)?;
+        self.pages.iter().for_each(|h| h.page.foreign.set(true)); // now read-only for us too
         let starts: Vec<String> = self.pages.iter().map(|h| h.first.to_string()).collect();
         let tokens: Vec<String> = self.committed.iter().map(|t| t.to_string()).collect();
         let record = format!("{}|{}|{}", self.last_len, starts.join(","), tokens.join(","));
@@ -306,7 +309,7 @@ impl Context {
         let committed = numbers(parts.next()).ok_or_else(corrupt)?;
         let page_size = queue.page_size() as usize;
         let pages: Vec<Held> = ids.iter().zip(&starts).map(|(&id, &first)| Held {
-            page: Rc::new(Page { id, queue: queue.clone(), foreign: true }),
+            page: Rc::new(Page { id, queue: queue.clone(), foreign: Cell::new(true) }),
             first, masked: vec![false; page_size] }).collect();
         if pages.len() != ids.len() {
             return Err(corrupt());
@@ -377,7 +380,7 @@ impl Context {
     /// shared with a fork or imported.
     fn make_exclusive(&mut self, index: usize) -> Result<(), Error> {
         let page = self.pages[index].page.clone();
-        if Rc::strong_count(&page) == 2 && !page.foreign {
+        if Rc::strong_count(&page) == 2 && !page.foreign.get() {
             return Ok(()); // held by this context (and `page` above) only
         }
         let page_size = self.queue.page_size();
@@ -390,7 +393,7 @@ impl Context {
 
     fn alloc_pages(&self, count: u32) -> Result<Vec<Rc<Page>>, Error> {
         let ids = allocate::alloc_kvpage(self.queue.raw(), count)?;
-        Ok(ids.into_iter().map(|id| Rc::new(Page { id, queue: self.queue.clone(), foreign: false })).collect())
+        Ok(ids.into_iter().map(|id| Rc::new(Page { id, queue: self.queue.clone(), foreign: Cell::new(false) })).collect())
     }
 }
 
