@@ -24,6 +24,8 @@ pub mod bindings;
 mod context;
 mod executor;
 mod grammar;
+pub mod http;
+pub mod messages;
 mod model;
 mod sampling;
 
