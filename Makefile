@@ -11,7 +11,7 @@ help:
 	@echo "make run     setup + model + run text_completion on PROMPT through a fresh pie serve"
 	@echo "make test    setup + model + the test suite"
 	@echo "make inferlets  build the Rust inferlets into components"
-	@echo "make bench   benchmarks: backend vs HF transformers, Pie overhead (benchmarks/results/)"
+	@echo "make bench   benchmarks: backend vs HF, Pie overhead, Python/Rust + OpenAI endpoint (benchmarks/results/)"
 
 setup:
 	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
@@ -34,6 +34,7 @@ test: model
 bench: model
 	$(PYTHON) benchmarks/backend.py
 	$(PYTHON) benchmarks/overhead.py
+	$(PYTHON) benchmarks/frontends.py
 
 clean:
 	rm -rf build *.egg-info .pytest_cache

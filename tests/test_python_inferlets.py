@@ -4,6 +4,7 @@ to the same properties as their Rust twins."""
 from __future__ import annotations
 
 import json
+import urllib.request
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch
 from conftest import hf_greedy
 from pie.control.chat_template import chat_prompt
 from pie.python_build import build_python_inferlet
-from pie_server import ROOT, run_inferlet
+from pie_server import ROOT, build, run_inferlet
 
 PYTHON = ROOT / "inferlets" / "python"
 
@@ -64,3 +65,29 @@ def test_beam_search_beats_greedy(pie_server, python_component, hf_model, chat_i
     assert best["logprob"] >= sequence_logprob(hf_model, ids, greedy) - 1e-3
     unshared = 3 * -(-(len(ids) + len(best["tokens"])) // 16)  # 3 beams holding their own pages
     assert run.usage["kv_pages_peak"] < unshared  # the beams share the prompt's pages
+
+
+def test_react_agent_matches_its_rust_twin(pie_server, python_component, tool_server):
+    """Same prompt, tools and greedy decoding: the Python agent makes the same tool calls
+    over HTTP, reads the same observations and reaches the same context as the Rust one,
+    running every token once (no re-prefill after a tool call)."""
+    args = ["--tools-url", tool_server.url, "--question", "What is the capital of France? Then compute 17 * 23.",
+            "--steps", "2", "--max-tokens", "12"]
+    calls = lambda: json.loads(urllib.request.urlopen(f"{tool_server.url}/stats").read())["calls"]
+    before = calls()
+    python = run_inferlet(pie_server, python_component("react_agent"), args)
+    after = calls()
+    rust = run_inferlet(pie_server, build("agent_react"), args)
+    assert python.reason == rust.reason == "finished", python.reason
+    report = json.loads(python.messages[0])
+    assert report == json.loads(rust.messages[0])
+    assert sum(after.values()) - sum(before.values()) == 2  # the tool server saw both calls
+    assert all(f"Observation: {s['observation']}\n" in report["context"] for s in report["steps"])
+    assert "391" in report["context"]
+    assert python.usage["forward_tokens"] == rust.usage["forward_tokens"]
+    assert python.usage["forward_tokens"] <= report["context_tokens"] + report["discarded_tokens"] + 2
+
+
+def test_hello_echoes_until_quit(pie_server, python_component):
+    run = run_inferlet(pie_server, python_component("hello"), ["hi", "there"], replies=["ping", "quit"])
+    assert run.reason == "finished" and run.messages == ["hi there", "ping"]
