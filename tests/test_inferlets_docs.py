@@ -49,7 +49,12 @@ def test_tutorial_best_of_n_shares_the_prefill(tmp_path, pie_server, tokenizer, 
     assert pie("new", str(crate)).returncode == 0
     code = re.findall(r"```rust\n(.*?)```", TUTORIAL, re.S)[1]
     (crate / "src" / "lib.rs").write_text(code.replace("async fn main", "inferlet::main!(main);\n\nasync fn main", 1))
+    before = pie_server.get("/stats")[1]["scheduler"]
     run = run_inferlet(pie_server, build_inferlet(crate).read_bytes(), [])
+    after = pie_server.get("/stats")[1]["scheduler"]
+    forwards = after["calls"]["forward"] - before["calls"].get("forward", 0)
+    batches = after["batches"]["forward"] - before["batches"].get("forward", 0)
+    assert forwards / batches > 2  # the four branches' passes were batched
     assert run.reason == "finished" and len(run.messages) == 4
     assert len(set(run.messages)) > 1  # four seeds, not one answer four times
     template = json.loads((model_dir / "tokenizer_config.json").read_text())["chat_template"]

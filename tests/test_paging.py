@@ -151,3 +151,12 @@ def test_allowed_mask_restricts_sampling(engine):
     assert reply.errors == {3: "the allowed-token mask allows no token"}
     with pytest.raises(P.ProtocolError, match="bitmask"):
         engine.sample(P.Sample([150], [0.0], [0], [1.0], [-1], allowed=[b"\xff"]))
+
+
+def test_seeds_differing_above_32_bits_draw_differently():
+    """torch's CPU generator keeps 32 bits of a seed; the engine folds all 64 in first."""
+    from pie.backend.engine import _seed32
+
+    seeds = [7, 7 + 2**32, 7 + 2**40, 7 + 2**63]
+    assert len({_seed32(s) for s in seeds}) == len(seeds)
+    assert _seed32(7) == _seed32(7) and all(0 <= _seed32(s) < 2**32 for s in seeds)

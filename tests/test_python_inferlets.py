@@ -91,3 +91,48 @@ def test_react_agent_matches_its_rust_twin(pie_server, python_component, tool_se
 def test_hello_echoes_until_quit(pie_server, python_component):
     run = run_inferlet(pie_server, python_component("hello"), ["hi", "there"], replies=["ping", "quit"])
     assert run.reason == "finished" and run.messages == ["hi there", "ping"]
+
+
+PREFIX_PROGRAM = '''
+import inferlet
+
+def main(args):
+    name, prefix, question = args
+    if question == "--unexport":
+        inferlet.Context.unexport(name)
+        return
+    queue = inferlet.Model.default().create_queue()
+    ctx = inferlet.Context.imported(queue, name)
+    if ctx is None:
+        ctx = inferlet.Context(queue)
+        ctx.fill(prefix)
+        ctx.forward_pending([])
+        ctx.export(name, persistent=True)
+    fork = ctx.fork()
+    ctx.fill(question)
+    fork.fill(question)
+    stop = inferlet.Stop(8)
+    a, b = ctx.generate(inferlet.Sampler.greedy(), stop), fork.generate(inferlet.Sampler.greedy(), stop)
+    waited = inferlet.wait_any([inferlet.receive()])
+    inferlet.send(a + "|" + b + "|" + str(waited))
+'''
+
+
+def test_python_sdk_export_import_fork_and_wait(tmp_path, pie_server):
+    """The Python SDK's KV export/import, fork (copy-on-write) and wait_any, end to end."""
+    source = tmp_path / "py_prefix.py"
+    source.write_text(PREFIX_PROGRAM)
+    program = build_python_inferlet(source).read_bytes()
+    prefix = "A list of facts about the solar system. " * 3
+    first = run_inferlet(pie_server, program, ["py-prefix", prefix, " The sun is"], replies=["go"])
+    second = run_inferlet(pie_server, program, ["py-prefix", prefix, " The sun is"], replies=["go"])
+    assert first.reason == second.reason == "finished", (first.reason, second.reason)
+    a, b, waited = first.messages[0].split("|")
+    assert a == b and waited == "[0]"  # the fork continues exactly like the original
+    assert second.messages == first.messages
+    prefix_tokens = first.usage["forward_tokens"] - second.usage["forward_tokens"]
+    assert prefix_tokens >= 20  # the second launch imported the prefix instead of running it
+    assert pie_server.resources()["exports"] == 1
+    assert run_inferlet(pie_server, program, ["py-prefix", "", "--unexport"]).reason == "finished"
+    resources = pie_server.resources()
+    assert resources["exports"] == 0 and resources["kv_pages_free"] == resources["kv_pages_total"]

@@ -452,7 +452,7 @@ class Engine:
             probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
         generator = self.rng
         if seed >= 0:
-            generator = torch.Generator(device="cpu").manual_seed(seed)
+            generator = torch.Generator(device="cpu").manual_seed(_seed32(seed))
         return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
     # --- KV page operations ------------------------------------------------------------
@@ -513,3 +513,13 @@ class Engine:
             P.Kind.STATS: self.stats,
         }[message.kind]
         return handler(message)  # type: ignore[arg-type]
+
+
+def _seed32(seed: int) -> int:
+    """torch's CPU generator (mt19937) keeps only the low 32 bits of a seed, so seeds that
+    differ above them would draw alike: mix all 64 bits in first (splitmix64's finalizer)."""
+    mask = (1 << 64) - 1
+    z = (seed + 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return (z ^ (z >> 31)) & 0xFFFFFFFF

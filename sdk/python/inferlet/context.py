@@ -146,6 +146,12 @@ class Context:
         ctx.last_len = len(ctx.committed) - (len(ids) - 1) * ps
         return ctx
 
+    @staticmethod
+    def unexport(name: str) -> None:
+        """Remove an export made by `export` (pages already imported stay valid)."""
+        kvs.store_delete(_export_key(name))
+        host(allocate.unexport_kvpage, name)
+
     # --- internals -------------------------------------------------------------------------
 
     def _step_output(self) -> int:

@@ -187,7 +187,9 @@ impl Context {
     }
 
     /// A copy of this context that can diverge from it. Every page is shared; whichever
-    /// context next writes the shared partial last page copies it first.
+    /// context next writes the shared partial last page copies it first. The fork uses the
+    /// same queue, so its calls are ordered with the original's; to decode many
+    /// continuations at once (batched), use `branch::generate_branches`.
     pub fn fork(&self) -> Context {
         Context { queue: self.queue.clone(), pages: self.pages.clone(), last_len: self.last_len,
                   committed: self.committed.clone(), pending: self.pending.clone(),
