@@ -21,6 +21,7 @@
 
 pub mod abi;
 pub mod bindings;
+pub mod branch;
 mod context;
 mod executor;
 mod grammar;
@@ -32,6 +33,7 @@ mod sampling;
 pub use bindings::output_text::Sampler;
 pub use bindings::tokenize::ChatMessage;
 pub use bindings::types::{Embed, Error, ErrorKind, KvPage};
+pub use branch::{generate_branches, Branch};
 pub use context::Context;
 pub use executor::{block_on, join_all, spawn, HostFuture, HostResult, JoinHandle};
 pub use grammar::Grammar;

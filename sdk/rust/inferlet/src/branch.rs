@@ -1,0 +1,376 @@
+//! Fork/join: many continuations of one context, decoded together so they batch.
+//!
+//! `Context::fork` shares every page, but forks on one queue run one after another: the
+//! queue alternates embed, forward and sample calls of each fork, and the scheduler only
+//! batches consecutive calls of one kind. [`generate_branches`] instead decodes every
+//! branch in lockstep on the parent's queue: each step enqueues all the branches' embeds,
+//! then all their forwards, then all their samples, so each kind batches (vertical
+//! batching). Each branch reads the parent's full pages in place and writes only its own:
+//! a copy of the parent's partial last page and the pages it grows into.
+//!
+//! A [`Branch`] holds the generated tokens, not a context; [`Branch::context`] rebuilds a
+//! context from the parent (sharing its pages) when a branch is to be continued.
+
+use crate::bindings::forward::{self, ForwardPass};
+use crate::bindings::types::{Embed, Error, ErrorKind, KvPage};
+use crate::bindings::{allocate, input_text, output_text};
+use crate::{Context, Queue, Sampler, Stop};
+
+/// One finished continuation of a parent context.
+#[derive(Clone, Debug)]
+pub struct Branch {
+    /// The tokens appended before generating (e.g. a per-branch instruction).
+    pub suffix: Vec<u32>,
+    /// The generated tokens (without an EOS token or a stop string).
+    pub tokens: Vec<u32>,
+    /// The generated text.
+    pub text: String,
+    /// The parent's length in tokens (committed and pending) when the branch was made.
+    pub parent_len: usize,
+}
+
+impl Branch {
+    /// The branch's whole sequence length: parent, suffix and generated tokens.
+    pub fn len(&self) -> usize {
+        self.parent_len + self.suffix.len() + self.tokens.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// A fork of `parent` (which must be the branch's parent, unchanged) continued with the
+    /// branch's suffix and tokens, pending: its pages are the parent's, shared.
+    pub fn context(&self, parent: &Context) -> Context {
+        let mut ctx = parent.fork();
+        ctx.fill_tokens(&self.suffix);
+        ctx.fill_tokens(&self.tokens);
+        ctx
+    }
+}
+
+/// One branch being decoded: its own pages (after the parent's shared full ones), the
+/// tokens to run next, and what it has generated.
+struct Lane {
+    pages: Vec<KvPage>,
+    /// Token slots filled in the pages the lane reads (shared and own).
+    slots: u32,
+    /// The position of the next input token.
+    position: u32,
+    input: Vec<u32>,
+    embeds: Vec<Embed>,
+    output: Embed,
+    sampler: Sampler,
+    tokens: Vec<u32>,
+    done: bool,
+}
+
+/// The parent's pages as branches see them: the full ones (read in place) and the partial
+/// last one (copied by each branch before writing); `len` slots in all, and the position
+/// of the first new token.
+struct Shared {
+    full: Vec<KvPage>,
+    partial: Option<(KvPage, u32)>,
+    len: u32,
+    position: u32,
+}
+
+fn shared(parent: &Context) -> Result<Shared, Error> {
+    let page_size = parent.queue().page_size();
+    let ids = parent.page_ids();
+    let len = parent.committed().len() as u32;
+    if ids.len() as u32 != (len + page_size - 1) / page_size {
+        return Err(Error { kind: ErrorKind::InvalidArgument,
+                           message: "branches need a parent whose pages hold every committed token (none dropped)".into() });
+    }
+    let rest = len % page_size;
+    let full = if rest == 0 { ids.clone() } else { ids[..ids.len() - 1].to_vec() };
+    let partial = if rest == 0 { None } else { Some((*ids.last().unwrap(), rest)) };
+    Ok(Shared { full, partial, len, position: len })
+}
+
+/// Starts one lane per suffix: a copy of the parent's partial last page and embeds.
+fn lanes(queue: &Queue, pending: &[u32], shared: &Shared, suffixes: &[Vec<u32>],
+         samplers: &[Sampler]) -> Result<Vec<Lane>, Error> {
+    let mut lanes = Vec::new();
+    for (i, suffix) in suffixes.iter().enumerate() {
+        let input = [pending, suffix.as_slice()].concat();
+        if input.is_empty() {
+            return Err(Error { kind: ErrorKind::InvalidArgument,
+                               message: "a branch needs a pending token or a suffix to predict from".into() });
+        }
+        let mut pages = Vec::new();
+        if let Some((page, used)) = shared.partial {
+            let copy = allocate::alloc_kvpage(queue.raw(), 1)?[0];
+            allocate::copy_kvpage(queue.raw(), page, copy, 0, 0, used)?;
+            pages.push(copy);
+        }
+        let embeds = allocate::alloc_emb(queue.raw(), input.len() as u32)?;
+        let output = allocate::alloc_emb(queue.raw(), 1)?[0];
+        let sampler = samplers[i.min(samplers.len() - 1)].clone();
+        lanes.push(Lane { pages, slots: shared.len, position: shared.position, input, embeds, output, sampler,
+                          tokens: Vec::new(), done: false });
+    }
+    Ok(lanes)
+}
+
+impl Lane {
+    /// Enqueues embedding the lane's input tokens at their positions.
+    fn embed(&mut self, queue: &Queue) -> Result<(), Error> {
+        let n = self.input.len();
+        if self.embeds.len() < n {
+            self.embeds.extend(allocate::alloc_emb(queue.raw(), (n - self.embeds.len()) as u32)?);
+        }
+        let positions: Vec<u32> = (self.position..self.position + n as u32).collect();
+        input_text::embed_text(queue.raw(), &self.input, &positions, &self.embeds[..n])
+    }
+
+    /// Enqueues the forward pass over the input, writing the lane's own pages, with one
+    /// output embed at the last input token.
+    fn forward(&mut self, queue: &Queue, shared: &Shared) -> Result<(), Error> {
+        let page_size = queue.page_size();
+        let n = self.input.len() as u32;
+        let mut input_pages = shared.full.clone();
+        input_pages.extend(&self.pages);
+        let last_len = if input_pages.is_empty() { 0 } else { self.slots - (input_pages.len() as u32 - 1) * page_size };
+        let free = if input_pages.is_empty() { 0 } else { page_size - last_len };
+        let new = allocate::alloc_kvpage(queue.raw(), (n.saturating_sub(free) + page_size - 1) / page_size)?;
+        let mut output_pages = if free > 0 { vec![*self.pages.last().unwrap()] } else { vec![] };
+        output_pages.extend(&new);
+        forward::forward(queue.raw(), ForwardPass {
+            input_kv_pages: input_pages,
+            input_kv_last_page_len: last_len,
+            input_embeds: self.embeds[..n as usize].to_vec(),
+            output_kv_pages: output_pages,
+            output_kv_offset: if free > 0 { last_len } else { 0 },
+            output_embeds: vec![self.output],
+            output_token_indices: vec![n - 1],
+            attention_mask: None,
+        })?;
+        self.pages.extend(new);
+        self.slots += n;
+        self.position += n;
+        Ok(())
+    }
+
+    /// Frees the lane's pages and embeds (after the queue's earlier calls).
+    fn release(&self, queue: &Queue) {
+        let _ = allocate::dealloc_kvpage(queue.raw(), &self.pages);
+        let embeds: Vec<Embed> = self.embeds.iter().chain([&self.output]).copied().collect();
+        let _ = allocate::dealloc_emb(queue.raw(), &embeds);
+    }
+}
+
+/// Runs one step of every lane still going: all embeds, then all forwards, so they batch.
+fn step(queue: &Queue, shared: &Shared, lanes: &mut [Lane]) -> Result<(), Error> {
+    for lane in lanes.iter_mut().filter(|l| !l.done) {
+        lane.embed(queue)?;
+    }
+    for lane in lanes.iter_mut().filter(|l| !l.done) {
+        lane.forward(queue, shared)?;
+    }
+    Ok(())
+}
+
+/// Generates one continuation of `parent` per entry of `suffixes` (tokens appended to the
+/// parent's pending tokens for that branch; pass empty ones for n plain samples), all
+/// decoded together. Branch i uses `samplers[i]` (the last one if fewer are given); a
+/// seeded sampler uses seed + step, like `Context::generate`. The parent's committed
+/// tokens are read in place: prefill them once first (`Context::flush`).
+pub async fn generate_branches(parent: &Context, suffixes: &[Vec<u32>], samplers: &[Sampler],
+                               stop: &Stop) -> Result<Vec<Branch>, Error> {
+    let shared = shared(parent)?;
+    run(parent.queue(), &shared, parent.pending(), suffixes, samplers, stop, parent.len()).await
+}
+
+/// Decodes one lane per suffix over `shared`, then frees the lanes' pages and embeds.
+async fn run(queue: &Queue, shared: &Shared, pending: &[u32], suffixes: &[Vec<u32>], samplers: &[Sampler],
+             stop: &Stop, parent_len: usize) -> Result<Vec<Branch>, Error> {
+    if samplers.is_empty() {
+        return Err(Error { kind: ErrorKind::InvalidArgument, message: "no sampler given".into() });
+    }
+    let mut lanes = lanes(queue, pending, shared, suffixes, samplers)?;
+    let result = decode(queue, shared, &mut lanes, stop).await;
+    lanes.iter().for_each(|lane| lane.release(queue));
+    result?;
+    let mut branches = Vec::new();
+    for (lane, suffix) in lanes.iter().zip(suffixes) {
+        let mut text = queue.detokenize(&lane.tokens)?;
+        if let Some(cut) = stop.cut(&text) {
+            text = cut.to_string();
+        }
+        branches.push(Branch { suffix: suffix.clone(), tokens: lane.tokens.clone(), text, parent_len });
+    }
+    Ok(branches)
+}
+
+/// Generates after a context given as raw pages: `pages` are all full (padding slots
+/// masked, e.g. by [`prefill_at`]) and read in place; `input` (at least one token) starts
+/// at `position`. For contexts assembled from several exports (see `modular_caching`).
+/// The branch's `parent_len` is the pages' slot count.
+pub async fn generate_after_pages(queue: &Queue, pages: &[KvPage], position: u32, input: &[u32],
+                                  sampler: &Sampler, stop: &Stop) -> Result<Branch, Error> {
+    let len = pages.len() as u32 * queue.page_size();
+    let shared = Shared { full: pages.to_vec(), partial: None, len, position };
+    let branches = run(queue, &shared, &[], &[input.to_vec()], &[sampler.clone()], stop, len as usize).await?;
+    Ok(branches.into_iter().next().unwrap())
+}
+
+/// Runs `tokens` through the model at positions `position..` with no context before them,
+/// into new pages whose unused last slots are masked: whole pages that can be placed
+/// anywhere in another context's page list. The caller owns (and frees) the pages.
+pub async fn prefill_at(queue: &Queue, tokens: &[u32], position: u32) -> Result<Vec<KvPage>, Error> {
+    let page_size = queue.page_size();
+    let n = tokens.len() as u32;
+    if n == 0 {
+        return Err(Error { kind: ErrorKind::InvalidArgument, message: "nothing to prefill".into() });
+    }
+    let pages = allocate::alloc_kvpage(queue.raw(), (n + page_size - 1) / page_size)?;
+    let embeds = allocate::alloc_emb(queue.raw(), n)?;
+    let positions: Vec<u32> = (position..position + n).collect();
+    let result = async {
+        input_text::embed_text(queue.raw(), tokens, &positions, &embeds)?;
+        forward::forward(queue.raw(), ForwardPass {
+            input_kv_pages: vec![], input_kv_last_page_len: 0, input_embeds: embeds.clone(),
+            output_kv_pages: pages.clone(), output_kv_offset: 0, output_embeds: vec![],
+            output_token_indices: vec![], attention_mask: None,
+        })?;
+        let used = (n - 1) % page_size + 1;
+        if used < page_size {
+            let mask: Vec<bool> = (0..page_size).map(|slot| slot >= used).collect();
+            forward::mask_kvpage(queue.raw(), *pages.last().unwrap(), &mask)?;
+        }
+        queue.synchronize().await
+    }.await;
+    let _ = allocate::dealloc_emb(queue.raw(), &embeds);
+    match result {
+        Ok(()) => Ok(pages),
+        Err(e) => {
+            let _ = allocate::dealloc_kvpage(queue.raw(), &pages);
+            Err(e)
+        }
+    }
+}
+
+async fn decode(queue: &Queue, shared: &Shared, lanes: &mut [Lane], stop: &Stop) -> Result<(), Error> {
+    for _ in 0..stop.max_tokens {
+        step(queue, shared, lanes)?;
+        let live: Vec<usize> = (0..lanes.len()).filter(|&i| !lanes[i].done).collect();
+        // Every sample is enqueued before any is awaited, so they batch.
+        let futures = live.iter().map(|&i| output_text::sample(queue.raw(), lanes[i].output, lanes[i].sampler.clone()))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut tokens = Vec::new();
+        for future in futures {
+            tokens.push(future.await);
+        }
+        for (&i, token) in live.iter().zip(tokens) {
+            let (lane, token) = (&mut lanes[i], token?);
+            lane.sampler.seed = lane.sampler.seed.map(|s| s.wrapping_add(1));
+            lane.input = vec![token];
+            if stop.eos_tokens.contains(&token) {
+                lane.done = true;
+                continue;
+            }
+            lane.tokens.push(token);
+            if !stop.strings.is_empty() && stop.cut(&queue.detokenize(&lane.tokens)?).is_some() {
+                lane.done = true;
+            }
+        }
+        if lanes.iter().all(|l| l.done) {
+            break;
+        }
+    }
+    Ok(())
+}
+
+/// The `k` most likely next tokens after `parent` + each suffix, one forward per suffix,
+/// all batched: e.g. score candidate thoughts by the probability of a "yes" token.
+pub async fn next_dists(parent: &Context, suffixes: &[Vec<u32>], k: u32) -> Result<Vec<(Vec<u32>, Vec<f32>)>, Error> {
+    let queue = parent.queue().clone();
+    let shared = shared(parent)?;
+    let mut lanes = lanes(&queue, parent.pending(), &shared, suffixes, &[Sampler::greedy()])?;
+    let result = match step(&queue, &shared, &mut lanes) {
+        Ok(()) => dists(&queue, &lanes, k).await,
+        Err(e) => Err(e),
+    };
+    lanes.iter().for_each(|lane| lane.release(&queue));
+    result
+}
+
+async fn dists(queue: &Queue, lanes: &[Lane], k: u32) -> Result<Vec<(Vec<u32>, Vec<f32>)>, Error> {
+    let futures = lanes.iter().map(|l| output_text::get_next_dist(queue.raw(), l.output, k)).collect::<Result<Vec<_>, _>>()?;
+    let mut dists = Vec::new();
+    for future in futures {
+        let dist = future.await?;
+        dists.push((dist.token_ids, dist.probs));
+    }
+    Ok(dists)
+}
+
+/// The total probability of `words` (each tokenized with and without a leading space)
+/// among a distribution from `next_dists`.
+pub fn probability_of(queue: &Queue, dist: &(Vec<u32>, Vec<f32>), words: &[&str]) -> f32 {
+    let mut wanted: Vec<u32> = Vec::new();
+    for word in words {
+        for form in [word.to_string(), format!(" {word}")] {
+            if let [token] = queue.tokenize(&form)[..] {
+                wanted.push(token);
+            }
+        }
+    }
+    wanted.sort_unstable();
+    wanted.dedup();
+    dist.0.iter().zip(&dist.1).filter(|(t, _)| wanted.contains(t)).map(|(_, p)| p).sum()
+}
+
+/// `text` as a JSON string literal.
+pub fn json_string(text: &str) -> String {
+    let mut out = String::from("\"");
+    for c in text.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out + "\""
+}
+
+/// A JSON array of `items`, each already JSON.
+pub fn json_array<T: std::fmt::Display>(items: impl IntoIterator<Item = T>) -> String {
+    let items: Vec<String> = items.into_iter().map(|i| i.to_string()).collect();
+    format!("[{}]", items.join(", "))
+}
+
+/// Launch arguments as `--name value` pairs, plus `switches` given without a value
+/// (present = "true"); anything else is an error quoting `usage`.
+pub fn parse_args(args: &[String], names: &[&str], switches: &[&str], usage: &str)
+                  -> Result<std::collections::HashMap<String, String>, String> {
+    let mut out = std::collections::HashMap::new();
+    let mut rest = args.iter();
+    while let Some(flag) = rest.next() {
+        let name = flag.strip_prefix("--").unwrap_or("");
+        if switches.contains(&name) {
+            out.insert(name.to_string(), "true".to_string());
+        } else if names.contains(&name) {
+            let value = rest.next().ok_or(format!("{flag} needs a value; usage: {usage}"))?;
+            out.insert(name.to_string(), value.clone());
+        } else {
+            return Err(format!("unknown argument {flag:?}; usage: {usage}"));
+        }
+    }
+    Ok(out)
+}
+
+/// The argument `name` parsed as a `T`, or `default` when absent.
+pub fn arg_or<T: std::str::FromStr>(args: &std::collections::HashMap<String, String>, name: &str,
+                                    default: T, usage: &str) -> Result<T, String> {
+    match args.get(name) {
+        None => Ok(default),
+        Some(v) => v.parse().map_err(|_| format!("invalid value for --{name}: {v:?}; usage: {usage}")),
+    }
+}
