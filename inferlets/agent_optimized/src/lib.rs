@@ -21,7 +21,8 @@
 //!   "observation"}], "answer", "docs_tokens", "docs_imported", "docs_exported",
 //!   "masked_tokens", "dropped_pages", "context_tokens", "context"}.
 
-use inferlet::http::{self, json_string, json_value};
+use inferlet::http;
+use inferlet::json::{json_string, json_value};
 use inferlet::{chat, spawn, Context, Model, Sampler};
 
 inferlet::main!(main);

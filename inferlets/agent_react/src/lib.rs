@@ -16,7 +16,8 @@
 //!   "source": "model"|"scripted", "model_text"}], "answer", "model_chosen", "scripted", "context_tokens",
 //!   "discarded_tokens", "context"} (context = the final context's text).
 
-use inferlet::http::{self, json_string, json_value};
+use inferlet::http;
+use inferlet::json::{json_string, json_value};
 use inferlet::{chat, Context, Sampler};
 
 inferlet::main!(main);

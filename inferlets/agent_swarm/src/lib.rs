@@ -15,7 +15,7 @@
 //! Output: worker: "subscribed", then one JSON object {"id", "task", "answer"};
 //!   coordinator: one JSON object {"results": [{"worker", "task", "answer"}], "messages"}.
 
-use inferlet::http::{json_string, json_value};
+use inferlet::json::{json_string, json_value};
 use inferlet::messages::{broadcast, subscribe};
 use inferlet::{chat, Model, Sampler, Stop};
 

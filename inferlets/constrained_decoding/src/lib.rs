@@ -1,5 +1,6 @@
-//! `constrained_decoding`: a chat completion whose output is guaranteed to follow a JSON
-//! schema, an EBNF (GBNF) or Lark grammar, or a regular expression.
+//! `constrained_decoding`: output guaranteed to follow a JSON schema, EBNF/Lark grammar or regex.
+//!
+//! A chat completion whose every token is allowed by the grammar.
 //!
 //! Constrained decoding restricts every sampling step to the tokens that keep the output a
 //! prefix of the grammar's language. The host compiles the grammar for the model's tokenizer

@@ -16,7 +16,8 @@
 //! Output: one JSON object {"answer", "used": [names], "prefilled": [modules prefilled by this launch],
 //!   "module_tokens": {name: tokens}}; with --clear, {"cleared": [names]}.
 
-use inferlet::branch::{generate_after_pages, json_array, json_string, prefill_at};
+use inferlet::branch::{generate_after_pages, prefill_at};
+use inferlet::json::{json_array, json_string};
 use inferlet::bindings::allocate;
 use inferlet::{ErrorKind, KvPage, Model, Queue, Sampler, Stop};
 

@@ -1,5 +1,6 @@
-//! `openai_completion`: serves one OpenAI-style completion request (the server's `/v1/*`
-//! endpoints launch it for each request).
+//! `openai_completion`: serves one OpenAI-style completion request (built in, behind `/v1/*`).
+//!
+//! The server's OpenAI-compatible endpoints launch it once per request.
 //!
 //! The request arrives as flags; the inferlet prefills the prompt once, forks it `n` ways,
 //! decodes the choices concurrently (their calls batch together), and streams one JSON line
@@ -13,6 +14,7 @@
 //! Output: JSON lines: {"prompt_tokens": n}, then per choice {"index", "text", "logprobs"?} deltas and a final {"index", "finish_reason", "completion_tokens"}.
 
 use inferlet::{chat, join_all, ChatMessage, Context, Model, Sampler};
+use inferlet::json::json_string;
 
 inferlet::main!(main);
 
@@ -58,23 +60,6 @@ fn number<T: std::str::FromStr>(flag: &str, value: String) -> Result<T, String> 
     value.parse().map_err(|_| format!("invalid number for {flag}: {value:?}"))
 }
 
-/// `text` as a JSON string literal.
-fn json(text: &str) -> String {
-    let mut out = String::from("\"");
-    for c in text.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
-}
 
 /// How much of `text` may be sent: all of it, except a trailing partial UTF-8 character
 /// and any suffix that could still grow into a stop string.
@@ -116,13 +101,13 @@ async fn choice(index: usize, mut ctx: Context, r: &Request, eos: &[u32]) -> Res
         let text = queue.detokenize(&generated)?;
         let cut = r.stops.iter().filter_map(|s| text.find(s.as_str())).min();
         let end = cut.unwrap_or_else(|| safe_len(&text, &r.stops));
-        let mut line = format!("{{\"index\":{index},\"text\":{}", json(&text[sent.min(end)..end]));
+        let mut line = format!("{{\"index\":{index},\"text\":{}", json_string(&text[sent.min(end)..end]));
         if let (Some(k), Some((ids, probs))) = (r.logprobs, dist) {
             let p = ids.iter().position(|&t| t == token).map(|i| probs[i]).unwrap_or(*probs.last().unwrap());
             let top: Vec<String> = ids.iter().zip(&probs).take(k as usize)
-                .map(|(&t, &p)| Ok(format!("[{},{}]", json(&queue.detokenize(&[t])?), p.ln())))
+                .map(|(&t, &p)| Ok(format!("[{},{}]", json_string(&queue.detokenize(&[t])?), p.ln())))
                 .collect::<Result<_, inferlet::Error>>()?;
-            line += &format!(",\"token\":{},\"logprob\":{},\"top\":[{}]", json(&queue.detokenize(&[token])?), p.ln(), top.join(","));
+            line += &format!(",\"token\":{},\"logprob\":{},\"top\":[{}]", json_string(&queue.detokenize(&[token])?), p.ln(), top.join(","));
         }
         inferlet::send(&(line + "}"));
         sent = sent.max(end);
@@ -134,7 +119,7 @@ async fn choice(index: usize, mut ctx: Context, r: &Request, eos: &[u32]) -> Res
     let text = queue.detokenize(&generated)?;
     let end = r.stops.iter().filter_map(|s| text.find(s.as_str())).min().unwrap_or(text.len());
     if end > sent {
-        inferlet::send(&format!("{{\"index\":{index},\"text\":{}}}", json(&text[sent..end])));
+        inferlet::send(&format!("{{\"index\":{index},\"text\":{}}}", json_string(&text[sent..end])));
     }
     inferlet::send(&format!("{{\"index\":{index},\"finish_reason\":\"{finish}\",\"completion_tokens\":{}}}", generated.len()));
     Ok(())

@@ -10,7 +10,7 @@
 //! Arguments: --prompt TEXT [--n N (4)] [--max-tokens N (16)] [--temperature T (0.8 if n > 1, else 0)] [--seed S (0)]
 //! Output: one JSON object {"completions": [text, ...], "tokens": [count, ...], "prompt_tokens": N}.
 
-use inferlet::branch::{json_array, json_string};
+use inferlet::json::{json_array, json_string};
 use inferlet::{chat, generate_branches, Model, Sampler, Stop};
 
 inferlet::main!(main);

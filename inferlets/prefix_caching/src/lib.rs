@@ -11,7 +11,7 @@
 //! Arguments: --prefix TEXT (--question TEXT [--max-tokens N (16)] [--no-cache] | --clear)
 //! Output: one JSON object {"answer", "cached" (prefix imported), "exported", "prefix_tokens", "export"}; with --clear, {"cleared", "export"}.
 
-use inferlet::branch::json_string;
+use inferlet::json::json_string;
 use std::rc::Rc;
 
 use inferlet::{chat, Context, Model, Stop};

@@ -12,7 +12,8 @@
 //! Output: one JSON object {"skeleton", "points": [..], "expansions": [..], "skeleton_tokens",
 //!   "expansion_tokens": [..], "lengths": [tokens in each expansion's context]}.
 
-use inferlet::branch::{arg_or, json_array, json_string, parse_args};
+use inferlet::branch::{arg_or, parse_args};
+use inferlet::json::{json_array, json_string};
 use inferlet::{chat, generate_branches, Model, Sampler, Stop};
 
 inferlet::main!(main);

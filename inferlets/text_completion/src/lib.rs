@@ -1,10 +1,15 @@
-//! `text_completion`: one chat-template completion, sent as one message.
+//! `text_completion`: one chat-template completion, sent as one message (built in).
 //!
-//! Arguments: `--prompt TEXT --max-tokens N` and optionally `--system TEXT`,
-//! `--temperature T`, `--top-p P`, `--seed S`. The prompt is the user turn (after the
-//! system turn, if given) of the model's chat template. Decoding is greedy unless a
-//! temperature above 0 or a top-p below 1 is given (top-p alone samples at temperature 1);
-//! it stops at the model's EOS tokens or after N tokens.
+//! The plain prefill–decode loop a serving engine runs for every request, as a program:
+//! the prompt is the user turn (after the system turn, if given) of the model's chat
+//! template. Decoding is greedy unless a temperature above 0 or a top-p below 1 is given
+//! (top-p alone samples at temperature 1); it stops at the model's EOS tokens or after N
+//! tokens.
+//!
+//! Requirements: R2
+//! Host APIs: apply-chat-template, tokenize, embed-text, forward, sample, detokenize
+//! Arguments: --prompt TEXT --max-tokens N [--system TEXT] [--temperature T] [--top-p P] [--seed S]
+//! Output: one message, the completion.
 
 use inferlet::{chat, Model, Sampler, Stop};
 

@@ -323,29 +323,6 @@ pub fn probability_of(queue: &Queue, dist: &(Vec<u32>, Vec<f32>), words: &[&str]
     dist.0.iter().zip(&dist.1).filter(|(t, _)| wanted.contains(t)).map(|(_, p)| p).sum()
 }
 
-/// `text` as a JSON string literal.
-pub fn json_string(text: &str) -> String {
-    let mut out = String::from("\"");
-    for c in text.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
-            c => out.push(c),
-        }
-    }
-    out + "\""
-}
-
-/// A JSON array of `items`, each already JSON.
-pub fn json_array<T: std::fmt::Display>(items: impl IntoIterator<Item = T>) -> String {
-    let items: Vec<String> = items.into_iter().map(|i| i.to_string()).collect();
-    format!("[{}]", items.join(", "))
-}
-
 /// Launch arguments as `--name value` pairs, plus `switches` given without a value
 /// (present = "true"); anything else is an error quoting `usage`.
 pub fn parse_args(args: &[String], names: &[&str], switches: &[&str], usage: &str)

@@ -20,15 +20,18 @@
 //! conditions.
 
 pub mod abi;
+pub mod beam;
 pub mod bindings;
 pub mod branch;
 mod context;
 mod executor;
 mod grammar;
 pub mod http;
+pub mod json;
 pub mod messages;
 mod model;
 mod sampling;
+pub mod speculative;
 
 pub use bindings::output_text::Sampler;
 pub use bindings::tokenize::ChatMessage;
