@@ -32,6 +32,15 @@ def test_models_lists_the_served_model(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
+def test_each_request_is_served_by_the_openai_completion_inferlet(client, pie_server):
+    def served() -> int:
+        return sum(pie_server.get("/stats")[1]["host_calls"].get("openai_completion", {}).values())
+
+    before = served()
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
+    assert served() > before  # the inferlet's host calls, counted by the runtime
+
+
 def test_completion_equals_hf_greedy_with_logprobs(client, hf_model, tokenizer):
     prompt = "The capital of France is"
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=2)
