@@ -13,7 +13,7 @@
 //! Output: one JSON object {"thoughts": [..], "aggregation_context" (the aggregation node's
 //!   text after the root), "aggregated", "refined", "branch_tokens": [..], "branch_lengths": [..]}.
 
-use inferlet::branch::{arg_or, parse_args};
+use inferlet::flags::{arg_or, parse_args};
 use inferlet::json::{json_array, json_string};
 use inferlet::{chat, generate_branches, Model, Sampler, Stop};
 

@@ -16,7 +16,7 @@
 use std::future::Future;
 use std::pin::Pin;
 
-use inferlet::branch::{arg_or, parse_args};
+use inferlet::flags::{arg_or, parse_args};
 use inferlet::json::{json_array, json_string};
 use inferlet::{chat, Context, Model, Sampler, Stop};
 

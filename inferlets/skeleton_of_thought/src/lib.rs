@@ -12,7 +12,7 @@
 //! Output: one JSON object {"skeleton", "points": [..], "expansions": [..], "skeleton_tokens",
 //!   "expansion_tokens": [..], "lengths": [tokens in each expansion's context]}.
 
-use inferlet::branch::{arg_or, parse_args};
+use inferlet::flags::{arg_or, parse_args};
 use inferlet::json::{json_array, json_string};
 use inferlet::{chat, generate_branches, Model, Sampler, Stop};
 

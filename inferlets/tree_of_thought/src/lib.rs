@@ -15,7 +15,8 @@
 //!   "thoughts": [[per child] per level], "branch_tokens": [generated tokens per branch],
 //!   "branch_lengths": [tokens in each branch's context], "prompt_tokens"}.
 
-use inferlet::branch::{arg_or, next_dists, parse_args, probability_of};
+use inferlet::branch::{next_dists, probability_of};
+use inferlet::flags::{arg_or, parse_args};
 use inferlet::json::{json_array, json_string};
 use inferlet::{chat, generate_branches, Model, Sampler, Stop};
 

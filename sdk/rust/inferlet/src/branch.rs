@@ -322,32 +322,3 @@ pub fn probability_of(queue: &Queue, dist: &(Vec<u32>, Vec<f32>), words: &[&str]
     wanted.dedup();
     dist.0.iter().zip(&dist.1).filter(|(t, _)| wanted.contains(t)).map(|(_, p)| p).sum()
 }
-
-/// Launch arguments as `--name value` pairs, plus `switches` given without a value
-/// (present = "true"); anything else is an error quoting `usage`.
-pub fn parse_args(args: &[String], names: &[&str], switches: &[&str], usage: &str)
-                  -> Result<std::collections::HashMap<String, String>, String> {
-    let mut out = std::collections::HashMap::new();
-    let mut rest = args.iter();
-    while let Some(flag) = rest.next() {
-        let name = flag.strip_prefix("--").unwrap_or("");
-        if switches.contains(&name) {
-            out.insert(name.to_string(), "true".to_string());
-        } else if names.contains(&name) {
-            let value = rest.next().ok_or(format!("{flag} needs a value; usage: {usage}"))?;
-            out.insert(name.to_string(), value.clone());
-        } else {
-            return Err(format!("unknown argument {flag:?}; usage: {usage}"));
-        }
-    }
-    Ok(out)
-}
-
-/// The argument `name` parsed as a `T`, or `default` when absent.
-pub fn arg_or<T: std::str::FromStr>(args: &std::collections::HashMap<String, String>, name: &str,
-                                    default: T, usage: &str) -> Result<T, String> {
-    match args.get(name) {
-        None => Ok(default),
-        Some(v) => v.parse().map_err(|_| format!("invalid value for --{name}: {v:?}; usage: {usage}")),
-    }
-}

@@ -25,6 +25,7 @@ pub mod bindings;
 pub mod branch;
 mod context;
 mod executor;
+pub mod flags;
 mod grammar;
 pub mod http;
 pub mod json;
