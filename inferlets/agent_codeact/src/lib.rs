@@ -18,7 +18,7 @@
 
 use inferlet::http;
 use inferlet::json::{json_string, json_value};
-use inferlet::{chat, Context, Sampler};
+use inferlet::{chat, Line};
 
 inferlet::main!(main);
 
@@ -54,7 +54,7 @@ async fn main() -> Result<(), String> {
     for step in 0..steps {
         ctx.fill("Code:");
         let mark = ctx.len();
-        let (text, newline) = decode_line(&mut ctx, max_tokens).await?;
+        let Line { text, newline, .. } = ctx.decode_line(max_tokens, &['\n'], |_, _| {}).await?;
         let (code, source, newline) = if plausible_python(&text) {
             chosen += 1;
             (text.trim().to_string(), "model", newline)
@@ -85,27 +85,6 @@ async fn main() -> Result<(), String> {
          \"discarded_tokens\": {discarded}, \"context\": {}}}",
         json_string(&task), records.join(", "), steps - chosen, ctx.len(), json_string(&context)));
     Ok(())
-}
-
-/// Greedy-decodes one line (up to `max` tokens, a newline or EOS; EOS is dropped): its text
-/// and whether a newline ended it. The last sampled token stays pending: the next fill
-/// follows it.
-async fn decode_line(ctx: &mut Context, max: usize) -> Result<(String, bool), String> {
-    let eos = ctx.queue().eos_tokens();
-    let mut tokens = Vec::new();
-    while tokens.len() < max {
-        let token = ctx.decode_step(&Sampler::greedy()).await?;
-        if eos.contains(&token) {
-            ctx.truncate(ctx.len() - 1); // still pending: nothing was run
-            break;
-        }
-        tokens.push(token);
-        let text = ctx.queue().detokenize(&tokens)?;
-        if let Some(line) = text.split_once('\n') {
-            return Ok((line.0.to_string(), true));
-        }
-    }
-    Ok((ctx.queue().detokenize(&tokens)?, false))
 }
 
 /// One line that prints something, with balanced parentheses and no markdown fence.

@@ -23,7 +23,7 @@
 
 use inferlet::http;
 use inferlet::json::{json_string, json_value};
-use inferlet::{chat, spawn, Context, Model, Sampler};
+use inferlet::{chat, spawn, Context, Line, Model};
 
 inferlet::main!(main);
 
@@ -135,7 +135,7 @@ async fn run(o: &Options) -> Result<(), String> {
         }
     }
     ctx.fill("Final Answer:");
-    let (answer, _, _) = decode_line(&mut ctx, o.max_tokens, |_, _| {}).await?;
+    let answer = ctx.decode_line(o.max_tokens, &['\n'], |_, _| {}).await?.text;
     let context = ctx.queue().detokenize(&ctx.tokens())?;
     inferlet::send(&format!(
         "{{\"calls\": [{}], \"answer\": {}, \"docs_tokens\": {docs_tokens}, \"docs_imported\": {docs_imported}, \
@@ -167,7 +167,7 @@ async fn call_line(ctx: &mut Context, o: &Options, api: &'static str) -> Result<
         spawn(http::post_json(&format!("{}/tools/{tool}", o.url), &body))
     };
     let mut early = None;
-    let (text, tokens, newline) = decode_line(ctx, o.max_tokens, |text, n| {
+    let Line { text, tokens, newline } = ctx.decode_line(o.max_tokens, &['\n'], |text, n| {
         if let (true, None, Some(args)) = (o.early, &early, call_args(text)) {
             early = Some((args.to_string(), start(args), n)); // in flight while decoding goes on
         }
@@ -214,27 +214,4 @@ fn scripted_args(api: &str, task: &str) -> String {
         ("calc", None) => "0".to_string(),
         _ => task.trim_end_matches(['.', '?']).to_string(),
     }
-}
-
-/// Greedy-decodes one line (up to `max` tokens, a newline or EOS; EOS is dropped), calling
-/// `watch` with the text and the number of tokens so far after each token. Returns the text before the newline, the
-/// tokens decoded, and whether a newline ended it. The last token stays pending.
-async fn decode_line(ctx: &mut Context, max: usize, mut watch: impl FnMut(&str, usize))
-                     -> Result<(String, usize, bool), String> {
-    let eos = ctx.queue().eos_tokens();
-    let mut tokens = Vec::new();
-    while tokens.len() < max {
-        let token = ctx.decode_step(&Sampler::greedy()).await?;
-        if eos.contains(&token) {
-            ctx.truncate(ctx.len() - 1); // still pending: nothing was run
-            break;
-        }
-        tokens.push(token);
-        let text = ctx.queue().detokenize(&tokens)?;
-        watch(&text, tokens.len());
-        if let Some((line, _)) = text.split_once('\n') {
-            return Ok((line.to_string(), tokens.len(), true));
-        }
-    }
-    Ok((ctx.queue().detokenize(&tokens)?, tokens.len(), false))
 }

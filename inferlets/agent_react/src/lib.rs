@@ -18,7 +18,7 @@
 
 use inferlet::http;
 use inferlet::json::{json_string, json_value};
-use inferlet::{chat, Context, Sampler};
+use inferlet::{chat, Line};
 
 inferlet::main!(main);
 
@@ -52,10 +52,10 @@ async fn main() -> Result<(), String> {
     let mut newline = true;
     for step in 0..steps {
         ctx.fill(if newline { "Thought:" } else { "\nThought:" });
-        let (thought, nl) = decode_line(&mut ctx, max_tokens, &['\n']).await?;
+        let Line { text: thought, newline: nl, .. } = ctx.decode_line(max_tokens, &['\n'], |_, _| {}).await?;
         ctx.fill(if nl { "Action:" } else { "\nAction:" });
         let mark = ctx.len();
-        let (text, _) = decode_line(&mut ctx, max_tokens, &['\n', ']']).await?;
+        let text = ctx.decode_line(max_tokens, &['\n', ']'], |_, _| {}).await?.text;
         let (tool, input, source) = match parse_action(&text) {
             Some((tool, input)) => { chosen += 1; (tool, input, "model") }
             None => {
@@ -75,7 +75,7 @@ async fn main() -> Result<(), String> {
             json_string(&observation), json_string(source), json_string(&text)));
     }
     ctx.fill("Final Answer:");
-    let (answer, _) = decode_line(&mut ctx, max_tokens, &['\n']).await?;
+    let answer = ctx.decode_line(max_tokens, &['\n'], |_, _| {}).await?.text;
     let context = ctx.queue().detokenize(&ctx.tokens())?;
     inferlet::send(&format!(
         "{{\"question\": {}, \"steps\": [{}], \"answer\": {}, \"model_chosen\": {chosen}, \"scripted\": {}, \
@@ -83,29 +83,6 @@ async fn main() -> Result<(), String> {
         json_string(&question), records.join(", "), json_string(answer.trim()), steps - chosen,
         ctx.len(), json_string(&context)));
     Ok(())
-}
-
-/// Greedy-decodes up to `max` tokens, stopping after a token whose text holds one of
-/// `stops`, or before EOS (the EOS token is dropped). Returns the text before the stop and
-/// whether a stop ended it. The last sampled token stays pending: the next fill follows it.
-async fn decode_line(ctx: &mut Context, max: usize, stops: &[char]) -> Result<(String, bool), String> {
-    let eos = ctx.queue().eos_tokens();
-    let mut tokens = Vec::new();
-    while tokens.len() < max {
-        let token = ctx.decode_step(&Sampler::greedy()).await?;
-        if eos.contains(&token) {
-            ctx.truncate(ctx.len() - 1); // still pending: nothing was run
-            break;
-        }
-        tokens.push(token);
-        let text = ctx.queue().detokenize(&tokens)?;
-        if let Some(at) = text.find(stops) {
-            let stop = text[at..].chars().next().unwrap();
-            let end = if stop == '\n' { at } else { at + stop.len_utf8() };
-            return Ok((text[..end].to_string(), stop == '\n' || text[at..].contains('\n')));
-        }
-    }
-    Ok((ctx.queue().detokenize(&tokens)?, false))
 }
 
 /// `tool[input]` with a known tool and a non-empty input.

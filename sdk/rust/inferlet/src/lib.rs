@@ -29,6 +29,7 @@ pub mod flags;
 mod grammar;
 pub mod http;
 pub mod json;
+mod lines;
 pub mod messages;
 mod model;
 mod sampling;
@@ -41,6 +42,7 @@ pub use branch::{generate_branches, Branch};
 pub use context::Context;
 pub use executor::{block_on, join_all, spawn, HostFuture, HostResult, JoinHandle};
 pub use grammar::Grammar;
+pub use lines::Line;
 pub use model::{Model, Queue};
 pub use sampling::Stop;
 
