@@ -4,7 +4,7 @@
 //! observes that the first few tokens soak up attention ("attention sinks"): keeping them
 //! plus a window of recent tokens lets a model generate indefinitely with a fixed cache.
 //! After every decode step this inferlet hides every token but the first S and the last W
-//! from attention (`Context::mask_range`, i.e. the page mask bits) and releases pages that
+//! from attention (`Context::keep_only` over `mask_range`, i.e. the page mask bits) and releases pages that
 //! hold only hidden tokens (`Context::drop_masked_pages`), so at most about (S + W) / 16 + 2
 //! KV pages are held however long the prompt and the generation are (the prompt streams
 //! through one page per forward pass). Tokens keep their original positions.
@@ -14,7 +14,7 @@
 //! Arguments: --prompt TEXT [--max-tokens N (160)] [--sinks S (4)] [--window W (32)] [--ignore-eos]
 //! Output: one JSON object {"text", "tokens", "max_pages", "dropped_pages"}.
 
-use inferlet::{chat, Context, Model, Sampler};
+use inferlet::{chat, Model, Sampler};
 use inferlet::json::json_string;
 
 inferlet::main!(main);
@@ -50,7 +50,7 @@ async fn main() -> Result<(), String> {
     for chunk in body.chunks(queue.page_size() as usize) {
         ctx.fill_tokens(chunk);
         ctx.forward_pending(&[])?;
-        dropped += evict(&mut ctx, sinks, window)?;
+        dropped += ctx.keep_only(sinks, window)?;
         max_pages = max_pages.max(ctx.num_pages());
     }
     ctx.fill_tokens(last);
@@ -62,22 +62,12 @@ async fn main() -> Result<(), String> {
         generated.push(token);
         // The next input (the token just sampled, pending) sees the sinks and the last W
         // tokens, itself included.
-        dropped += evict(&mut ctx, sinks, window)?;
+        dropped += ctx.keep_only(sinks, window)?;
         max_pages = max_pages.max(ctx.num_pages());
     }
     let text = ctx.queue().detokenize(&generated)?;
     inferlet::send(&format!("{{\"text\": {}, \"tokens\": {}, \"max_pages\": {}, \"dropped_pages\": {}}}",
                             json_string(&text), generated.len(), max_pages, dropped));
     Ok(())
-}
-
-/// Hides every token but the first `sinks` and the last `window` (counting the pending
-/// one) and releases the pages left fully hidden; returns how many were released.
-fn evict(ctx: &mut Context, sinks: u32, window: u32) -> Result<usize, String> {
-    let len = ctx.len() as u32;
-    if len > sinks + window {
-        ctx.mask_range(sinks, len - window, true)?;
-    }
-    Ok(ctx.drop_masked_pages())
 }
 

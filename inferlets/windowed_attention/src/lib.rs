@@ -13,7 +13,7 @@
 //! Arguments: --prompt TEXT [--max-tokens N (64)] [--window W (32)] [--ignore-eos]
 //! Output: one JSON object {"text", "tokens", "max_pages", "dropped_pages"}.
 
-use inferlet::{chat, Context, Model, Sampler};
+use inferlet::{chat, Model, Sampler};
 use inferlet::json::json_string;
 
 inferlet::main!(main);
@@ -47,7 +47,7 @@ async fn main() -> Result<(), String> {
     for chunk in body.chunks(queue.page_size() as usize) {
         ctx.fill_tokens(chunk);
         ctx.forward_pending(&[])?;
-        dropped += slide(&mut ctx, window)?;
+        dropped += ctx.keep_only(0, window)?;
         max_pages = max_pages.max(ctx.num_pages());
     }
     ctx.fill_tokens(last);
@@ -57,22 +57,12 @@ async fn main() -> Result<(), String> {
             break;
         }
         generated.push(token);
-        dropped += slide(&mut ctx, window)?;
+        dropped += ctx.keep_only(0, window)?;
         max_pages = max_pages.max(ctx.num_pages());
     }
     let text = queue.detokenize(&generated)?;
     inferlet::send(&format!("{{\"text\": {}, \"tokens\": {}, \"max_pages\": {}, \"dropped_pages\": {}}}",
                             json_string(&text), generated.len(), max_pages, dropped));
     Ok(())
-}
-
-/// Hides every token but the last `window` (counting the pending one, which attends to
-/// them next) and releases the pages left fully hidden; returns how many were released.
-fn slide(ctx: &mut Context, window: u32) -> Result<usize, String> {
-    let len = ctx.len() as u32;
-    if len > window {
-        ctx.mask_range(0, len - window, true)?;
-    }
-    Ok(ctx.drop_masked_pages())
 }
 

@@ -269,6 +269,17 @@ impl Context {
         before - self.pages.len()
     }
 
+    /// Keeps only the first `first` and the last `last` tokens (counting pending ones) in
+    /// view: masks the rest and releases the pages left fully hidden (attention sinks,
+    /// sliding windows). Returns how many pages were released.
+    pub fn keep_only(&mut self, first: u32, last: u32) -> Result<usize, Error> {
+        let len = self.len() as u32;
+        if len > first + last {
+            self.mask_range(first, len - last, true)?;
+        }
+        Ok(self.drop_masked_pages())
+    }
+
     /// Publishes the committed tokens' pages under `name` for other instances (and later
     /// launches with `persistent`), with the tokens themselves in the key-value store, so
     /// that `Context::import` can rebuild the context. Waits for pending writes first. The
