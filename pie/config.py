@@ -7,10 +7,22 @@ equal); a user file passed with `--config` overrides any subset of keys.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` names this machine only. Names other than `localhost` are refused
+    rather than resolved: what a name resolves to can change after the check."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass
@@ -79,14 +91,22 @@ class RuntimeConfig:
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8080
-    # Clients authenticate with one of these tokens; empty = no authentication.
+    # Clients authenticate with one of these tokens; empty = no authentication, which is
+    # only allowed on a loopback host unless allow_unauthenticated says otherwise.
     auth_tokens: list[str] = field(default_factory=list)
+    allow_unauthenticated: bool = False
     max_upload_bytes: int = 64 * 2**20
     max_message_bytes: int = 2**20
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ConfigError(f"server.port must be in [0, 65535], got {self.port}")
+        if not (self.auth_tokens or self.allow_unauthenticated or is_loopback(self.host)):
+            raise ConfigError(
+                f"server.host = {self.host!r} is reachable from other machines, so "
+                "authentication is required: set server.auth_tokens (clients then send "
+                "`Authorization: Bearer <token>`), or server.allow_unauthenticated = true "
+                "to accept anyone")
         if self.max_upload_bytes < 1 or self.max_message_bytes < 1:
             raise ConfigError("server.max_upload_bytes and max_message_bytes must be positive")
 

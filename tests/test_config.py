@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from pie.config import BackendConfig, ConfigError, PieConfig, load_config
+from pie.config import BackendConfig, ConfigError, PieConfig, ServerConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,3 +41,13 @@ def test_bad_config_is_a_clear_error(tmp_path, text, message):
 def test_missing_config_file():
     with pytest.raises(ConfigError, match="config file not found"):
         load_config("/nonexistent/pie.toml")
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.168.1.10", "example.com"])
+def test_non_loopback_hosts_require_authentication(host):
+    with pytest.raises(ConfigError, match="authentication is required"):
+        ServerConfig(host=host)
+    assert ServerConfig(host=host, auth_tokens=["secret"]).host == host
+    assert ServerConfig(host=host, allow_unauthenticated=True).host == host
+    for loopback in ("127.0.0.1", "::1", "localhost"):
+        assert ServerConfig(host=loopback).auth_tokens == []

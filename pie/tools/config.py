@@ -6,8 +6,9 @@ wires the tool server in.
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass
+
+from pie.config import is_loopback
 
 
 class ToolConfigError(ValueError):
@@ -44,14 +45,3 @@ class ToolConfig:
                   self.execute_file_mb, self.execute_max_output_bytes, self.max_code_bytes)
         if min(limits) <= 0:
             raise ToolConfigError("execute limits must be positive")
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` names this machine only. Names other than `localhost` are refused
-    rather than resolved: what a name resolves to can change after the check."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
