@@ -152,3 +152,36 @@ async def _hello(url: str) -> str:
 async def _warm_up(url: str) -> None:
     """One normal session first, so lazily created threads and sockets exist before counting."""
     await _hello(url)
+
+
+def test_host_api_fuzzing_gets_errors_not_crashes(pie_server):
+    """The probe's `fuzz` mode: thousands of host calls with live, freed and forged ids and
+    wild sizes, from two instances at once, beside a normal completion that must not notice."""
+    import json
+
+    from pie_server import build, run_inferlet
+
+    probe = build("probe")
+    args = ["--prompt", "What is the capital of France?", "--max-tokens", "12"]
+    expected = run_inferlet(pie_server, "text_completion", args).messages
+
+    async def run() -> list:
+        async with PieClient(pie_server.ws, TOKEN) as client:
+            digest = await client.upload(probe)
+            fuzzers = [await client.launch(digest, ["fuzz", "1500", str(seed)]) for seed in (1, 2)]
+            bystander = await client.launch("text_completion", args)
+
+            async def collect(instance):
+                return [m async for m in instance], await instance.wait()
+            return await asyncio.gather(*(collect(i) for i in [*fuzzers, bystander]))
+
+    *fuzzed, (bystander, reason) = asyncio.run(run())
+    assert reason == "finished" and bystander == expected
+    for messages, end in fuzzed:
+        assert end == "finished", end
+        counts = json.loads(messages[0])
+        assert counts["ok"] + counts["err"] == 1500 and counts["ok"] > 50 and counts["err"] > 500
+    r = pie_server.resources()
+    assert r["kv_pages_free"] == r["kv_pages_total"] and r["embeds_free"] == r["embeds_total"]
+    assert r["exports"] == 0
+    assert pie_server.get("/health")[0] == 200

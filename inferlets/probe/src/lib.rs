@@ -14,6 +14,9 @@
 //!   the first message published on TOPIC; the broadcaster publishes TEXT.
 //! - `calls N`: times N round trips of each kind of host call and sends them as JSON
 //!   (`{"call": microseconds, ...}`), for benchmarks/overhead.py.
+//! - `fuzz N SEED`: N host calls with random arguments — live, freed and forged ids, wild
+//!   counts, lengths, offsets and positions — each of which must come back as `Ok` or a
+//!   host `Error`, never a trap; frees what it still holds and sends `{"ok": a, "err": b}`.
 
 use inferlet::bindings::{allocate, forward, http, input_text, kvs, messaging, output_text, runtime};
 use inferlet::bindings::forward::ForwardPass;
@@ -98,6 +101,12 @@ async fn main() -> Result<(), String> {
         Some("calls") => {
             let n: u32 = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(100);
             inferlet::send(&time_calls(&queue, n).await?);
+            Ok(())
+        }
+        Some("fuzz") => {
+            let n: u32 = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(1000);
+            let seed: u64 = args.get(2).and_then(|a| a.parse().ok()).unwrap_or(1);
+            inferlet::send(&fuzz(&queue, n, seed).await);
             Ok(())
         }
         other => Err(format!("unknown probe mode {other:?}")),
@@ -203,4 +212,130 @@ async fn time_calls(queue: &Queue, n: u32) -> Result<String, String> {
         output_text::sample(queue.raw(), embeds[1], greedy.clone())?.await?;
     });
     Ok(format!("{{{}}}", out.join(", ")))
+}
+
+/// xorshift64*: a small deterministic generator for `fuzz`.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545F4914F6CDD1D)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+    /// A size that is usually small and sometimes absurd.
+    fn size(&mut self) -> u32 {
+        [0, 1, 2, 3, 17, 64, 5000, 1 << 20, u32::MAX][self.below(9) as usize]
+    }
+    /// An id from `live`, from `dead`, or made up.
+    fn id(&mut self, live: &[u32], dead: &[u32]) -> u32 {
+        match self.below(4) {
+            0 if !live.is_empty() => live[self.below(live.len() as u64) as usize],
+            1 if !dead.is_empty() => dead[self.below(dead.len() as u64) as usize],
+            2 => [0, 1, 7, 4096, u32::MAX][self.below(5) as usize],
+            _ => self.next() as u32,
+        }
+    }
+    fn ids(&mut self, live: &[u32], dead: &[u32]) -> Vec<u32> {
+        let n = [0, 1, 2, 5, 40][self.below(5) as usize];
+        (0..n).map(|_| self.id(live, dead)).collect()
+    }
+}
+
+/// See the `fuzz` mode. Vectors are kept under ~5000 items: the point is the host's checks,
+/// not the guest's memory.
+async fn fuzz(queue: &Queue, n: u32, seed: u64) -> String {
+    let q = queue.raw();
+    let mut rng = Rng(seed.max(1));
+    let (mut pages, mut embeds, mut dead_pages, mut dead_embeds) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut ok, mut err) = (0u32, 0u32);
+    let mut tally = |result: Result<(), inferlet::Error>| match result {
+        Ok(()) => ok += 1,
+        Err(_) => err += 1,
+    };
+    for _ in 0..n {
+        let small = |r: &mut Rng| r.size().min(5000);
+        match rng.below(12) {
+            0 => tally(allocate::alloc_kvpage(q, rng.size()).map(|ids| pages.extend(ids))),
+            1 => tally(allocate::alloc_emb(q, rng.size()).map(|ids| embeds.extend(ids))),
+            2 => {
+                let ids = rng.ids(&pages, &dead_pages);
+                let result = allocate::dealloc_kvpage(q, &ids);
+                if result.is_ok() {
+                    pages.retain(|p| !ids.contains(p));
+                    dead_pages.extend(ids);
+                }
+                tally(result)
+            }
+            3 => {
+                let ids = rng.ids(&embeds, &dead_embeds);
+                let result = allocate::dealloc_emb(q, &ids);
+                if result.is_ok() {
+                    embeds.retain(|e| !ids.contains(e));
+                    dead_embeds.extend(ids);
+                }
+                tally(result)
+            }
+            4 => {
+                let (a, b) = (rng.id(&pages, &dead_pages), rng.id(&pages, &dead_pages));
+                tally(allocate::copy_kvpage(q, a, b, rng.size(), rng.size(), rng.size()))
+            }
+            5 => {
+                let len = small(&mut rng) as usize;
+                let tokens: Vec<u32> = (0..len).map(|_| rng.next() as u32 % 60000).collect();
+                let positions: Vec<u32> = (0..len).map(|_| rng.size()).collect();
+                let targets: Vec<u32> = (0..len).map(|_| rng.id(&embeds, &dead_embeds)).collect();
+                tally(input_text::embed_text(q, &tokens, &positions, &targets))
+            }
+            6 => {
+                let pass = ForwardPass {
+                    input_kv_pages: rng.ids(&pages, &dead_pages), input_kv_last_page_len: rng.size(),
+                    input_embeds: rng.ids(&embeds, &dead_embeds), output_kv_pages: rng.ids(&pages, &dead_pages),
+                    output_kv_offset: rng.size(), output_embeds: rng.ids(&embeds, &dead_embeds),
+                    output_token_indices: (0..rng.below(3)).map(|_| rng.size()).collect(),
+                    attention_mask: if rng.below(4) == 0 { Some(vec![0xff; small(&mut rng) as usize]) } else { None },
+                };
+                tally(forward::forward(q, pass))
+            }
+            7 => {
+                let mask: Vec<bool> = (0..small(&mut rng).min(64)).map(|_| rng.below(2) == 0).collect();
+                tally(forward::mask_kvpage(q, rng.id(&pages, &dead_pages), &mask))
+            }
+            8 => {
+                let sampler = Sampler { temperature: [0.0, 1.0, -1.0, f32::NAN, 1e30][rng.below(5) as usize],
+                                        top_k: rng.size(), top_p: [1.0, 0.5, 0.0, 2.0][rng.below(4) as usize],
+                                        seed: Some(rng.next()) };
+                match output_text::sample(q, rng.id(&embeds, &dead_embeds), sampler) {
+                    Ok(future) => tally(future.await.map(|_| ())),
+                    Err(e) => tally(Err(e)),
+                }
+            }
+            9 => match output_text::get_next_dist(q, rng.id(&embeds, &dead_embeds), rng.size()) {
+                Ok(future) => tally(future.await.map(|_| ())),
+                Err(e) => tally(Err(e)),
+            },
+            10 => {
+                let name = ["fuzz", "", "x"][rng.below(3) as usize];
+                tally(match rng.below(3) {
+                    0 => allocate::export_kvpage(&rng.ids(&pages, &dead_pages), name, rng.below(2) == 0),
+                    1 => allocate::import_kvpage(name).map(|ids| pages.extend(ids)),
+                    _ => allocate::unexport_kvpage(name),
+                })
+            }
+            _ => {
+                let ids: Vec<u32> = (0..small(&mut rng).min(64)).map(|_| rng.next() as u32).collect();
+                tally(inferlet::bindings::tokenize::detokenize(q, &ids).map(|_| ()))
+            }
+        }
+    }
+    let _ = allocate::unexport_kvpage("fuzz");
+    let _ = allocate::unexport_kvpage("x");
+    let _ = allocate::dealloc_kvpage(q, &pages);
+    let _ = allocate::dealloc_emb(q, &embeds);
+    let _ = runtime::synchronize(q).await;
+    format!("{{\"ok\": {ok}, \"err\": {err}}}")
 }
