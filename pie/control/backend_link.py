@@ -78,12 +78,23 @@ class BackendProcess:
                  log_file: Path | None = None):
         self.tmpdir = tempfile.TemporaryDirectory(prefix="pie-")
         self.endpoint = f"ipc://{self.tmpdir.name}/backend.sock"
-        cmd = [sys.executable, "-m", "pie.cli", "backend", "--model", str(model_dir),
-               "--endpoint", self.endpoint, *extra_args]
+        self.command = [sys.executable, "-m", "pie.cli", "backend", "--model", str(model_dir),
+                        "--endpoint", self.endpoint, *extra_args]
         if config_path:
-            cmd += ["--config", config_path]
-        out = open(log_file, "ab") if log_file else None
-        self.process = subprocess.Popen(cmd, stdout=out, stderr=out or None, env=os.environ.copy())
+            self.command += ["--config", config_path]
+        self.log_file = log_file
+        self.process = self._spawn()
+
+    def _spawn(self) -> subprocess.Popen:
+        out = open(self.log_file, "ab") if self.log_file else None
+        return subprocess.Popen(self.command, stdout=out, stderr=out or None, env=os.environ.copy())
+
+    def restart(self) -> None:
+        """A fresh backend on the same endpoint, after the previous one died."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.process = self._spawn()
 
     def connect(self, timeout_s: float = 300.0) -> tuple[BackendLink, P.HandshakeReply]:
         """Handshake once the backend has loaded its model (ZeroMQ queues the request)."""

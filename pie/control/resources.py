@@ -156,6 +156,15 @@ class ResourceManager:
                 raise HostError(ErrorKind.NOT_FOUND, f"no export named {name!r}")
             self.pages.release(export.pages)
 
+    def drop_exports(self) -> int:
+        """Remove every export (their pages' contents are gone with a dead backend)."""
+        with self.lock:
+            for export in self.exports.values():
+                self.pages.release(export.pages)
+            count = len(self.exports)
+            self.exports.clear()
+            return count
+
     def release_instance(self, inst: InstanceResources, owner: str) -> None:
         """Teardown: every page and embed the instance held, and its non-persistent exports."""
         with self.lock:

@@ -113,6 +113,7 @@ class Scheduler:
         os.set_blocking(self.wake_read, False)
         self.running = True
         self.failure: str | None = None
+        self.reconnect = False  # set by recover(): the loop replaces its socket
         self.thread = threading.Thread(target=self._loop, name="pie-scheduler", daemon=True)
         self.thread.start()
 
@@ -161,16 +162,26 @@ class Scheduler:
 
     # --- the scheduler thread -------------------------------------------------------------
 
-    def _loop(self) -> None:
-        context = zmq.Context()
+    def _connect(self, context: zmq.Context) -> zmq.Socket:
         socket = context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.connect(self.endpoint)
+        return socket
+
+    def _loop(self) -> None:
+        context = zmq.Context()
+        socket = self._connect(context)
         poller = zmq.Poller()
         poller.register(socket, zmq.POLLIN)
         poller.register(self.wake_read, zmq.POLLIN)
         try:
             while self.running:
+                if self.reconnect:
+                    self.reconnect = False
+                    poller.unregister(socket)
+                    socket.close()
+                    socket = self._connect(context)
+                    poller.register(socket, zmq.POLLIN)
                 timeout_ms = self._dispatch(socket)
                 for source, _ in poller.poll(timeout_ms):
                     if source is socket:
@@ -196,8 +207,19 @@ class Scheduler:
             commands += [c for q in self.queues for c in q.pending]
             for q in self.queues:
                 q.pending.clear()
+            self.in_flight.clear()
+            self.sent_at.clear()
         for command in commands:
             command.future.set_error(HostError(ErrorKind.INFERENCE_FAILED, reason))
+
+    def recover(self) -> None:
+        """A new backend serves the endpoint: accept calls again, on a fresh socket (so
+        nothing queued for the dead backend reaches the new one)."""
+        with self.lock:
+            self.failure = None
+            self.backend_idle = True
+            self.reconnect = True
+        os.write(self.wake_write, b"x")
 
     def _dispatch(self, socket: zmq.Socket) -> int | None:
         """Send every batch the policy allows now; return how long the loop may sleep (ms)."""

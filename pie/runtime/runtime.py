@@ -145,6 +145,19 @@ class Runtime:
             instance.end_reason = instance.end_reason or reason
         instance.host.cancelled.set()
 
+    def terminate_all(self, reason: str, timeout_s: float = 10.0) -> int:
+        """End every instance with `reason` and wait for their teardown; returns how many."""
+        with self.lock:
+            instances = list(self.instances.values())
+        for instance in instances:
+            with instance.lock:
+                instance.end_reason = instance.end_reason or reason
+            instance.host.cancelled.set()
+        for instance in instances:
+            if instance.thread:
+                instance.thread.join(timeout_s)
+        return len(instances)
+
     def list_instances(self) -> list[InstanceInfo]:
         with self.lock:
             return [i.info for i in self.instances.values()]

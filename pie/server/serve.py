@@ -25,6 +25,7 @@ from pie.server.app import ServerState, create_app, ws_max_size
 from pie.toolchain import REPO, ToolchainError, build_inferlet
 
 BUILTIN_INFERLETS = ("hello", "text_completion", "openai_completion")  # crates in inferlets/
+BACKEND_RESTARTS = 3  # attempts after a backend crash before giving up
 # `pie run` finds the address of the server it started in this line (see local.py).
 READY_LINE = "Pie serving {model} on http://{host}:{port} (ws://{host}:{port}/ws)"
 
@@ -97,15 +98,35 @@ async def _serve(config: PieConfig, model_dir: Path, config_path: str | None,
 
 async def _watch_backend(backend: BackendProcess, runtime: Runtime, state: ServerState,
                          console: Console) -> None:
-    """If the backend process dies, fail every pending and later inference call with the
-    reason (instead of leaving inferlets waiting forever) and report it on /health.
-    Restarting the backend is left to a later issue."""
-    while backend.process.poll() is None:
-        await asyncio.sleep(0.5)
-    reason = f"the backend process exited with code {backend.process.returncode}"
-    console.print(f"[red]error:[/] {reason}; inference calls fail until `pie serve` is restarted")
-    state.failure = reason
-    runtime.controller.scheduler.fail_all(reason)
+    """If the backend process dies: fail every pending inference call with the reason, end
+    the running inferlets (their KV cache died with it) and drop the exports, then restart
+    the backend on the same endpoint and serve again. /health is 503 meanwhile."""
+    while True:
+        while backend.process.poll() is None:
+            await asyncio.sleep(0.5)
+        reason = f"the backend process exited with code {backend.process.returncode}"
+        console.print(f"[red]error:[/] {reason}; restarting it (running inferlets end: their KV "
+                      "cache is lost)")
+        state.failure = reason
+        controller = runtime.controller
+        controller.scheduler.fail_all(reason)
+        await asyncio.to_thread(runtime.terminate_all, f"error: {reason} (KV cache lost; the backend "
+                                                       "was restarted)")
+        controller.resources.drop_exports()
+        for attempt in range(1, BACKEND_RESTARTS + 1):
+            backend.restart()
+            try:
+                link, _ = await asyncio.to_thread(backend.connect)
+                link.close()
+                break
+            except BackendError as e:
+                console.print(f"[red]error:[/] backend restart {attempt}/{BACKEND_RESTARTS} failed: {e}")
+        else:
+            state.failure = f"{reason}; {BACKEND_RESTARTS} restarts failed: restart `pie serve`"
+            return
+        controller.scheduler.recover()
+        state.failure = None
+        console.print("backend restarted; serving again")
 
 
 def _build_builtins(config: PieConfig, console: Console) -> dict[str, Path]:
