@@ -67,11 +67,19 @@ class ControlConfig:
     # Hosts inferlets may reach with http-get/post (exact host names or IP literals).
     http_allowlist: list[str] = field(default_factory=lambda: ["127.0.0.1", "localhost"])
     http_timeout_s: float = 30.0
+    # Per-instance quotas (0 = only the pool's size limits an instance).
+    instance_kv_pages: int = 0
+    instance_embeds: int = 0
+    # A KV page / embed allocation the pool cannot satisfy now waits this long for other
+    # instances to free some, then fails with out-of-resources (no instance is ever killed).
+    alloc_wait_ms: float = 1000.0
 
     def __post_init__(self) -> None:
         _check_choice("control.scheduler", self.scheduler, ("adaptive", "eager", "k", "t"))
         if self.batch_k < 1 or self.batch_t_ms <= 0 or self.max_dist_k < 1:
             raise ConfigError("control.batch_k, batch_t_ms and max_dist_k must be positive")
+        if min(self.instance_kv_pages, self.instance_embeds, self.alloc_wait_ms) < 0:
+            raise ConfigError("control.instance_kv_pages, instance_embeds and alloc_wait_ms must be >= 0")
 
 
 @dataclass

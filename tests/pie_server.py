@@ -19,6 +19,7 @@ from pie.toolchain import build_inferlet
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "e2e-secret"
 READY = re.compile(r"\(ws://(\S+)/ws\)")
+CONTROL = "alloc_wait_ms = 200.0\n"  # short: the fuzzers exhaust the pool on purpose
 
 
 class Server:
@@ -26,6 +27,10 @@ class Server:
     held to HF transformers')."""
 
     def __init__(self, tmp: Path, extra_toml: str = ""):
+        if "[control]\n" in extra_toml:
+            extra_toml = extra_toml.replace("[control]\n", "[control]\n" + CONTROL)
+        else:
+            extra_toml = "[control]\n" + CONTROL + extra_toml
         config = tmp / "pie.toml"
         config.write_text(
             '[backend]\ndtype = "float32"\nnum_kv_pages = 1024\n'

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import zmq
@@ -12,7 +13,7 @@ from pie import protocol as P
 from pie.config import ControlConfig
 from pie.control.errors import ErrorKind, HostError
 from pie.control.future import HostFuture
-from pie.control.resources import InstanceResources, ResourceManager
+from pie.control.resources import InstanceResources, Limits, ResourceManager
 from pie.control.scheduler import MARKER, Command, Scheduler
 
 
@@ -158,6 +159,30 @@ def test_resources_virtualize_and_refcount():
     with pytest.raises(HostError) as e:
         manager.alloc_pages(a, 5)
     assert e.value.kind == ErrorKind.OUT_OF_RESOURCES
+
+
+def test_quotas_and_bounded_waiting_for_a_short_pool():
+    """A quota fails at once; a short pool makes an allocation wait (bounded) for releases by
+    others, then fail — nothing is taken from another instance."""
+    manager = ResourceManager(num_pages=4, num_embeds=4, limits=Limits(kv_pages=3, wait_s=2.0))
+    a, b = InstanceResources(), InstanceResources()
+    held = manager.alloc_pages(a, 3)
+    with pytest.raises(HostError, match="quota control.instance_kv_pages = 3") as e:
+        manager.alloc_pages(a, 1)
+    assert e.value.kind == ErrorKind.OUT_OF_RESOURCES
+    threading.Timer(0.2, lambda: manager.release(manager.take_pages(a, held[:2]), [])).start()
+    start = time.monotonic()
+    assert len(manager.alloc_pages(b, 3)) == 3  # waited for a's release
+    assert 0.1 < time.monotonic() - start < 2.0
+    short = ResourceManager(num_pages=2, num_embeds=2, limits=Limits(wait_s=0.2))
+    c, d = InstanceResources(), InstanceResources()
+    short.alloc_pages(c, 2)
+    start = time.monotonic()
+    with pytest.raises(HostError, match="1 kv pages requested, 0 free of 2 after waiting 200 ms"):
+        short.alloc_pages(d, 1)
+    assert time.monotonic() - start >= 0.2 and len(c.pages.mapping) == 2  # c keeps its pages
+    with pytest.raises(HostError):  # more than the pool holds fails at once, no wait
+        ResourceManager(num_pages=2, num_embeds=2, limits=Limits(wait_s=30)).alloc_pages(d, 3)
 
 
 def test_freed_handle_is_invalid():

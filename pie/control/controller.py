@@ -18,7 +18,7 @@ from pie.control.future import HostFuture
 from pie.control.grammar import GrammarCompiler, Matcher
 from pie.control.http_client import HttpClient
 from pie.control.messaging import Inbox, KeyValueStore, MessageBus
-from pie.control.resources import InstanceResources, ResourceManager
+from pie.control.resources import InstanceResources, Limits, ResourceManager
 from pie.control.scheduler import MARKER, Command, CommandQueue, Scheduler
 from pie.control.tokenizer import TextTokenizer
 
@@ -28,7 +28,9 @@ MAX_ALLOC = 1 << 16  # most pages or embeds one call may ask for
 class Controller:
     def __init__(self, config: PieConfig, endpoint: str, handshake: P.HandshakeReply):
         self.config, self.hs = config, handshake
-        self.resources = ResourceManager(handshake.num_kv_pages, handshake.num_embeds)
+        control = config.control
+        self.resources = ResourceManager(handshake.num_kv_pages, handshake.num_embeds, Limits(
+            control.instance_kv_pages, control.instance_embeds, control.alloc_wait_ms / 1000))
         self.scheduler = Scheduler(endpoint, config.control, handshake.max_batch_tokens)
         self.tokenizer = TextTokenizer(handshake)
         self.grammars = GrammarCompiler(handshake)

@@ -9,6 +9,7 @@ fork, export and import can share them.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 from pie.control.errors import ErrorKind, HostError
@@ -90,22 +91,54 @@ class InstanceResources:
     embeds: VirtualTable = field(default_factory=lambda: VirtualTable("embed"))
 
 
-class ResourceManager:
-    """All pools of one model, guarded by one lock (calls come from many instance threads)."""
+@dataclass(frozen=True)
+class Limits:
+    """Per-instance quotas (0 = none beyond the pool) and how long an allocation may wait
+    for a short pool to be refilled by others (control.instance_*, control.alloc_wait_ms)."""
 
-    def __init__(self, num_pages: int, num_embeds: int):
-        self.lock = threading.Lock()
+    kv_pages: int = 0
+    embeds: int = 0
+    wait_s: float = 0.0
+
+
+class ResourceManager:
+    """All pools of one model, guarded by one lock (calls come from many instance threads).
+    An allocation the pool cannot satisfy waits (bounded) for releases, then fails: it never
+    takes anything from another instance."""
+
+    def __init__(self, num_pages: int, num_embeds: int, limits: Limits = Limits()):
+        self.lock = threading.Condition()
         self.pages = PhysicalPool(num_pages, "kv pages")
         self.embeds = PhysicalPool(num_embeds, "embeds")
         self.exports: dict[str, Export] = {}
+        self.limits = limits
 
     def alloc_pages(self, inst: InstanceResources, count: int) -> list[int]:
-        with self.lock:
-            return inst.pages.add(self.pages.alloc(count))
+        return self._alloc(inst.pages, self.pages, count, self.limits.kv_pages, "control.instance_kv_pages")
 
     def alloc_embeds(self, inst: InstanceResources, count: int) -> list[int]:
+        return self._alloc(inst.embeds, self.embeds, count, self.limits.embeds, "control.instance_embeds")
+
+    def _alloc(self, table: VirtualTable, pool: PhysicalPool, count: int, quota: int, key: str) -> list[int]:
         with self.lock:
-            return inst.embeds.add(self.embeds.alloc(count))
+            self._check_quota(table, pool, count, quota, key)
+            if pool.available < count <= pool.size and self.limits.wait_s > 0:
+                deadline = time.monotonic() + self.limits.wait_s
+                while pool.available < count and (remaining := deadline - time.monotonic()) > 0:
+                    self.lock.wait(remaining)
+                if pool.available < count:
+                    raise HostError(ErrorKind.OUT_OF_RESOURCES,
+                                    f"{count} {pool.what} requested, {pool.available} free of {pool.size} "
+                                    f"after waiting {self.limits.wait_s * 1000:.0f} ms for other instances "
+                                    f"to free some (control.alloc_wait_ms)")
+            return table.add(pool.alloc(count))
+
+    @staticmethod
+    def _check_quota(table: VirtualTable, pool: PhysicalPool, count: int, quota: int, key: str) -> None:
+        if quota and len(table.mapping) + count > quota:
+            raise HostError(ErrorKind.OUT_OF_RESOURCES,
+                            f"the instance holds {len(table.mapping)} {pool.what} and asks for {count} "
+                            f"more: over its quota {key} = {quota}")
 
     def take_pages(self, inst: InstanceResources, ids: list[int]) -> list[int]:
         """Invalidate virtual page ids now; the caller releases the physical ones later."""
@@ -120,6 +153,7 @@ class ResourceManager:
         with self.lock:
             self.pages.release(pages)
             self.embeds.release(embeds)
+            self.lock.notify_all()
 
     def writable_pages(self, inst: InstanceResources, ids: list[int]) -> list[int]:
         """Physical ids of pages the instance may write: shared pages are read-only."""
@@ -146,6 +180,8 @@ class ResourceManager:
             export = self.exports.get(name)
             if export is None:
                 raise HostError(ErrorKind.NOT_FOUND, f"no export named {name!r}")
+            self._check_quota(inst.pages, self.pages, len(export.pages), self.limits.kv_pages,
+                              "control.instance_kv_pages")
             self.pages.retain(export.pages)
             return inst.pages.add(list(export.pages))
 
@@ -155,6 +191,7 @@ class ResourceManager:
             if export is None:
                 raise HostError(ErrorKind.NOT_FOUND, f"no export named {name!r}")
             self.pages.release(export.pages)
+            self.lock.notify_all()
 
     def drop_exports(self) -> int:
         """Remove every export (their pages' contents are gone with a dead backend)."""
@@ -163,6 +200,7 @@ class ResourceManager:
                 self.pages.release(export.pages)
             count = len(self.exports)
             self.exports.clear()
+            self.lock.notify_all()
             return count
 
     def release_instance(self, inst: InstanceResources, owner: str) -> None:
@@ -174,3 +212,4 @@ class ResourceManager:
             inst.embeds.mapping.clear()
             for name in [n for n, e in self.exports.items() if e.owner == owner]:
                 self.pages.release(self.exports.pop(name).pages)
+            self.lock.notify_all()
