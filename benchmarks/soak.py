@@ -1,0 +1,162 @@
+"""Load and soak: many concurrent inferlets with mixed workloads for a bounded time.
+
+Each of `--instances` slots runs workloads back to back until `--minutes` pass:
+- `echo`: `hello`, then 5 messages that must come back in order (a lost or reordered
+  message is counted);
+- `complete`: `text_completion`, 8 greedy tokens of one of a few prompts (the answer must
+  equal the first answer seen for that prompt);
+- `fork`: `parallel_generation`, 2 seeded continuations of a shared prompt.
+It reports per-workload p50/p99 latency, errors, lost messages and whether every KV page and
+embed is back in the pool at the end. Loopback only (it starts its own `pie serve` unless
+given `--server`). Results: benchmarks/results/soak.json.
+
+    python benchmarks/soak.py [--instances 256] [--minutes 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+import urllib.parse
+import urllib.request
+from datetime import datetime, timezone
+from pathlib import Path
+
+from pie.client import PieClient
+from pie.config import is_loopback
+from pie.server.local import LocalServer
+from pie.toolchain import build_inferlet
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+PROMPTS = ["What is the capital of France?", "Name a color.", "Say hi.", "What is 2 + 2?"]
+
+
+class Tally:
+    def __init__(self) -> None:
+        self.latency: dict[str, list[float]] = {}
+        self.errors: dict[str, list[str]] = {}
+        self.lost_messages = 0
+        self.answers: dict[str, str] = {}
+        self.wrong_answers = 0
+
+    def record(self, workload: str, seconds: float) -> None:
+        self.latency.setdefault(workload, []).append(seconds)
+
+    def error(self, workload: str, reason: str) -> None:
+        self.errors.setdefault(workload, []).append(reason)
+
+
+async def echo(client: PieClient, rng: random.Random, tally: Tally, programs: dict) -> None:
+    instance = await client.launch("hello", ["soak"])
+    expected = ["soak"] + [f"m{rng.randrange(10**6)}" for _ in range(5)]
+    for text in expected[1:]:
+        await instance.send(text)
+    await instance.send("quit")
+    received = [m async for m in instance]
+    tally.lost_messages += sum(a != b for a, b in zip(expected, received)) + abs(len(expected) - len(received))
+    if (reason := await instance.wait()) != "finished":
+        raise RuntimeError(reason)
+
+
+async def complete(client: PieClient, rng: random.Random, tally: Tally, programs: dict) -> None:
+    prompt = rng.choice(PROMPTS)
+    instance = await client.launch("text_completion", ["--prompt", prompt, "--max-tokens", "8"])
+    messages = [m async for m in instance]
+    if (reason := await instance.wait()) != "finished":
+        raise RuntimeError(reason)
+    first = tally.answers.setdefault(prompt, messages[0])
+    tally.wrong_answers += messages[0] != first
+
+
+async def fork(client: PieClient, rng: random.Random, tally: Tally, programs: dict) -> None:
+    instance = await client.launch(programs["parallel_generation"], [
+        "--prompt", rng.choice(PROMPTS), "--n", "2", "--max-tokens", "6", "--seed", str(rng.randrange(1000))])
+    messages = [m async for m in instance]
+    if (reason := await instance.wait()) != "finished" or len(json.loads(messages[0])["completions"]) != 2:
+        raise RuntimeError(reason)
+
+
+WORKLOADS = {"echo": echo, "complete": complete, "fork": fork}
+
+
+async def soak(url: str, token: str | None, instances: int, seconds: float, seed: int = 0) -> dict:
+    """Run the mix on a server at `url`; the report (see the module docstring)."""
+    tally = Tally()
+    deadline = time.monotonic() + seconds
+    async with PieClient(url, token) as uploader:
+        programs = {"parallel_generation": await uploader.upload(
+            build_inferlet(ROOT / "inferlets" / "parallel_generation").read_bytes())}
+
+    async def slot(index: int) -> None:
+        rng = random.Random(seed * 100003 + index)
+        async with PieClient(url, token) as client:
+            while time.monotonic() < deadline:
+                name = rng.choice(list(WORKLOADS))
+                start = time.perf_counter()
+                try:
+                    await asyncio.wait_for(WORKLOADS[name](client, rng, tally, programs), 600)
+                    tally.record(name, time.perf_counter() - start)
+                except Exception as e:  # counted, not fatal: the report says what failed
+                    tally.error(name, f"{type(e).__name__}: {e}")
+
+    started = time.monotonic()
+    await asyncio.gather(*(slot(i) for i in range(instances)))
+    elapsed = time.monotonic() - started
+    http = url.replace("ws://", "http://").removesuffix("/ws")
+    stats = {}
+    for _ in range(100):  # teardown of the last instances is asynchronous
+        request = urllib.request.Request(f"{http}/stats", headers={"Authorization": f"Bearer {token or ''}"})
+        stats = json.loads(urllib.request.urlopen(request, timeout=10).read())
+        if stats["instances"] == 0:
+            break
+        await asyncio.sleep(0.1)
+    r = stats["resources"]
+
+    def ms(values: list[float], q: float) -> float:
+        return 1000 * statistics.quantiles(values, n=100)[int(q) - 1] if len(values) > 1 else 1000 * values[0]
+
+    return {
+        "instances": instances, "seconds": round(elapsed, 1),
+        "completed": {k: len(v) for k, v in tally.latency.items()},
+        "p50_ms": {k: round(ms(v, 50), 1) for k, v in tally.latency.items()},
+        "p99_ms": {k: round(ms(v, 99), 1) for k, v in tally.latency.items()},
+        "errors": {k: len(v) for k, v in tally.errors.items()},
+        "error_examples": {k: v[:3] for k, v in tally.errors.items()},
+        "lost_messages": tally.lost_messages,
+        "wrong_answers": tally.wrong_answers,
+        "pools_reclaimed": stats["instances"] == 0 and r["kv_pages_free"] == r["kv_pages_total"]
+                           and r["embeds_free"] == r["embeds_total"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--instances", type=int, default=256)
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--server", help="a running server's URL (loopback) instead of a private one")
+    parser.add_argument("--token")
+    args = parser.parse_args()
+    seconds = args.minutes * 60
+
+    async def run() -> dict:
+        if args.server:
+            host = urllib.parse.urlparse(args.server).hostname or ""
+            if not is_loopback(host):
+                raise SystemExit(f"soak runs against loopback servers only, not {host!r}")
+            return await soak(args.server, args.token, args.instances, seconds)
+        async with LocalServer([]) as url:
+            return await soak(url, None, args.instances, seconds)
+
+    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), **asyncio.run(run())}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "soak.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
