@@ -73,6 +73,7 @@ class ControlConfig:
     # A KV page / embed allocation the pool cannot satisfy now waits this long for other
     # instances to free some, then fails with out-of-resources (no instance is ever killed).
     alloc_wait_ms: float = 1000.0
+    kvs_max_bytes: int = 64 * 2**20  # keys + values in the shared key-value store
 
     def __post_init__(self) -> None:
         _check_choice("control.scheduler", self.scheduler, ("adaptive", "eager", "k", "t"))

@@ -237,3 +237,17 @@ def test_instance_session_validates_before_enqueueing(tmp_path, model_dir):
     finally:
         controller.shutdown()
         backend.close()
+
+
+def test_key_value_store_is_capped():
+    from pie.control.messaging import KeyValueStore
+
+    store = KeyValueStore(max_bytes=20)
+    store.set("a", "x" * 10)
+    store.set("a", "y" * 19)  # replacing frees the old value first
+    with pytest.raises(HostError, match="kvs_max_bytes = 20") as e:
+        store.set("b", "z")
+    assert e.value.kind == ErrorKind.OUT_OF_RESOURCES and store.get("b") is None
+    store.delete("a")
+    store.set("b", "z" * 19)
+    assert store.used == 20

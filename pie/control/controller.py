@@ -35,7 +35,7 @@ class Controller:
         self.tokenizer = TextTokenizer(handshake)
         self.grammars = GrammarCompiler(handshake)
         self.bus = MessageBus()
-        self.kvs = KeyValueStore()
+        self.kvs = KeyValueStore(config.control.kvs_max_bytes)
         self.http = HttpClient(config.control)
 
     def session(self, instance_id: str, arguments: list[str]) -> "InstanceSession":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 
+from pie.control.errors import ErrorKind, HostError
 from pie.control.future import HostFuture
 
 
@@ -66,21 +67,34 @@ class MessageBus:
 
 
 class KeyValueStore:
-    """A process-wide string store shared by all inferlets (persists across launches)."""
+    """A process-wide string store shared by all inferlets (persists across launches),
+    capped at `max_bytes` of keys and values together (control.kvs_max_bytes)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_bytes: int) -> None:
         self.lock = threading.Lock()
         self.data: dict[str, str] = {}
+        self.max_bytes = max_bytes
+        self.used = 0
 
     def get(self, key: str) -> str | None:
         with self.lock:
             return self.data.get(key)
 
     def set(self, key: str, value: str) -> None:
+        size = len(key.encode()) + len(value.encode())
         with self.lock:
+            old = self.data.get(key)
+            freed = 0 if old is None else len(key.encode()) + len(old.encode())
+            if self.used - freed + size > self.max_bytes:
+                raise HostError(ErrorKind.OUT_OF_RESOURCES,
+                                f"the key-value store holds {self.used} bytes; {size} more would exceed "
+                                f"control.kvs_max_bytes = {self.max_bytes}")
             self.data[key] = value
+            self.used += size - freed
 
     def delete(self, key: str) -> None:
         with self.lock:
-            self.data.pop(key, None)
+            old = self.data.pop(key, None)
+            if old is not None:
+                self.used -= len(key.encode()) + len(old.encode())
 

@@ -777,7 +777,8 @@ pub mod kvs {
     /// Layer: control
     ///
     /// Errors:
-    /// - out-of-resources: the store would exceed its configured total size.
+    /// - out-of-resources: the store would exceed its configured total size
+    ///   (`control.kvs_max_bytes`).
     pub fn store_set(key: &str, value: &str) -> Result<(), Error> {
         #[link(wasm_import_module = "pie:inferlet/kvs@0.1.0")]
         extern "C" {
