@@ -183,6 +183,9 @@ class Context:
         self.pages += new
         self.committed += tokens
         self.last_len = len(self.committed) - (len(self.pages) - 1) * ps
+        if len(self._embeds) > KEPT_EMBEDS:  # a prefill's embeds: not needed for decoding
+            host(allocate.dealloc_emb, q.raw, self._embeds[KEPT_EMBEDS:])
+            del self._embeds[KEPT_EMBEDS:]
         return outputs
 
     def _copy_last_page(self) -> None:
@@ -197,6 +200,9 @@ class Context:
                 allocate.dealloc_emb(self.queue.raw, embeds)
             except Exception:
                 pass
+
+
+KEPT_EMBEDS = 16  # input embeds a context keeps between forwards
 
 
 def _export_key(name: str) -> str:

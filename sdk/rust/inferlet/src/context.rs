@@ -386,6 +386,12 @@ impl Context {
         }
         self.committed.extend_from_slice(tokens);
         self.last_len = self.committed.len() as u32 - self.pages.last().unwrap().first;
+        if self.embeds.len() > KEPT_EMBEDS {
+            // A prefill's input embeds are not needed for decoding: hand them back (after this
+            // forward, the queue orders it), so hundreds of contexts fit in the embed pool.
+            let extra = self.embeds.split_off(KEPT_EMBEDS);
+            allocate::dealloc_emb(queue.raw(), &extra)?;
+        }
         Ok(outputs)
     }
 
@@ -409,6 +415,9 @@ impl Context {
         Ok(ids.into_iter().map(|id| Rc::new(Page { id, queue: self.queue.clone(), foreign: Cell::new(false) })).collect())
     }
 }
+
+/// Input embeds a context keeps between forwards (decode steps and short drafts need few).
+const KEPT_EMBEDS: usize = 16;
 
 fn export_key(name: &str) -> String {
     format!("pie.context-export.{name}")
