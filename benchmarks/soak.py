@@ -140,6 +140,9 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--server", help="a running server's URL (loopback) instead of a private one")
     parser.add_argument("--token")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="a private server's dtype; fp32 (default) makes greedy answers "
+                             "independent of batch composition, so they can be checked")
     args = parser.parse_args()
     seconds = args.minutes * 60
 
@@ -149,10 +152,11 @@ def main() -> None:
             if not is_loopback(host):
                 raise SystemExit(f"soak runs against loopback servers only, not {host!r}")
             return await soak(args.server, args.token, args.instances, seconds)
-        async with LocalServer([]) as url:
+        async with LocalServer(["--dtype", args.dtype]) as url:
             return await soak(url, None, args.instances, seconds)
 
-    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), **asyncio.run(run())}
+    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "dtype": None if args.server else args.dtype, **asyncio.run(run())}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "soak.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))

@@ -38,7 +38,7 @@ class BackendConfig:
     attention: str = "auto"
     page_size: int = 16
     num_kv_pages: int = 2048
-    num_embeds: int = 8192
+    num_embeds: int = 32768
     max_batch_tokens: int = 4096
     threads: int = 0
 
