@@ -137,7 +137,8 @@ def test_rpc_fuzzing_gets_one_clean_reply_per_frame_and_leaks_nothing(pie_server
     r = stats["resources"]
     assert stats["instances"] == 0
     assert r["kv_pages_free"] == r["kv_pages_total"] and r["embeds_free"] == r["embeds_total"]
-    assert open_fds(pid) <= fds + 2 and threads(pid) <= thread_count + 2
+    # a leak would grow with the 3000 frames; a few lazily started workers do not
+    assert open_fds(pid) <= fds + 8 and threads(pid) <= thread_count + 8, (fds, thread_count)
 
 
 async def _hello(url: str) -> str:
@@ -185,3 +186,18 @@ def test_host_api_fuzzing_gets_errors_not_crashes(pie_server):
     assert r["kv_pages_free"] == r["kv_pages_total"] and r["embeds_free"] == r["embeds_total"]
     assert r["exports"] == 0
     assert pie_server.get("/health")[0] == 200
+
+
+def test_an_undeliverable_message_ends_only_its_instance(pie_server):
+    """An inferlet → client message over server.max_message_bytes cannot be delivered: the
+    instance ends with the limit named; one under it arrives whole."""
+    from pie_server import build, run_inferlet
+
+    probe = build("probe")
+    small = run_inferlet(pie_server, probe, ["bigsend", "100000"])
+    assert small.reason == "finished" and [len(m) for m in small.messages] == [100000, 5]
+    big = run_inferlet(pie_server, probe, ["bigsend", str(2 * 2**20)])
+    assert big.messages == []
+    assert big.reason == "error: a message of 2097152 bytes exceeds server.max_message_bytes = 1048576"
+    r = pie_server.resources()
+    assert r["kv_pages_free"] == r["kv_pages_total"]

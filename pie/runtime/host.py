@@ -44,6 +44,11 @@ class Kind(IntEnum):
     MATCHER = 9
 
 
+class LimitExceeded(Exception):
+    """Raised inside a host call to end an instance that broke a limit its API call cannot
+    report as an error (a message too large to deliver); the message is the reason."""
+
+
 class Terminated(Exception):
     """Raised inside a host call to unwind an instance that is being terminated."""
 
@@ -229,13 +234,24 @@ def build_linker(engine: Engine, controller: Controller, lookup: Callable[[Any],
         with root.add_instance(PACKAGE.format("messaging")) as messaging:
             counted(messaging)
             messaging.add_resource("subscription", ResourceType.host(Kind.SUBSCRIPTION), drop)
+            max_bytes = controller.config.server.max_message_bytes
+
+            def check_size(message: str) -> None:
+                if (size := len(message.encode())) > max_bytes:
+                    raise LimitExceeded(f"a message of {size} bytes exceeds server.max_message_bytes = {max_bytes}")
+
             def send(st: HostState, store: Any, message: str) -> None:
+                check_size(message)
                 st.send_message(message)
+
+            def broadcast(st: HostState, store: Any, topic: str, message: str) -> None:
+                check_size(message)
+                st.session.broadcast(topic, message)
 
             messaging.add_func("send", call(send, False))
             messaging.add_func("receive",
                                call(lambda st, store: st.own(Kind.FUTURE_STRING, st.session.receive()), False))
-            messaging.add_func("broadcast", call(lambda st, store, t, m: st.session.broadcast(t, m), False))
+            messaging.add_func("broadcast", call(broadcast, False))
             messaging.add_func("subscribe",
                                call(lambda st, store, t: st.own(Kind.SUBSCRIPTION, st.session.subscribe(t))))
             messaging.add_func("[method]subscription.next", call(

@@ -27,7 +27,7 @@ from wasmtime import Config, Engine, Store, Trap, WasmtimeError
 from pie import protocol as P
 from pie.config import PieConfig
 from pie.control.controller import Controller, InstanceSession
-from pie.runtime.host import HostState, Terminated, build_linker
+from pie.runtime.host import HostState, LimitExceeded, Terminated, build_linker
 from pie.runtime import wasmtime_compat
 from pie.runtime.programs import InvalidProgram, ProgramStore
 
@@ -208,6 +208,8 @@ class Runtime:
                 reason = f"error: {result}"
         except Terminated:
             reason = "terminated"
+        except LimitExceeded as e:
+            reason = f"error: {e}"
         except (Trap, WasmtimeError) as e:
             reason = _failure_summary(str(e), self.config)
         except InvalidProgram as e:

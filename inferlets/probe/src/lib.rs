@@ -14,6 +14,7 @@
 //!   the first message published on TOPIC; the broadcaster publishes TEXT.
 //! - `calls N`: times N round trips of each kind of host call and sends them as JSON
 //!   (`{"call": microseconds, ...}`), for benchmarks/overhead.py.
+//! - `bigsend N`: sends a message of N bytes (over the server's cap, the instance ends).
 //! - `fuzz N SEED`: N host calls with random arguments — live, freed and forged ids, wild
 //!   counts, lengths, offsets and positions — each of which must come back as `Ok` or a
 //!   host `Error`, never a trap; frees what it still holds and sends `{"ok": a, "err": b}`.
@@ -101,6 +102,12 @@ async fn main() -> Result<(), String> {
         Some("calls") => {
             let n: u32 = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(100);
             inferlet::send(&time_calls(&queue, n).await?);
+            Ok(())
+        }
+        Some("bigsend") => {
+            let n: usize = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(0);
+            inferlet::send(&"x".repeat(n));
+            inferlet::send("after");
             Ok(())
         }
         Some("fuzz") => {

@@ -645,6 +645,9 @@ pub mod messaging {
 
     /// Sends a message to the client that launched this instance.
     ///
+    /// A message over the server's `server.max_message_bytes` cannot be delivered: it ends
+    /// the instance with an error naming the limit.
+    ///
     /// Arguments:
     /// - message: the message; the client receives it whole and in order.
     ///
@@ -678,6 +681,9 @@ pub mod messaging {
     }
 
     /// Sends a message to every current subscriber of a topic, this instance included.
+    ///
+    /// A message over `server.max_message_bytes` ends the instance with an error, as for
+    /// `send`.
     ///
     /// Arguments:
     /// - topic: the topic name.
