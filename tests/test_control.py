@@ -129,6 +129,21 @@ def test_close_instance_fails_pending_calls_but_still_releases(setup):
         f.result()
 
 
+def test_a_failed_backend_still_releases_deferred_frees(setup):
+    """After fail_all (backend gone) a pending or later dealloc marker still releases its
+    pages: an inferlet ending on the error must not leak them."""
+    scheduler, _ = setup
+    q = scheduler.create_queue("i")
+    released = []
+    with scheduler.lock:  # hold dispatch so the marker is still pending when the backend fails
+        q.pending.append(Command(MARKER, q, HostFuture(), on_head=lambda: released.append("pending")))
+    scheduler.fail_all("backend gone")
+    later = scheduler.submit(Command(MARKER, q, HostFuture(), on_head=lambda: released.append("later")))
+    assert released == ["pending", "later"] and later.done()
+    scheduler.recover()
+    assert _wait(scheduler.submit(forward(q)))  # serving again
+
+
 def _wait(future: HostFuture, timeout: float = 5.0) -> bool:
     from pie.control.future import wait_any
 

@@ -128,6 +128,8 @@ class Scheduler:
     def submit(self, command: Command) -> HostFuture:
         with self.lock:
             if self.failure:
+                if command.on_head:  # a deferred release: nothing runs any more, release now
+                    command.on_head()
                 command.future.set_error(HostError(ErrorKind.INFERENCE_FAILED, self.failure))
                 return command.future
             if command.queue.closed:
@@ -210,6 +212,8 @@ class Scheduler:
             self.in_flight.clear()
             self.sent_at.clear()
         for command in commands:
+            if command.on_head:  # deferred releases still release
+                command.on_head()
             command.future.set_error(HostError(ErrorKind.INFERENCE_FAILED, reason))
 
     def recover(self) -> None:
