@@ -6,7 +6,6 @@ transformers or the server's own usage accounting."""
 from __future__ import annotations
 
 import json
-import math
 import re
 
 import pytest

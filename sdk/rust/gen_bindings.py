@@ -551,7 +551,7 @@ class Generator:
                 core_ret = f" -> {self.flat(result)[0]}"
                 stmts: list[str] = []
                 value = self.lower_flat("(&result)", result, stmts, None)[0]
-                body = f"    let result = f();\n" + "".join(f"    {s}\n" for s in stmts) + f"    {value}\n"
+                body = "    let result = f();\n" + "".join(f"    {s}\n" for s in stmts) + f"    {value}\n"
             else:
                 size, align = self.size_align(result)
                 stmts = []
