@@ -10,14 +10,12 @@ compiled machine code by the component's hash.
 from __future__ import annotations
 
 import hashlib
-import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from pie.config import PathsConfig
-from pie.toolchain import REPO, WIT_DIR, WORLD, ToolchainError
+from pie.toolchain import REPO, WIT_DIR, WORLD, ToolchainError, find_tool, say
 
 SDK_DIR = REPO / "sdk" / "python"
 ENTRY = """\
@@ -40,15 +38,15 @@ def build_python_inferlet(source: Path, console=None, cache: Path | None = None)
     module = source.stem
     if not module.isidentifier():
         raise ToolchainError(f"{source.name}: the file name must be a Python module name")
-    tool = _componentize_py()
+    tool = find_tool("componentize-py", "componentize-py")
     key = _content_key(source, tool)
     out_dir = (cache or PathsConfig().cache) / "python"
     component = out_dir / f"{module}-{key[:16]}.wasm"
     if component.is_file():
-        _say(console, f"Up to date: {component}")
+        say(console, f"Up to date: {component}")
         return component
     out_dir.mkdir(parents=True, exist_ok=True)
-    _say(console, f"Building {source.name} with componentize-py (embeds CPython; ~20 s)")
+    say(console, f"Building {source.name} with componentize-py (embeds CPython; ~20 s)")
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "pie_entry.py").write_text(ENTRY.format(module=module))
         partial = component.with_suffix(".partial")
@@ -58,7 +56,7 @@ def build_python_inferlet(source: Path, console=None, cache: Path | None = None)
         if done.returncode != 0:
             raise ToolchainError(f"componentize-py failed for {source}:\n{done.stderr[-3000:]}")
         partial.rename(component)
-    _say(console, f"Built {component} ({component.stat().st_size / 2**20:.1f} MB)")
+    say(console, f"Built {component} ({component.stat().st_size / 2**20:.1f} MB)")
     return component
 
 
@@ -71,18 +69,3 @@ def _content_key(source: Path, tool: str) -> str:
     for path in files:
         digest.update(str(path.name).encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
-
-
-def _componentize_py() -> str:
-    here = Path(sys.executable).parent / "componentize-py"
-    found = str(here) if here.exists() else shutil.which("componentize-py")
-    if not found:
-        raise ToolchainError("componentize-py is missing: pip install componentize-py")
-    return found
-
-
-def _say(console, message: str) -> None:
-    if console is not None:
-        console.print(message, markup=False, highlight=False)
-    else:
-        print(message, file=sys.stderr, flush=True)

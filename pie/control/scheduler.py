@@ -128,9 +128,7 @@ class Scheduler:
     def submit(self, command: Command) -> HostFuture:
         with self.lock:
             if self.failure:
-                if command.on_head:  # a deferred release: nothing runs any more, release now
-                    command.on_head()
-                command.future.set_error(HostError(ErrorKind.INFERENCE_FAILED, self.failure))
+                _abandon(command, HostError(ErrorKind.INFERENCE_FAILED, self.failure))
                 return command.future
             if command.queue.closed:
                 raise HostError(ErrorKind.INVALID_HANDLE, "the queue is closed")
@@ -148,9 +146,7 @@ class Scheduler:
         for queue in mine:
             queue.closed = True
             for command in queue.pending:
-                if command.on_head:  # deferred releases still release
-                    command.on_head()
-                command.future.set_error(HostError(ErrorKind.INVALID_HANDLE, "instance terminated"))
+                _abandon(command, HostError(ErrorKind.INVALID_HANDLE, "instance terminated"))
             queue.pending.clear()
 
     def snapshot_stats(self) -> dict[str, Any]:
@@ -212,9 +208,7 @@ class Scheduler:
             self.in_flight.clear()
             self.sent_at.clear()
         for command in commands:
-            if command.on_head:  # deferred releases still release
-                command.on_head()
-            command.future.set_error(HostError(ErrorKind.INFERENCE_FAILED, reason))
+            _abandon(command, HostError(ErrorKind.INFERENCE_FAILED, reason))
 
     def recover(self) -> None:
         """A new backend serves the endpoint: accept calls again, on a fresh socket (so
@@ -439,6 +433,13 @@ def resolve_batch(batch: list[Command], reply: P.Message) -> None:
         elif isinstance(reply, P.NextDistReply):
             value = (reply.token_ids[index], reply.probs[index])
         _settle(command, errors.get(index), value)
+
+
+def _abandon(command: Command, error: HostError) -> None:
+    """A command that will never run: it fails, but a deferred release still releases."""
+    if command.on_head:
+        command.on_head()
+    command.future.set_error(error)
 
 
 def _settle(command: Command, error: str | None, value: Any) -> None:

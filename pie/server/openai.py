@@ -12,7 +12,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -218,8 +218,6 @@ def _top_logprobs(body: dict[str, Any]) -> int | None:
 
 async def _launch(state: ServerState, completion: Completion) -> AsyncIterator[dict[str, Any]]:
     """The inferlet's JSON lines; raises ApiError if it cannot start or fails."""
-    from pie.runtime.runtime import LaunchRefused, UnknownProgram
-
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
 
@@ -229,10 +227,10 @@ async def _launch(state: ServerState, completion: Completion) -> AsyncIterator[d
     runtime = state.runtime
     try:
         info = await asyncio.to_thread(runtime.launch, INFERLET, completion.arguments, on_event)
-    except UnknownProgram:
+    except LookupError:  # the runtime's UnknownProgram
         raise ApiError(503, f"the built-in inferlet {INFERLET} is unavailable (see the server log)",
                        kind="server_error") from None
-    except LaunchRefused as e:
+    except RuntimeError as e:  # the runtime's LaunchRefused
         raise ApiError(503, f"the server is busy: {e}", kind="server_error") from None
     finished = False
     try:
@@ -306,28 +304,28 @@ async def _sse(completion: Completion, meta: dict[str, Any], prompt_tokens: int,
     choices = [Choice() for _ in range(completion.n)]
     positions = [0] * completion.n
 
-    def chunk(index: int, delta: Callable[[], dict[str, Any]], finish: str | None, logprobs: Any = None) -> str:
+    def chunk(index: int, delta: dict[str, Any], finish: str | None, logprobs: Any = None) -> str:
         body: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": logprobs}
         if completion.chat:
-            body["delta"] = delta()
+            body["delta"] = delta
         else:
-            body["text"] = delta().get("content", "")
+            body["text"] = delta.get("content", "")
         return "data: " + json.dumps({**meta, "object": kind, "choices": [body]}) + "\n\n"
 
     if completion.chat:
         for i in range(completion.n):
-            yield chunk(i, lambda: {"role": "assistant", "content": ""}, None)
+            yield chunk(i, {"role": "assistant", "content": ""}, None)
     try:
         async for line in events:
             i = line["index"]
             _apply(choices, line)
             if "finish_reason" in line:
-                yield chunk(i, lambda: {}, line["finish_reason"])
+                yield chunk(i, {}, line["finish_reason"])
             else:
                 text = line.get("text", "")
                 logprobs = _logprobs(completion, [line], positions[i]) if "logprob" in line else None
                 positions[i] += len(text)
-                yield chunk(i, lambda: {"content": text}, None, logprobs)
+                yield chunk(i, {"content": text}, None, logprobs)
     except ApiError as e:
         yield "data: " + json.dumps({"error": {"message": e.message, "type": e.kind}}) + "\n\n"
         return

@@ -13,25 +13,17 @@
 
 use inferlet::beam::beam_search;
 use inferlet::{chat, Model};
+use inferlet::flags::{arg_or, parse_args};
 use inferlet::json::json_string;
 
 inferlet::main!(main);
 
+const USAGE: &str = "--prompt TEXT [--beams B] [--max-tokens N]";
+
 async fn main() -> Result<(), String> {
-    let (mut prompt, mut beams, mut max_tokens) = (None, 3, 16);
-    let args = inferlet::args();
-    let mut rest = args.iter();
-    while let Some(flag) = rest.next() {
-        let value = rest.next().ok_or(format!("{flag} needs a value"))?;
-        let number = || value.parse::<usize>().map_err(|_| format!("invalid number for {flag}: {value:?}"));
-        match flag.as_str() {
-            "--prompt" => prompt = Some(value.clone()),
-            "--beams" => beams = number()?,
-            "--max-tokens" => max_tokens = number()?,
-            _ => return Err(format!("unknown argument {flag:?}; usage: --prompt TEXT [--beams B] [--max-tokens N]")),
-        }
-    }
-    let prompt = prompt.ok_or("--prompt is required")?;
+    let args = parse_args(&inferlet::args(), &["prompt", "beams", "max-tokens"], &[], USAGE)?;
+    let prompt = args.get("prompt").ok_or(format!("--prompt is required; usage: {USAGE}"))?;
+    let (beams, max_tokens) = (arg_or(&args, "beams", 3usize, USAGE)?, arg_or(&args, "max-tokens", 16usize, USAGE)?);
     let mut ctx = Model::default_model()?.create_context()?;
     ctx.fill_chat(&[chat("user", &prompt)], true)?;
     let eos = ctx.queue().eos_tokens();

@@ -17,25 +17,17 @@
 
 use inferlet::speculative::{generate_speculative, JacobiDrafter};
 use inferlet::{chat, Model, Stop};
+use inferlet::flags::{arg_or, parse_args};
 use inferlet::json::json_string;
 
 inferlet::main!(main);
 
+const USAGE: &str = "--prompt TEXT [--max-tokens N] [--window N]";
+
 async fn main() -> Result<(), String> {
-    let (mut prompt, mut max_tokens, mut window) = (None, 64, 8);
-    let args = inferlet::args();
-    let mut rest = args.iter();
-    while let Some(flag) = rest.next() {
-        let value = rest.next().ok_or(format!("{flag} needs a value"))?;
-        let number = || value.parse::<usize>().map_err(|_| format!("invalid number for {flag}: {value:?}"));
-        match flag.as_str() {
-            "--prompt" => prompt = Some(value.clone()),
-            "--max-tokens" => max_tokens = number()?,
-            "--window" => window = number()?.max(1),
-            _ => return Err(format!("unknown argument {flag:?}; usage: --prompt TEXT [--max-tokens N] [--window N]")),
-        }
-    }
-    let prompt = prompt.ok_or("--prompt is required")?;
+    let args = parse_args(&inferlet::args(), &["prompt", "max-tokens", "window"], &[], USAGE)?;
+    let prompt = args.get("prompt").ok_or(format!("--prompt is required; usage: {USAGE}"))?;
+    let (max_tokens, window) = (arg_or(&args, "max-tokens", 64, USAGE)?, arg_or(&args, "window", 8usize, USAGE)?.max(1));
     let mut ctx = Model::default_model()?.create_context()?;
     ctx.fill_chat(&[chat("user", &prompt)], true)?;
     let stop = Stop::new(max_tokens).eos(ctx.queue().eos_tokens());

@@ -118,14 +118,18 @@ class Context:
         self.last_len = length - (len(self.pages) - 1) * ps if self.pages else 0
 
     def export(self, name: str, persistent: bool = False) -> None:
-        """Publish the committed tokens' pages (and the tokens) under `name`."""
+        """Publish the committed tokens' pages (and the tokens) under `name`, in the same
+        record as the Rust SDK's `Context::export`, so either SDK can import it."""
         if not self.pages:
             raise Error("invalid-argument", "nothing to export: no committed tokens (flush first)")
         self.queue.synchronize()
         host(allocate.export_kvpage, [p.id for p in self.pages], name, persistent)
         for page in self.pages:
             page.shared = True  # read-only from now on: appending copies the last page
-        host(kvs.store_set, _export_key(name), ",".join(map(str, self.committed)))
+        ps = self.queue.page_size
+        starts = ",".join(str(i * ps) for i in range(len(self.pages)))
+        record = f"{self.last_len}|{starts}|{','.join(map(str, self.committed))}"
+        host(kvs.store_set, _export_key(name), record)
 
     @staticmethod
     def imported(queue: Queue, name: str) -> Context | None:
@@ -139,11 +143,15 @@ class Context:
             if e.kind == "not-found":
                 return None
             raise
-        ctx = Context(queue)
-        ctx.committed = [int(t) for t in record.split(",") if t]
-        ctx.pages = [Page(queue, i, shared=True) for i in ids]
+        last_len, starts, tokens = record.split("|", 2)  # the Rust SDK's format too
         ps = queue.page_size
-        ctx.last_len = len(ctx.committed) - (len(ids) - 1) * ps
+        if [int(s) for s in starts.split(",") if s] != [i * ps for i in range(len(ids))]:
+            raise Error("unsupported", f"export {name!r} has dropped pages (attention sink or "
+                                       "window), which the Python SDK cannot hold")
+        ctx = Context(queue)
+        ctx.committed = [int(t) for t in tokens.split(",") if t]
+        ctx.pages = [Page(queue, i, shared=True) for i in ids]
+        ctx.last_len = int(last_len)
         return ctx
 
     @staticmethod
