@@ -12,6 +12,8 @@ import torch
 from conftest import hf_greedy
 from pie.control.chat_template import chat_prompt
 from pie.python_build import build_python_inferlet
+from pie.scaffold import new_inferlet
+from pie.toolchain import build_inferlet
 from pie_server import ROOT, build, run_inferlet
 
 PYTHON = ROOT / "inferlets" / "python"
@@ -133,6 +135,31 @@ def test_python_sdk_export_import_fork_and_wait(tmp_path, pie_server):
     prefix_tokens = first.usage["forward_tokens"] - second.usage["forward_tokens"]
     assert prefix_tokens >= 20  # the second launch imported the prefix instead of running it
     assert pie_server.resources()["exports"] == 1
+    # The Rust SDK's Context::import reads the same export record: same continuation.
+    rust = run_inferlet(pie_server, build_inferlet(_rust_importer(tmp_path)).read_bytes(), ["py-prefix"])
+    assert rust.reason == "finished" and rust.messages == [a]
     assert run_inferlet(pie_server, program, ["py-prefix", "", "--unexport"]).reason == "finished"
     resources = pie_server.resources()
     assert resources["exports"] == 0 and resources["kv_pages_free"] == resources["kv_pages_total"]
+
+
+RUST_IMPORTER = """
+inferlet::main!(main);
+
+async fn main() -> Result<(), String> {
+    let queue = std::rc::Rc::new(inferlet::Model::default_model()?.create_queue()?);
+    let name = &inferlet::args()[0];
+    let mut ctx = inferlet::Context::import(queue, name)?.ok_or("no such export")?;
+    ctx.fill(" The sun is");
+    let text = ctx.generate(&inferlet::Sampler::greedy(), &inferlet::Stop::new(8)).await?;
+    inferlet::send(&text);
+    Ok(())
+}
+"""
+
+
+def _rust_importer(tmp_path):
+    """A Rust inferlet that continues a context exported by name (here: by the Python SDK)."""
+    crate = new_inferlet(tmp_path / "rust_importer")
+    (crate / "src" / "lib.rs").write_text(RUST_IMPORTER)
+    return crate
