@@ -83,6 +83,15 @@ def test_stop_strings_cut_the_output(client):
     assert cut.text == full[:full.index(" 7")] and cut.finish_reason == "stop"
 
 
+def test_ignore_eos_generates_exactly_max_tokens(client):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Say hi."}], max_tokens=48, temperature=0)
+    short = client.chat.completions.create(**kwargs)
+    assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 48
+    full = client.chat.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 48
+    assert full.choices[0].message.content.startswith(short.choices[0].message.content)
+
+
 def test_n_choices_and_seeds(client):
     kwargs = dict(model=MODEL, prompt="Once upon a time", max_tokens=8, n=3, seed=11, temperature=1.0)
     first, again = client.completions.create(**kwargs), client.completions.create(**kwargs)

@@ -184,6 +184,11 @@ def parse(body: dict[str, Any], chat: bool, served_model: str) -> Completion:
         raise ApiError(400, f"stop must be a non-empty string or an array of at most {MAX_STOPS}", "stop")
     for s in stops:
         args += ["--stop", s]
+    ignore_eos = body.get("ignore_eos", False)  # vLLM's extension: always generate max_tokens
+    if not isinstance(ignore_eos, bool):
+        raise ApiError(400, "ignore_eos must be a boolean", "ignore_eos")
+    if ignore_eos:
+        args.append("--ignore-eos")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be a boolean", "stream")

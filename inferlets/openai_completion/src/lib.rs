@@ -10,7 +10,7 @@
 //!
 //! Requirements: R2
 //! Host APIs: apply-chat-template, tokenize, forward, sample, get-next-dist, copy-kvpage (fork)
-//! Arguments: (--prompt TEXT | --message ROLE CONTENT ...) --max-tokens N [--temperature T] [--top-p P] [--seed S] [--stop TEXT ...] [--n N] [--logprobs K]
+//! Arguments: (--prompt TEXT | --message ROLE CONTENT ...) --max-tokens N [--temperature T] [--top-p P] [--seed S] [--stop TEXT ...] [--n N] [--logprobs K] [--ignore-eos]
 //! Output: JSON lines: {"prompt_tokens": n}, then per choice {"index", "text", "logprobs"?} deltas and a final {"index", "finish_reason", "completion_tokens"}.
 
 use inferlet::{chat, join_all, ChatMessage, Context, Model, Sampler};
@@ -26,13 +26,18 @@ struct Request {
     stops: Vec<String>,
     n: usize,
     logprobs: Option<u32>,
+    ignore_eos: bool,
 }
 
 fn parse(args: &[String]) -> Result<Request, String> {
     let mut r = Request { prompt: None, messages: Vec::new(), max_tokens: 16, sampler: Sampler::greedy(),
-                          stops: Vec::new(), n: 1, logprobs: None };
+                          stops: Vec::new(), n: 1, logprobs: None, ignore_eos: false };
     let mut rest = args.iter().cloned();
     while let Some(flag) = rest.next() {
+        if flag == "--ignore-eos" {
+            r.ignore_eos = true;
+            continue;
+        }
         let mut value = || rest.next().ok_or(format!("{flag} needs a value"));
         match flag.as_str() {
             "--prompt" => r.prompt = Some(value()?),
@@ -92,7 +97,7 @@ async fn choice(index: usize, mut ctx: Context, r: &Request, eos: &[u32]) -> Res
         };
         let token = queue.sample(output, &sampler).await?;
         sampler.seed = sampler.seed.map(|s| s.wrapping_add(1));
-        if eos.contains(&token) {
+        if !r.ignore_eos && eos.contains(&token) {
             finish = "stop";
             break;
         }
