@@ -77,3 +77,22 @@ def test_hidden_keys_are_ignored():
     before = kernel.run(q, kv, 0, plan)
     kv.write(0, torch.tensor([4]), torch.full((1, 3, 64), 1e3), torch.full((1, 3, 64), -1e3))
     torch.testing.assert_close(kernel.run(q, kv, 0, plan), before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [16, 5])
+def test_kernel_kv_write_equals_index_assignment(dtype, page_size):
+    """The C++ writer puts every key and value where torch's index assignment puts them."""
+    generator = torch.Generator().manual_seed(3)
+    kernel_side = KvCache(1, 12, page_size, 0, 3, 64, dtype, torch.device("cpu"))
+    torch_side = KvCache(1, 12, page_size, 0, 3, 64, dtype, torch.device("cpu"))
+    torch_side.kernel = None  # the reference path (CUDA takes it)
+    slots = torch.randperm(12 * page_size, generator=generator)[:37]
+    k, v = torch.randn(37, 3, 64, generator=generator), torch.randn(37, 3, 64, generator=generator)
+    for kv in (kernel_side, torch_side):
+        kv.write(0, slots, k, v)
+    assert kernel_side.kernel is not None
+    assert torch.equal(kernel_side.keys[0], torch_side.keys[0])
+    assert torch.equal(kernel_side.values[0], torch_side.values[0])
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernel_side.write(0, torch.tensor([12 * page_size]), k[:1], v[:1])

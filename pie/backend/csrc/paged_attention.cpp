@@ -160,6 +160,38 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
   return out;
 }
 
+// Writes k, v ([n, kv_heads, dim], the pools' dtype) to `slots` of the pools. A plain serial
+// loop: torch's advanced-index assignment spends milliseconds in OpenMP barriers for these
+// few kilobytes when the other core is busy (the control process usually is).
+void write_kv(torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots, torch::Tensor k, torch::Tensor v) {
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k.is_contiguous() && v.is_contiguous());
+  TORCH_CHECK(k.scalar_type() == k_pool.scalar_type() && v.scalar_type() == v_pool.scalar_type());
+  TORCH_CHECK(slots.scalar_type() == at::kLong && k.dim() == 3 && k.sizes() == v.sizes());
+  const int64_t n = slots.size(0), kv_heads = k_pool.size(1), dim = k_pool.size(2), ps = k_pool.size(3);
+  TORCH_CHECK(k.size(0) == n && k.size(1) == kv_heads && k.size(2) == dim);
+  const int64_t capacity = k_pool.size(0) * ps;
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const auto copy = [&](auto* kp, auto* vp, const auto* ks, const auto* vs) {
+    for (int64_t i = 0; i < n; ++i) {
+      TORCH_CHECK(slot[i] >= 0 && slot[i] < capacity, "KV slot out of range");
+      const int64_t page = slot[i] / ps, offset = slot[i] % ps;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const auto* k_row = ks + (i * kv_heads + h) * dim;
+        auto* k_dst = kp + (page * kv_heads + h) * dim * ps + offset;
+        for (int64_t d = 0; d < dim; ++d) k_dst[d * ps] = k_row[d];
+        std::memcpy(vp + ((page * kv_heads + h) * ps + offset) * dim, vs + (i * kv_heads + h) * dim,
+                    dim * sizeof(*vs));
+      }
+    }
+  };
+  if (k_pool.scalar_type() == at::kBFloat16)
+    copy(k_pool.data_ptr<at::BFloat16>(), v_pool.data_ptr<at::BFloat16>(), k.data_ptr<at::BFloat16>(),
+         v.data_ptr<at::BFloat16>());
+  else
+    copy(k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>());
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over the KV page pools (CPU)");
+  m.def("write_kv", &write_kv, "write new keys and values to their slots in the pools (CPU)");
 }
