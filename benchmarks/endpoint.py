@@ -32,7 +32,9 @@ class Endpoint:
     model: str
     engine: str  # "pie" | "vllm" | "llamacpp" | "sglang"
     api_key: str | None = None
-    http: httpx.AsyncClient = field(default_factory=lambda: httpx.AsyncClient(timeout=1800), repr=False)
+    # No connection cap (httpx's default is 100): the Swarm agents have 128 requests in flight.
+    http: httpx.AsyncClient = field(default_factory=lambda: httpx.AsyncClient(
+        timeout=1800, limits=httpx.Limits(max_connections=None, max_keepalive_connections=None)), repr=False)
 
     async def complete(self, prompt: str, max_tokens: int, *, stop: list[str] | None = None,
                        ignore_eos: bool = False, temperature: float = 0.0, seed: int | None = None,

@@ -163,7 +163,8 @@ OPT_TASK = "Find the atomic number of carbon, then multiply it by 7."
 @pytest.fixture(scope="module")
 def optimized(server, tool_server):
     """agent_optimized without optimizations, with --opt-export twice (the first launch
-    exports the docs, the second imports them; it also calls early), and with --opt-mask:
+    exports the docs, the second imports them; it also calls early, against APIs answering
+    after 50 ms), and with --opt-mask:
     (report, usage, tool calls the tool server saw, server resources after) of each."""
     name = f"agents-test.docs.{os.getpid()}"
     args = ["--tools-url", tool_server.url, "--task", OPT_TASK, "--calls", "2", "--max-tokens", "8",
@@ -171,7 +172,8 @@ def optimized(server, tool_server):
     runs = {}
     try:
         for key, flags in [("plain", []), ("export_first", ["--opt-export"]),
-                           ("export_again", ["--opt-export", "--opt-early-call"]), ("mask", ["--opt-mask"])]:
+                           ("export_again", ["--opt-export", "--opt-early-call", "--api-latency-ms", "50"]),
+                           ("mask", ["--opt-mask"])]:
             before = tool_calls(tool_server)
             report, usage = run_json(server, "agent_optimized", args + flags)
             runs[key] = (report, usage, delta(tool_calls(tool_server), before), server.resources())

@@ -90,6 +90,7 @@ def test_ignore_eos_generates_exactly_max_tokens(client):
     full = client.chat.completions.create(**kwargs, extra_body={"ignore_eos": True})
     assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 48
     assert full.choices[0].message.content.startswith(short.choices[0].message.content)
+    assert "<|im_end|>" not in full.choices[0].message.content  # EOS counted, not written
 
 
 def test_n_choices_and_seeds(client):

@@ -111,6 +111,14 @@ def test_slow_echoes_after_the_latency_and_caps_it(client):
     assert call(client, "slow", latency_ms=5000).status_code == 400
 
 
+def test_any_tool_takes_a_simulated_latency(client):
+    response = client.post("/tools/calculator?latency_ms=60", json={"expression": "6 * 7"})
+    assert response.json() == {"result": 42} and response.elapsed.total_seconds() >= 0.06
+    for bad in ("-1", "abc", str(CONFIG.slow_max_latency_ms + 1)):
+        refused = client.post(f"/tools/calculator?latency_ms={bad}", json={"expression": "1"})
+        assert refused.status_code == 400 and "latency_ms" in refused.json()["error"]
+
+
 def test_execute_returns_output_and_exit_code(client):
     result = call(client, "execute", code="import os, sys\nprint(6 * 7)\nprint(dict(os.environ))"
                                           "\nprint('oops', file=sys.stderr)\nsys.exit(3)").json()

@@ -89,6 +89,7 @@ def create_tool_app(config: ToolConfig) -> FastAPI:
         calls[name] += 1
         try:
             arguments = tool.input_model.model_validate(json.loads(await request.body()))
+            await _simulated_latency(request, config)
             return JSONResponse(await tool.run(arguments))
         except json.JSONDecodeError as e:
             return _error(400, f"request body is not JSON: {e}")
@@ -100,6 +101,20 @@ def create_tool_app(config: ToolConfig) -> FastAPI:
             return _error(400, str(e))
 
     return app
+
+
+async def _simulated_latency(request: Request, config: ToolConfig) -> None:
+    """`?latency_ms=N` on any tool: answer after N ms, as a remote API would (benchmarks)."""
+    raw = request.query_params.get("latency_ms")
+    if raw is None:
+        return
+    try:
+        latency = float(raw)
+    except ValueError:
+        raise ToolError(f"latency_ms must be a number, got {raw!r}") from None
+    if not 0 <= latency <= config.slow_max_latency_ms:
+        raise ToolError(f"latency_ms must be between 0 and {config.slow_max_latency_ms}, got {raw}")
+    await asyncio.sleep(latency / 1000)
 
 
 def _tools(config: ToolConfig) -> dict[str, Tool]:

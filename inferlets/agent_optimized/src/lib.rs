@@ -15,7 +15,8 @@
 //! Host APIs: export-kvpage, import-kvpage, unexport-kvpage, mask-kvpage, http-post,
 //!   forward, sample, kvs (the export's tokens)
 //! Arguments: --tools-url URL --task TEXT [--calls N (3)] [--max-tokens N per line (12)]
-//!   [--opt-export] [--opt-early-call] [--opt-mask] [--export-name NAME]; or
+//!   [--opt-export] [--opt-early-call] [--opt-mask] [--export-name NAME]
+//!   [--api-latency-ms N (each API answers after N ms, as a remote one would)]; or
 //!   --unexport [--export-name NAME] to remove the docs export.
 //! Output: one JSON object {"calls": [{"api", "args", "source", "issued_at", "line_tokens",
 //!   "observation"}], "answer", "docs_tokens", "docs_imported", "docs_exported",
@@ -28,7 +29,7 @@ use inferlet::{chat, spawn, Context, Line, Model};
 inferlet::main!(main);
 
 const USAGE: &str = "usage: --tools-url URL --task TEXT [--calls N] [--max-tokens N] [--opt-export] \
-                     [--opt-early-call] [--opt-mask] [--export-name NAME] | --unexport [--export-name NAME]";
+                     [--opt-early-call] [--opt-mask] [--export-name NAME] [--api-latency-ms N] | --unexport [--export-name NAME]";
 
 /// The frequently used API's documentation: the same for every task, so worth keeping.
 const DOCS: &str = "You are an agent that solves tasks by calling APIs. Write one call per line \
@@ -57,11 +58,14 @@ struct Options {
     early: bool,
     mask: bool,
     name: String,
+    /// Appended to every API URL: `?latency_ms=N` makes the tool server answer after N ms.
+    latency_query: String,
 }
 
 async fn main() -> Result<(), String> {
     let (mut url, mut task, mut calls, mut max_tokens) = (None, None, 3usize, 12usize);
     let (mut export, mut early, mut mask, mut unexport, mut name) = (false, false, false, false, "agent_optimized.docs".to_string());
+    let mut latency_query = String::new();
     let args = inferlet::args();
     let mut rest = args.iter();
     while let Some(flag) = rest.next() {
@@ -72,6 +76,10 @@ async fn main() -> Result<(), String> {
             "--calls" => calls = value()?.parse().map_err(|_| format!("bad --calls; {USAGE}"))?,
             "--max-tokens" => max_tokens = value()?.parse().map_err(|_| format!("bad --max-tokens; {USAGE}"))?,
             "--export-name" => name = value()?,
+            "--api-latency-ms" => {
+                let ms: u32 = value()?.parse().map_err(|_| format!("bad --api-latency-ms; {USAGE}"))?;
+                latency_query = format!("?latency_ms={ms}");
+            }
             "--opt-export" => export = true,
             "--opt-early-call" => early = true,
             "--opt-mask" => mask = true,
@@ -84,7 +92,7 @@ async fn main() -> Result<(), String> {
         inferlet::send("{\"unexported\": true}");
         return Ok(());
     }
-    let options = Options { url: url.ok_or(USAGE)?, task: task.ok_or(USAGE)?, calls, max_tokens, export, early, mask, name };
+    let options = Options { url: url.ok_or(USAGE)?, task: task.ok_or(USAGE)?, calls, max_tokens, export, early, mask, name, latency_query };
     run(&options).await
 }
 
@@ -164,7 +172,7 @@ async fn call_line(ctx: &mut Context, o: &Options, api: &'static str) -> Result<
             "search" => ("search", format!("{{\"query\": {}, \"k\": 1}}", json_string(args))),
             _ => ("calculator", format!("{{\"expression\": {}}}", json_string(args))),
         };
-        spawn(http::post_json(&format!("{}/tools/{tool}", o.url), &body))
+        spawn(http::post_json(&format!("{}/tools/{tool}{}", o.url, o.latency_query), &body))
     };
     let mut early = None;
     let Line { text, tokens, newline } = ctx.decode_line(o.max_tokens, &['\n'], |text, n| {

@@ -87,8 +87,10 @@ async fn choice(index: usize, mut ctx: Context, r: &Request, eos: &[u32]) -> Res
     if let Some(seed) = sampler.seed.as_mut() {
         *seed = seed.wrapping_add(1_000_003 * index as u64);
     }
-    let (mut generated, mut sent, mut finish) = (Vec::new(), 0usize, "length");
-    while generated.len() < r.max_tokens {
+    // `generated`: the tokens whose text is the completion (an EOS passed over with
+    // --ignore-eos counts as a completion token but has no text, as in vLLM).
+    let (mut generated, mut count, mut sent, mut finish) = (Vec::new(), 0usize, 0usize, "length");
+    while count < r.max_tokens {
         let last = ctx.pending().len() as u32 - 1;
         let output = ctx.forward_pending(&[last])?[0];
         let dist = match r.logprobs {
@@ -97,12 +99,18 @@ async fn choice(index: usize, mut ctx: Context, r: &Request, eos: &[u32]) -> Res
         };
         let token = queue.sample(output, &sampler).await?;
         sampler.seed = sampler.seed.map(|s| s.wrapping_add(1));
-        if !r.ignore_eos && eos.contains(&token) {
-            finish = "stop";
-            break;
+        if eos.contains(&token) {
+            if !r.ignore_eos {
+                finish = "stop";
+                break;
+            }
+            ctx.fill_tokens(&[token]);
+            count += 1;
+            continue;
         }
         ctx.fill_tokens(&[token]);
         generated.push(token);
+        count += 1;
         let text = queue.detokenize(&generated)?;
         let cut = r.stops.iter().filter_map(|s| text.find(s.as_str())).min();
         let end = cut.unwrap_or_else(|| safe_len(&text, &r.stops));
@@ -126,7 +134,7 @@ async fn choice(index: usize, mut ctx: Context, r: &Request, eos: &[u32]) -> Res
     if end > sent {
         inferlet::send(&format!("{{\"index\":{index},\"text\":{}}}", json_string(&text[sent..end])));
     }
-    inferlet::send(&format!("{{\"index\":{index},\"finish_reason\":\"{finish}\",\"completion_tokens\":{}}}", generated.len()));
+    inferlet::send(&format!("{{\"index\":{index},\"finish_reason\":\"{finish}\",\"completion_tokens\":{count}}}"));
     Ok(())
 }
 
