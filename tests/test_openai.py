@@ -87,10 +87,12 @@ def test_ignore_eos_generates_exactly_max_tokens(client):
     kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Say hi."}], max_tokens=48, temperature=0)
     short = client.chat.completions.create(**kwargs)
     assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 48
-    full = client.chat.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(**kwargs, logprobs=True, extra_body={"ignore_eos": True})
     assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 48
     assert full.choices[0].message.content.startswith(short.choices[0].message.content)
-    assert "<|im_end|>" not in full.choices[0].message.content  # EOS counted, not written
+    assert "<|im_end|>" not in full.choices[0].message.content  # EOS counted, not written ...
+    tokens = [entry.token for entry in full.choices[0].logprobs.content]
+    assert len(tokens) == 48 and "<|im_end|>" in tokens  # ... but its log-probability is
 
 
 def test_n_choices_and_seeds(client):

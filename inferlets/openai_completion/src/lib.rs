@@ -99,29 +99,34 @@ async fn choice(index: usize, mut ctx: Context, r: &Request, eos: &[u32]) -> Res
         };
         let token = queue.sample(output, &sampler).await?;
         sampler.seed = sampler.seed.map(|s| s.wrapping_add(1));
-        if eos.contains(&token) {
-            if !r.ignore_eos {
-                finish = "stop";
-                break;
+        let is_eos = eos.contains(&token);
+        if is_eos && !r.ignore_eos {
+            finish = "stop";
+            break;
+        }
+        let logprobs = match (r.logprobs, dist) {
+            (Some(k), Some((ids, probs))) => {
+                let p = ids.iter().position(|&t| t == token).map(|i| probs[i]).unwrap_or(*probs.last().unwrap());
+                let top: Vec<String> = ids.iter().zip(&probs).take(k as usize)
+                    .map(|(&t, &p)| Ok(format!("[{},{}]", json_string(&queue.detokenize(&[t])?), p.ln())))
+                    .collect::<Result<_, inferlet::Error>>()?;
+                format!(",\"token\":{},\"logprob\":{},\"top\":[{}]", json_string(&queue.detokenize(&[token])?), p.ln(), top.join(","))
             }
-            ctx.fill_tokens(&[token]);
-            count += 1;
+            _ => String::new(),
+        };
+        ctx.fill_tokens(&[token]);
+        count += 1;
+        if is_eos {
+            if !logprobs.is_empty() {  // no text, but its log-probability like any token's
+                inferlet::send(&format!("{{\"index\":{index},\"text\":\"\"{logprobs}}}"));
+            }
             continue;
         }
-        ctx.fill_tokens(&[token]);
         generated.push(token);
-        count += 1;
         let text = queue.detokenize(&generated)?;
         let cut = r.stops.iter().filter_map(|s| text.find(s.as_str())).min();
         let end = cut.unwrap_or_else(|| safe_len(&text, &r.stops));
-        let mut line = format!("{{\"index\":{index},\"text\":{}", json_string(&text[sent.min(end)..end]));
-        if let (Some(k), Some((ids, probs))) = (r.logprobs, dist) {
-            let p = ids.iter().position(|&t| t == token).map(|i| probs[i]).unwrap_or(*probs.last().unwrap());
-            let top: Vec<String> = ids.iter().zip(&probs).take(k as usize)
-                .map(|(&t, &p)| Ok(format!("[{},{}]", json_string(&queue.detokenize(&[t])?), p.ln())))
-                .collect::<Result<_, inferlet::Error>>()?;
-            line += &format!(",\"token\":{},\"logprob\":{},\"top\":[{}]", json_string(&queue.detokenize(&[token])?), p.ln(), top.join(","));
-        }
+        let line = format!("{{\"index\":{index},\"text\":{}{logprobs}", json_string(&text[sent.min(end)..end]));
         inferlet::send(&(line + "}"));
         sent = sent.max(end);
         if cut.is_some() {
