@@ -1,0 +1,71 @@
+"""The benchmark harness's smoke run (`python -m benchmarks --quick --systems pie`), so that
+it cannot rot: a real `pie serve` and tool server, every workload, every output file.
+Figures are not checked (never wall-clock in tests); shapes and work done are."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.__main__ import WORKLOADS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    done = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--systems", "pie,sglang", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return out, done.stderr
+
+
+def test_every_workload_writes_json_and_a_plot(quick_run):
+    out, _ = quick_run
+    for workload in WORKLOADS:
+        data = json.loads((out / f"{workload}.json").read_text())
+        assert data["format"] == "pie-bench/1" and data["quick"] and data["machine"]["cores"] >= 1
+        if workload == "models":  # no second model here: reported, not run
+            assert data["rows"] == [] and any("not run" in n for n in data["notes"])
+            continue
+        assert data["rows"], workload
+        assert all(row["system"].startswith("pie") for row in data["rows"]), "only Pie was started"
+        for row in data["rows"]:
+            assert all(value > 0 for value in row["values"].values()), (workload, row)
+        assert (out / f"{workload}.png").stat().st_size > 1000
+
+
+def test_unavailable_systems_are_reported_not_run(quick_run):
+    out, stderr = quick_run
+    assert "SGLang" in stderr and "not run" in stderr
+    completion = json.loads((out / "completion.json").read_text())
+    assert "SGLang" in completion["not_run"]
+    assert any(n.startswith("SGLang: not run") for n in completion["notes"])
+
+
+def test_results_md_has_a_table_per_metric(quick_run):
+    out, _ = quick_run
+    text = (out / "RESULTS.md").read_text()
+    for workload in WORKLOADS:
+        title = json.loads((out / f"{workload}.json").read_text())["title"]
+        assert f"## {title}" in text
+    assert "| concurrency 1 |" in text and "**ms_per_token**" in text
+    assert "| adaptive |" in text and "| eager |" in text
+
+
+def test_completion_did_the_work_it_reports(quick_run):
+    out, _ = quick_run
+    data = json.loads((out / "completion.json").read_text())
+    levels = data["settings"]["levels"]
+    assert [row["case"] for row in data["rows"]] == [f"concurrency {n}" for n in levels]
+
+
+def test_bad_arguments_are_refused_with_a_clear_message():
+    done = subprocess.run([sys.executable, "-m", "benchmarks", "--systems", "pie,tgi"], cwd=ROOT,
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 2 and "unknown system 'tgi'" in done.stderr
