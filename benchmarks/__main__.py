@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import importlib
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -86,6 +87,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 async def main_async(args: argparse.Namespace, console: Console) -> int:
+    # Ctrl-C or SIGTERM cancels the run, and the `finally` below still stops every server
+    # (they run in their own sessions, so no signal reaches them otherwise).
+    main_task = asyncio.current_task()
+    assert main_task is not None
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(sig, main_task.cancel)
     systems = all_systems()
     chosen = {name: systems[name] for name in args.systems}
     not_run = {s.label: reason for s in chosen.values() if (reason := s.unavailable())}
@@ -144,7 +151,8 @@ async def main_async(args: argparse.Namespace, console: Console) -> int:
             for system in started.values():
                 await system.stop()
             tools.stop()
-    results_md = args.out / "RESULTS.md" if args.quick else HERE / "RESULTS.md"
+    # The checked-in RESULTS.md belongs to the default results folder; any other gets its own.
+    results_md = HERE / "RESULTS.md" if args.out.resolve() == (HERE / "results").resolve() else args.out / "RESULTS.md"
     report.render(args.out, results_md, WORKLOADS)
     console.print(f"wrote {results_md}")
     return 1 if failures else 0
@@ -157,7 +165,11 @@ def main(argv: list[str] | None = None) -> int:
         for system in all_systems().values():
             console.print(f"{system.label:10} {system.unavailable() or 'can run'}")
         return 0
-    return asyncio.run(main_async(args, console))
+    try:
+        return asyncio.run(main_async(args, console))
+    except asyncio.CancelledError:
+        console.print("[yellow]interrupted[/]: every server was stopped; results so far are on disk")
+        return 130
 
 
 if __name__ == "__main__":

@@ -33,8 +33,11 @@ class Endpoint:
     engine: str  # "pie" | "vllm" | "llamacpp" | "sglang"
     api_key: str | None = None
     # No connection cap (httpx's default is 100): the Swarm agents have 128 requests in flight.
+    # Idle connections expire after 1 s, before any server's keep-alive timeout (uvicorn: 5 s):
+    # reusing one the server is closing at that moment fails with ReadError (seen in a run).
     http: httpx.AsyncClient = field(default_factory=lambda: httpx.AsyncClient(
-        timeout=1800, limits=httpx.Limits(max_connections=None, max_keepalive_connections=None)), repr=False)
+        timeout=1800, limits=httpx.Limits(max_connections=None, max_keepalive_connections=None,
+                                          keepalive_expiry=1.0)), repr=False)
 
     async def complete(self, prompt: str, max_tokens: int, *, stop: list[str] | None = None,
                        ignore_eos: bool = False, temperature: float = 0.0, seed: int | None = None,

@@ -58,7 +58,7 @@ class BackendConfig:
 @dataclass
 class ControlConfig:
     # Batch scheduler policy (paper Table 5): adaptive = dispatch as soon as the backend is
-    # idle (work-conserving); eager = dispatch every call at once; k = wait for batch_k calls;
+    # idle (work-conserving); eager = no batching, every call sent alone at once; k = wait for batch_k calls;
     # t = dispatch every batch_t_ms.
     scheduler: str = "adaptive"
     batch_k: int = 8

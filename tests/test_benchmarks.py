@@ -5,6 +5,7 @@ Figures are not checked (never wall-clock in tests); shapes and work done are.""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -69,3 +70,24 @@ def test_bad_arguments_are_refused_with_a_clear_message():
     done = subprocess.run([sys.executable, "-m", "benchmarks", "--systems", "pie,tgi"], cwd=ROOT,
                           capture_output=True, text=True, check=False)
     assert done.returncode == 2 and "unknown system 'tgi'" in done.stderr
+
+
+def descendants(pid: int) -> set[int]:
+    children = {int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True,
+                                                check=False).stdout.split()}
+    return children.union(*(descendants(c) for c in children))
+
+
+def test_sigterm_mid_run_stops_every_server(tmp_path):
+    run = subprocess.Popen([sys.executable, "-m", "benchmarks", "--quick", "--systems", "pie",
+                            "--workloads", "batching", "--out", str(tmp_path)],
+                           cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    for line in run.stderr:
+        if "Pie ready" in line:
+            break
+    servers = descendants(run.pid)
+    assert servers, "pie serve, its backend and the tool server run under the harness"
+    run.send_signal(signal.SIGTERM)
+    assert run.wait(120) == 130 and "interrupted" in run.stderr.read()
+    alive = {pid for pid in servers if Path(f"/proc/{pid}").exists()}
+    assert not alive, f"left running: {alive}"

@@ -89,6 +89,21 @@ def test_horizontal_and_vertical_batching(setup):
     assert stats["mean_batch_size"] == 3.5 and stats["calls"]["forward"] == 4
 
 
+def test_eager_policy_sends_every_call_alone(tmp_path):
+    endpoint = f"ipc://{tmp_path}/fake.sock"
+    backend = FakeBackend(endpoint)
+    scheduler = Scheduler(endpoint, ControlConfig(scheduler="eager"), max_batch_tokens=64)
+    try:
+        queues = [scheduler.create_queue(f"i{n}") for n in range(3)]
+        futures = [scheduler.submit(forward(q)) for q in queues] + [scheduler.submit(forward(queues[0]))]
+        for f in futures:
+            assert _wait(f)
+        assert backend.batches == [("forward", 1)] * 4
+    finally:
+        scheduler.stop()
+        backend.close()
+
+
 def test_conflicting_commands_are_not_batched_vertically(setup):
     scheduler, backend = setup
     q = scheduler.create_queue("i")

@@ -69,6 +69,19 @@ class Bench:
     second_model: Path | None = None  # Table 4: a larger local HF Llama directory, if any
     programs: dict[str, str] = field(default_factory=dict)
 
+    async def settle(self, idle: float = 0.9, timeout_s: float = 10.0) -> None:
+        """Wait until the machine is quiet before timing the next system: engines keep their
+        threads spinning for a while after a burst (OpenMP, busy polls), which measured
+        llama.cpp at 16 ms/token alone but 19-32 ms right after another engine's wave."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            before = _cpu_times()
+            await asyncio.sleep(0.3)
+            after = _cpu_times()
+            busy, total = after[0] - before[0], after[1] - before[1]
+            if total > 0 and 1 - busy / total >= idle:
+                return
+
     async def program(self, name: str) -> str:
         """The server-side name of `inferlets/<name>`: built (cargo, cached) and uploaded once."""
         if name not in self.programs:
@@ -92,3 +105,10 @@ class Bench:
     @property
     def baselines(self) -> dict[str, Endpoint]:
         return {name: e for name, e in self.endpoints.items() if name != "pie"}
+
+
+def _cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs since boot, from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)

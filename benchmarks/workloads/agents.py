@@ -399,6 +399,7 @@ async def compare(bench: Bench, tools: Tools, cases: list[Case]) -> list[Row]:
         for case in cases:
             names = list(case.systems)
             for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+                await bench.settle()
                 before = await tools.calls()
                 runs, wall = await batch(case.systems[name], case.agents, case.concurrency)
                 got = samples[case.name, name]
@@ -412,7 +413,7 @@ async def compare(bench: Bench, tools: Tools, cases: list[Case]) -> list[Row]:
 
 async def run(bench: Bench) -> Result:
     s = QUICK if bench.quick else FULL
-    async with httpx.AsyncClient(timeout=60) as http:
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(keepalive_expiry=1.0)) as http:  # see Endpoint
         tools = Tools(bench.tools_url.rstrip("/"), http)
         cases = [
             Case("ReAct", s.agents, s.concurrency, systems(bench, {"pie": partial(react_pie, bench, s)}, lambda e, i:

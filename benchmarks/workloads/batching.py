@@ -46,6 +46,7 @@ async def run(bench: Bench) -> Result:
             await bench.restart_pie("" if policy == "adaptive" else  # adaptive is the default
                                     f'[control]\nscheduler = "{policy}"\nbatch_k = {BATCH_K}\nbatch_t_ms = {BATCH_T_MS}\n')
             await bench.launch("openai_completion", ["--prompt", PROMPT, "--max-tokens", "2"])  # warm-up
+            await bench.settle()
             samples[policy].append(await one_policy(bench, inferlets, max_tokens))
     for policy, runs in samples.items():
         result.rows.append(Row(policy, "pie", {"tokens_per_s": statistics.median(t for t, _ in runs),

@@ -45,6 +45,7 @@ async def run(bench: Bench) -> Result:
         for level in levels:
             for name, endpoint in bench.endpoints.items():
                 bench.log(f"completion: round {r + 1}/{bench.rounds}, {level} concurrent, {name}")
+                await bench.settle()
                 ms, wall, tokens = await wave(endpoint, level, max_tokens)
                 per_token.setdefault((level, name), []).append(statistics.median(ms))
                 throughput.setdefault((level, name), []).append(tokens / wall)

@@ -146,7 +146,7 @@ async def optimized(bench: Bench, s: Settings, flags: list[str], i: int) -> Agen
 
 async def run(bench: Bench) -> Result:
     s = QUICK if bench.quick else FULL
-    async with httpx.AsyncClient(timeout=60) as http:
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(keepalive_expiry=1.0)) as http:  # see Endpoint
         tools = Tools(bench.tools_url.rstrip("/"), http)
         pie = {name: partial(optimized, bench, s, flags) for name, flags in CONFIGS.items()}
         case = Case(f"{s.calls} API calls", s.agents, s.concurrency, systems(bench, pie, lambda e, i:

@@ -473,6 +473,7 @@ async def measure(bench: Bench, table: dict[str, dict[str, Callable[[], Awaitabl
             for system in names[k:] + names[:k]:
                 if (case, system) in failed:
                     continue
+                await bench.settle()
                 start = time.perf_counter()
                 try:
                     work = await systems[system]()

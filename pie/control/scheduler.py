@@ -7,7 +7,7 @@ do not conflict with the ones before them (vertical batching); higher-priority q
 first and the batch is cut at the backend's token budget. *When* to dispatch is the policy:
 
 - adaptive (default, work-conserving): as soon as the backend reports idle;
-- eager: at once, without waiting for the backend (batches queue up behind each other);
+- eager: no batching (the paper's baseline): every call is sent alone, at once;
 - k: once `batch_k` calls of one kind wait (a call never waits longer than 100 ms);
 - t: once the oldest waiting call has waited `batch_t_ms`.
 
@@ -230,7 +230,7 @@ class Scheduler:
                 kind, wait_ms = self._choose(heads)
                 if kind is None:
                     return wait_ms
-                batch = self._form_batch(kind)
+                batch = self._form_batch(kind, single=self.config.scheduler == "eager")
                 request_id = next(self.request_ids)
                 if kind == P.Kind.FORWARD:
                     sent = time.monotonic()
@@ -333,7 +333,8 @@ class Scheduler:
             return kind, None
         return None, max(1, int((patience - waited) * 1e3))
 
-    def _form_batch(self, kind: str) -> list[Command]:
+    def _form_batch(self, kind: str, single: bool = False) -> list[Command]:
+        """The waiting commands of `kind` to send together (just the oldest one if `single`)."""
         busy = self._busy_queues()
         queues = sorted((q for q in self.queues if q.pending and id(q) not in busy
                          and q.pending[0].kind == kind),
@@ -349,10 +350,12 @@ class Scheduler:
                     break
                 taken.append(command)
                 budget -= command.tokens
+                if single:
+                    break
             for _ in taken:
                 queue.pending.popleft()
             batch += taken
-            if budget <= 0:
+            if budget <= 0 or (single and batch):
                 break
         return batch
 
