@@ -109,9 +109,10 @@ async def _watch_backend(backend: BackendProcess, runtime: Runtime, state: Serve
                       "cache is lost)")
         state.failure = reason
         controller = runtime.controller
-        controller.scheduler.fail_all(reason)
-        await asyncio.to_thread(runtime.terminate_all, f"error: {reason} (KV cache lost; the backend "
-                                                       "was restarted)")
+        # One message whichever ends an inferlet first: its failed call or the termination.
+        lost = f"{reason} (KV cache lost; the backend was restarted)"
+        controller.scheduler.fail_all(lost)
+        await asyncio.to_thread(runtime.terminate_all, f"error: {lost}")
         controller.resources.drop_exports()
         for attempt in range(1, BACKEND_RESTARTS + 1):
             backend.restart()
