@@ -54,7 +54,9 @@ def test_tutorial_best_of_n_shares_the_prefill(tmp_path, pie_server, tokenizer, 
     after = pie_server.get("/stats")[1]["scheduler"]
     forwards = after["calls"]["forward"] - before["calls"].get("forward", 0)
     batches = after["batches"]["forward"] - before["batches"].get("forward", 0)
-    assert forwards / batches > 2  # the four branches' passes were batched
+    # The four branches' passes were batched (unbatched = 1; how well depends on timing under
+    # load: 1.76 seen in CI, ~3 on a quiet machine).
+    assert forwards / batches > 1.5
     assert run.reason == "finished" and len(run.messages) == 4
     assert len(set(run.messages)) > 1  # four seeds, not one answer four times
     template = json.loads((model_dir / "tokenizer_config.json").read_text())["chat_template"]
