@@ -118,6 +118,9 @@ QUICK = Settings(agents=1, concurrency=1, steps=2, react_tokens=6, codeact_token
                  workers=2, worker_tokens=6, swarm_agents=1, swarm_concurrency=1)
 
 
+METRICS = [Metric("latency_s", "s", False), Metric("agents_per_s", "agents/s", True)]
+
+
 @dataclass
 class Agent:
     """One agent's run."""
@@ -239,13 +242,19 @@ async def react_client(model: Model, tools: Tools, question: str, steps: int) ->
     return Agent(time.perf_counter() - start, len(prompt), scripted, model.tokens)
 
 
+async def inferlet_agent(bench: Bench, name: str, args: list[str],
+                         scripted: Callable[[dict[str, Any]], int] = lambda report: report["scripted"]) -> Agent:
+    """Runs an agent inferlet on Pie; the Agent from its one JSON report."""
+    launch = await bench.launch(name, args)
+    report = json.loads(launch.messages[0])
+    return Agent(launch.seconds, len(report["context"]), scripted(report),
+                 {"forward": launch.usage.get("forward_tokens", 0)})
+
+
 async def react_pie(bench: Bench, s: Settings, i: int) -> Agent:
-    launch = await bench.launch("agent_react", [
+    return await inferlet_agent(bench, "agent_react", [
         "--tools-url", bench.tools_url, "--question", QUESTIONS[i % len(QUESTIONS)],
         "--steps", str(s.steps), "--max-tokens", str(s.react_tokens)])
-    report = json.loads(launch.messages[0])
-    return Agent(launch.seconds, len(report["context"]), report["scripted"],
-                 {"forward": launch.usage.get("forward_tokens", 0)})
 
 
 # --- CodeAct ------------------------------------------------------------------------------------
@@ -286,12 +295,9 @@ async def codeact_client(model: Model, tools: Tools, task: str, steps: int) -> A
 
 
 async def codeact_pie(bench: Bench, s: Settings, i: int) -> Agent:
-    launch = await bench.launch("agent_codeact", [
+    return await inferlet_agent(bench, "agent_codeact", [
         "--tools-url", bench.tools_url, "--task", CODE_TASKS[i % len(CODE_TASKS)],
         "--steps", str(s.steps), "--max-tokens", str(s.codeact_tokens)])
-    report = json.loads(launch.messages[0])
-    return Agent(launch.seconds, len(report["context"]), report["scripted"],
-                 {"forward": launch.usage.get("forward_tokens", 0)})
 
 
 # --- Swarm --------------------------------------------------------------------------------------
@@ -431,7 +437,7 @@ async def run(bench: Bench) -> Result:
         workload="agents",
         title=f"Fig. 6 — agents ({s.steps} tool calls per ReAct/CodeAct agent, {s.workers} tasks per Swarm; "
               f"{s.concurrency} agents at once, Swarm {s.swarm_concurrency})",
-        metrics=[Metric("latency_s", "s", False), Metric("agents_per_s", "agents/s", True)],
+        metrics=METRICS,
         rows=rows,
         notes=[
             ("pie: the agent_* inferlets; every other system runs the same agent as client-side Python "

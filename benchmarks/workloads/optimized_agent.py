@@ -25,15 +25,15 @@ optimization 2 no call latency to hide.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from functools import partial
 
 import httpx
 
-from benchmarks.workloads import Bench, Metric, Result
+from benchmarks.workloads import Bench, Result
 from benchmarks.workloads.agents import (
+    METRICS,
     Agent,
     Case,
     Model,
@@ -41,6 +41,7 @@ from benchmarks.workloads.agents import (
     arithmetic,
     chat_prompt,
     compare,
+    inferlet_agent,
     observation,
     systems,
 )
@@ -135,13 +136,10 @@ async def naive(model: Model, tools: Tools, task: str, calls: int, latency_ms: i
 
 
 async def optimized(bench: Bench, s: Settings, flags: list[str], i: int) -> Agent:
-    launch = await bench.launch("agent_optimized", [
+    return await inferlet_agent(bench, "agent_optimized", [
         "--tools-url", bench.tools_url, "--task", TASKS[i % len(TASKS)], "--calls", str(s.calls),
         "--max-tokens", str(s.max_tokens), "--export-name", EXPORT, "--api-latency-ms", str(s.api_latency_ms),
-        *flags])
-    report = json.loads(launch.messages[0])
-    return Agent(launch.seconds, len(report["context"]), sum(c["source"] == "scripted" for c in report["calls"]),
-                 {"forward": launch.usage.get("forward_tokens", 0)})
+        *flags], scripted=lambda report: sum(c["source"] == "scripted" for c in report["calls"]))
 
 
 async def run(bench: Bench) -> Result:
@@ -164,7 +162,7 @@ async def run(bench: Bench) -> Result:
     return Result(
         workload="optimized_agent",
         title=f"Fig. 7 — agent API-call optimizations ({s.calls} calls per agent, {s.concurrency} agents at once)",
-        metrics=[Metric("latency_s", "s", False), Metric("agents_per_s", "agents/s", True)],
+        metrics=METRICS,
         rows=rows,
         notes=[
             ("pie = agent_optimized with all three optimizations (1 export the API docs, 2 call early, "
