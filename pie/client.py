@@ -132,9 +132,16 @@ class PieClient:
             await self._call(rpc.UploadChunk, sha256=sha256, data=data[start:start + rpc.CHUNK_BYTES])
         return await self._call(rpc.UploadEnd, sha256=sha256)
 
-    async def launch(self, program: str, arguments: list[str] | tuple[str, ...] = ()) -> Instance:
-        """Start `program` (a hash or a built-in name)."""
-        return await self._call(rpc.Launch, self._register, program=program, arguments=list(arguments))
+    async def launch(self, program: str, arguments: list[str] | tuple[str, ...] = (),
+                     detached: bool = False) -> Instance:
+        """Start `program` (a hash or a built-in name). A detached instance keeps running when
+        this connection closes; `attach` to it again from any connection of the same user."""
+        return await self._call(rpc.Launch, self._register, program=program,
+                                arguments=list(arguments), detached=detached)
+
+    async def attach(self, instance_id: str) -> Instance:
+        """Follow a detached instance: the events held since it was last followed, then live ones."""
+        return await self._call(rpc.Attach, lambda _: self._register(instance_id), instance_id=instance_id)
 
     async def send(self, instance_id: str, text: str) -> None:
         await self._call(rpc.Send, instance_id=instance_id, message=text)

@@ -67,9 +67,6 @@ class ControlConfig:
     # Hosts inferlets may reach with http-get/post (exact host names or IP literals).
     http_allowlist: list[str] = field(default_factory=lambda: ["127.0.0.1", "localhost"])
     http_timeout_s: float = 30.0
-    # Per-instance quotas (0 = only the pool's size limits an instance).
-    instance_kv_pages: int = 0
-    instance_embeds: int = 0
     # A KV page / embed allocation the pool cannot satisfy now waits this long for other
     # instances to free some, then fails with out-of-resources (no instance is ever killed).
     alloc_wait_ms: float = 1000.0
@@ -79,8 +76,38 @@ class ControlConfig:
         _check_choice("control.scheduler", self.scheduler, ("adaptive", "eager", "k", "t"))
         if self.batch_k < 1 or self.batch_t_ms <= 0 or self.max_dist_k < 1:
             raise ConfigError("control.batch_k, batch_t_ms and max_dist_k must be positive")
-        if min(self.instance_kv_pages, self.instance_embeds, self.alloc_wait_ms) < 0:
-            raise ConfigError("control.instance_kv_pages, instance_embeds and alloc_wait_ms must be >= 0")
+        if self.alloc_wait_ms < 0:
+            raise ConfigError(f"control.alloc_wait_ms must be >= 0, got {self.alloc_wait_ms}")
+
+
+@dataclass
+class InstanceQuota:
+    """What one holder may have at once, and its call rates (0 = no quota beyond the pools)."""
+
+    kv_pages: int = 0
+    embeds: int = 0
+    queues: int = 0  # queues created (they live until the instance ends)
+    exports: int = 0  # exports created and not yet removed (persistent ones count too)
+    messages_per_s: float = 0.0  # messages sent to the client or broadcast; faster senders wait
+    http_requests_per_s: float = 0.0  # faster callers wait
+
+    def __post_init__(self) -> None:
+        for key, value in dataclasses.asdict(self).items():
+            if value < 0:
+                raise ConfigError(f"quota keys must be >= 0 (0 = no quota); {key} = {value}")
+
+
+@dataclass
+class UserQuota(InstanceQuota):
+    """The same, summed over every instance one user (auth token) runs, plus live instances."""
+
+    instances: int = 0
+
+
+@dataclass
+class QuotaConfig:
+    instance: InstanceQuota = field(default_factory=InstanceQuota)
+    user: UserQuota = field(default_factory=UserQuota)
 
 
 @dataclass
@@ -106,6 +133,8 @@ class ServerConfig:
     allow_unauthenticated: bool = False
     max_upload_bytes: int = 64 * 2**20
     max_message_bytes: int = 2**20
+    # Client messages an instance has not read yet; a send beyond is refused (inbox_full).
+    max_pending_messages: int = 1024
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -116,8 +145,9 @@ class ServerConfig:
                 "authentication is required: set server.auth_tokens (clients then send "
                 "`Authorization: Bearer <token>`), or server.allow_unauthenticated = true "
                 "to accept anyone")
-        if self.max_upload_bytes < 1 or self.max_message_bytes < 1:
-            raise ConfigError("server.max_upload_bytes and max_message_bytes must be positive")
+        if min(self.max_upload_bytes, self.max_message_bytes, self.max_pending_messages) < 1:
+            raise ConfigError("server.max_upload_bytes, max_message_bytes and max_pending_messages "
+                              "must be positive")
 
 
 @dataclass
@@ -134,6 +164,7 @@ class PieConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
     control: ControlConfig = field(default_factory=ControlConfig)
+    quota: QuotaConfig = field(default_factory=QuotaConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)

@@ -13,7 +13,9 @@ from pie import protocol as P
 from pie.config import ControlConfig
 from pie.control.errors import ErrorKind, HostError
 from pie.control.future import HostFuture
-from pie.control.resources import InstanceResources, Limits, ResourceManager
+from pie.config import InstanceQuota, QuotaConfig, UserQuota
+from pie.control.quotas import QuotaBook, RateLimit
+from pie.control.resources import InstanceResources, ResourceManager
 from pie.control.scheduler import MARKER, Command, Scheduler
 
 
@@ -172,7 +174,7 @@ def _wait(future: HostFuture, timeout: float = 5.0) -> bool:
 
 def test_resources_virtualize_and_refcount():
     manager = ResourceManager(num_pages=4, num_embeds=4)
-    a, b = InstanceResources(), InstanceResources()
+    a, b = holder(), holder()
     pages = manager.alloc_pages(a, 2)
     with pytest.raises(HostError) as e:  # b holds no pages: a's ids are foreign to it
         b.pages.resolve(pages)
@@ -191,33 +193,77 @@ def test_resources_virtualize_and_refcount():
     assert e.value.kind == ErrorKind.OUT_OF_RESOURCES
 
 
+def holder(book: QuotaBook | None = None, user: str = "u") -> InstanceResources:
+    """One instance's resources, charged to `user` in `book` (no quotas by default)."""
+    return InstanceResources((book or QuotaBook(QuotaConfig())).open(user))
+
+
+def test_user_quota_spans_the_users_instances_and_is_refunded_at_teardown():
+    """quota.user.* sums over one user's instances; other users are not affected; an
+    instance's end gives its user back everything but its persistent exports."""
+    book = QuotaBook(QuotaConfig(user=UserQuota(kv_pages=4, exports=1, queues=2)))
+    manager = ResourceManager(num_pages=16, num_embeds=4)
+    a1, a2, b = holder(book, "alice"), holder(book, "alice"), holder(book, "bob")
+    manager.alloc_pages(a1, 3)
+    with pytest.raises(HostError, match="user alice holds 3 kv pages and asks for 2 more: over "
+                                        "its quota quota.user.kv_pages = 4") as e:
+        manager.alloc_pages(a2, 2)
+    assert e.value.kind == ErrorKind.OUT_OF_RESOURCES and manager.pages.available == 13
+    assert len(manager.alloc_pages(b, 4)) == 4  # bob has a quota of his own
+    pages = manager.alloc_pages(a2, 1)
+    manager.export(a2, "a2", pages, "kept", persistent=True)
+    with pytest.raises(HostError, match="quota.user.exports = 1"):
+        manager.export(a1, "a1", pages[:0], "other", persistent=False)
+    with pytest.raises(HostError, match="quota.user.kv_pages = 4"):  # importing is holding
+        manager.import_(a1, "kept")
+    a1.charges.charge("queues", 2)
+    with pytest.raises(HostError, match="quota.user.queues = 2"):
+        a2.charges.charge("queues")
+    manager.release_instance(a1, "a1")
+    manager.release_instance(a2, "a2")
+    assert book.usage()["alice"] == {"kv_pages": 0, "embeds": 0, "queues": 0, "exports": 1,
+                                     "instances": 0}
+    manager.unexport("kept")
+    assert book.usage()["alice"]["exports"] == 0 and manager.pages.available == 12  # bob's 4
+
+
+def test_rate_limit_allows_one_seconds_burst_then_paces():
+    """GCRA: `per_s` calls at once, then one per 1/per_s; 0 means no limit."""
+    limit = RateLimit(4.0)
+    assert [limit.reserve(100.0) for _ in range(4)] == [0.0] * 4
+    assert [round(limit.reserve(100.0), 3) for _ in range(3)] == [0.25, 0.5, 0.75]
+    assert limit.reserve(102.0) == 0.0  # the bucket refilled meanwhile
+    assert RateLimit(0.0).reserve(0.0) == 0.0
+
+
 def test_quotas_and_bounded_waiting_for_a_short_pool():
     """A quota fails at once; a short pool makes an allocation wait (bounded) for releases by
     others, then fail — nothing is taken from another instance."""
-    manager = ResourceManager(num_pages=4, num_embeds=4, limits=Limits(kv_pages=3, wait_s=2.0))
-    a, b = InstanceResources(), InstanceResources()
+    manager = ResourceManager(num_pages=4, num_embeds=4, wait_s=2.0)
+    book = QuotaBook(QuotaConfig(instance=InstanceQuota(kv_pages=3)))
+    a, b = holder(book), holder(book)
     held = manager.alloc_pages(a, 3)
-    with pytest.raises(HostError, match="quota control.instance_kv_pages = 3") as e:
+    with pytest.raises(HostError, match="quota quota.instance.kv_pages = 3") as e:
         manager.alloc_pages(a, 1)
     assert e.value.kind == ErrorKind.OUT_OF_RESOURCES
     threading.Timer(0.2, lambda: manager.release(manager.take_pages(a, held[:2]), [])).start()
     start = time.monotonic()
     assert len(manager.alloc_pages(b, 3)) == 3  # waited for a's release
     assert 0.1 < time.monotonic() - start < 2.0
-    short = ResourceManager(num_pages=2, num_embeds=2, limits=Limits(wait_s=0.2))
-    c, d = InstanceResources(), InstanceResources()
+    short = ResourceManager(num_pages=2, num_embeds=2, wait_s=0.2)
+    c, d = holder(), holder()
     short.alloc_pages(c, 2)
     start = time.monotonic()
     with pytest.raises(HostError, match="1 kv pages requested, 0 free of 2 after waiting 200 ms"):
         short.alloc_pages(d, 1)
     assert time.monotonic() - start >= 0.2 and len(c.pages.mapping) == 2  # c keeps its pages
     with pytest.raises(HostError):  # more than the pool holds fails at once, no wait
-        ResourceManager(num_pages=2, num_embeds=2, limits=Limits(wait_s=30)).alloc_pages(d, 3)
+        ResourceManager(num_pages=2, num_embeds=2, wait_s=30).alloc_pages(d, 3)
 
 
 def test_freed_handle_is_invalid():
     manager = ResourceManager(num_pages=2, num_embeds=2)
-    inst = InstanceResources()
+    inst = holder()
     (page,) = manager.alloc_pages(inst, 1)
     manager.release(manager.take_pages(inst, [page]), [])
     with pytest.raises(HostError, match="not a live kv page"):

@@ -83,12 +83,12 @@ class FakeRuntime:
         self.live: dict[str, tuple[InstanceInfo, queue.Queue]] = {}
         self.terminations: list[tuple[str, str]] = []  # terminate() calls
 
-    def launch(self, program, arguments, on_event) -> InstanceInfo:
+    def launch(self, program, arguments, on_event, user="anonymous") -> InstanceInfo:
         if program not in self.BUILTINS and not self.programs.exists(program):
             raise UnknownProgram(f"no program {program!r}")
         name = program if program in self.BUILTINS else None
         info = InstanceInfo(uuid.uuid4().hex, hashlib.sha256(program.encode()).hexdigest(), name,
-                            list(arguments), time.time())
+                            list(arguments), time.time(), user)
         inbox: queue.Queue = queue.Queue()
         with self.lock:
             if len(self.live) >= self.max_instances:
@@ -106,7 +106,8 @@ class FakeRuntime:
                 if isinstance(message, tuple):  # ("stop", reason) from terminate()
                     reason = message[1]
                     break
-                on_event(info.id, "message", message)
+                if room := on_event(info.id, "message", message):
+                    room.wait()  # the runtime's backpressure (held messages of a detached instance)
         elif info.name == "trap":
             reason = "trap: unreachable"
         elif info.name != "eager":
@@ -361,7 +362,7 @@ async def test_instances_belong_to_their_connection(url, fake):
         instance = await owner.launch("echo")
         with pytest.raises(RpcError) as e:
             await other.send(instance.id, "hi")
-        assert e.value.code == "unknown_instance" and "launched on this connection" in e.value.message
+        assert e.value.code == "unknown_instance" and "attached to this connection" in e.value.message
         with pytest.raises(RpcError, match="unknown_instance"):
             await other.terminate(instance.id)
         assert [i.id for i in await other.list_instances()] == [instance.id]  # listing is global
@@ -381,6 +382,56 @@ async def test_closing_a_connection_terminates_its_instances(url, fake):
         assert "closed" in await first.wait()  # client side: ended with the connection
         await kept.send("still here")
         assert (await kept.recv()).text == "still here"
+
+
+async def test_detached_instance_outlives_its_connection_and_can_be_attached(fake):
+    """A detached instance keeps running when its connection closes; its events are held
+    (the instance's sends wait once max_pending_messages are held, so nothing is lost) and
+    delivered in order to whichever connection of the same user attaches next."""
+    config = ServerConfig(auth_tokens=["alice", "bob"], max_pending_messages=3)
+    with serving(ServerState(config, fake, "m")) as base:
+        async with PieClient(base, token="alice") as first:
+            detached = await first.launch("echo", detached=True)
+            plain = await first.launch("echo")
+            await detached.send("before")
+            assert (await detached.recv()).text == "before"
+            with pytest.raises(RpcError, match="not_attachable.*already attached to this connection"):
+                await first.attach(detached.id)
+            async with PieClient(base, token="alice") as second:
+                with pytest.raises(RpcError, match="not_attachable.*attached to another connection"):
+                    await second.attach(detached.id)
+                with pytest.raises(RpcError, match="not_attachable.*not launched detached"):
+                    await second.attach(plain.id)
+        await eventually(lambda: [i.id for i in fake.list_instances()] == [detached.id])
+        inbox = fake._inbox(detached.id)
+        for i in range(6):  # nobody attached: 3 are held, then the echo thread waits
+            inbox.put(f"m{i}")
+        await eventually(lambda: inbox.qsize() == 3)
+        await asyncio.sleep(0.2)
+        assert inbox.qsize() == 3  # still waiting: backpressure, not loss
+        async with PieClient(base, token="bob") as bob:
+            with pytest.raises(RpcError, match="unknown_instance"):  # another user's
+                await bob.attach(detached.id)
+            assert await bob.list_instances() == []
+        async with PieClient(base, token="alice") as third:
+            [summary] = await third.list_instances()
+            assert (summary.id, summary.detached, summary.attached) == (detached.id, True, False)
+            again = await third.attach(detached.id)
+            assert [(await again.recv()).text for _ in range(6)] == [f"m{i}" for i in range(6)]
+            await again.send("bye")
+            assert await again.wait() == "finished"
+            assert await third.list_instances() == []
+        async with PieClient(base, token="alice") as fourth:  # an end nobody was there to see
+            ended = await fourth.launch("echo", detached=True)
+        await eventually(lambda: ended.id in [i.id for i in fake.list_instances()])
+        fake.terminate(ended.id, "stopped meanwhile")
+        await eventually(lambda: fake.list_instances() == [])
+        async with PieClient(base, token="alice") as fifth:
+            [summary] = await fifth.list_instances()
+            assert summary.state == "terminated"
+            late = await fifth.attach(ended.id)
+            assert await asyncio.wait_for(late.wait(), 5) == "stopped meanwhile"
+            assert await fifth.list_instances() == []
 
 
 async def test_client_ends_instances_when_the_connection_is_lost(fake):

@@ -18,7 +18,8 @@ from pie.control.future import HostFuture
 from pie.control.grammar import GrammarCompiler, Matcher
 from pie.control.http_client import HttpClient
 from pie.control.messaging import Inbox, KeyValueStore, MessageBus
-from pie.control.resources import InstanceResources, Limits, ResourceManager
+from pie.control.quotas import ANONYMOUS, Charges, QuotaBook
+from pie.control.resources import InstanceResources, ResourceManager
 from pie.control.scheduler import MARKER, Command, CommandQueue, Scheduler
 from pie.control.tokenizer import TextTokenizer
 
@@ -29,8 +30,9 @@ class Controller:
     def __init__(self, config: PieConfig, endpoint: str, handshake: P.HandshakeReply):
         self.config, self.hs = config, handshake
         control = config.control
-        self.resources = ResourceManager(handshake.num_kv_pages, handshake.num_embeds, Limits(
-            control.instance_kv_pages, control.instance_embeds, control.alloc_wait_ms / 1000))
+        self.resources = ResourceManager(handshake.num_kv_pages, handshake.num_embeds,
+                                         control.alloc_wait_ms / 1000)
+        self.quotas = QuotaBook(config.quota)
         self.scheduler = Scheduler(endpoint, config.control, handshake.max_batch_tokens)
         self.tokenizer = TextTokenizer(handshake)
         self.grammars = GrammarCompiler(handshake)
@@ -38,8 +40,11 @@ class Controller:
         self.kvs = KeyValueStore(config.control.kvs_max_bytes)
         self.http = HttpClient(config.control)
 
-    def session(self, instance_id: str, arguments: list[str]) -> "InstanceSession":
-        return InstanceSession(self, instance_id, arguments)
+    def session(self, instance_id: str, arguments: list[str], user: str = ANONYMOUS) -> "InstanceSession":
+        """A new instance's session, charged to `user` (fails over quota.user.instances)."""
+        charges = self.quotas.open(user)
+        charges.charge("instances")
+        return InstanceSession(self, instance_id, arguments, charges)
 
     def stats(self) -> dict:
         with self.resources.lock:
@@ -48,7 +53,8 @@ class Controller:
                      "embeds_free": self.resources.embeds.available,
                      "embeds_total": self.resources.embeds.size,
                      "exports": len(self.resources.exports)}
-        return {"scheduler": self.scheduler.snapshot_stats(), "resources": pools}
+        return {"scheduler": self.scheduler.snapshot_stats(), "resources": pools,
+                "users": self.quotas.usage()}
 
     def shutdown(self) -> None:
         self.scheduler.stop()
@@ -62,12 +68,14 @@ def _invalid(message: str) -> HostError:
 class InstanceSession:
     """One instance's view of the system; all methods run on that instance's thread."""
 
-    def __init__(self, controller: Controller, instance_id: str, arguments: list[str]):
+    def __init__(self, controller: Controller, instance_id: str, arguments: list[str],
+                 charges: Charges):
         self.c = controller
         self.instance_id = instance_id
         self.arguments = arguments
-        self.resources = InstanceResources()
-        self.inbox = Inbox()
+        self.charges = charges
+        self.resources = InstanceResources(charges)
+        self.inbox = Inbox(controller.config.server.max_pending_messages)
         self.page_size = controller.hs.page_size
         self.forward_calls = 0
         self.forward_tokens = 0
@@ -104,6 +112,7 @@ class InstanceSession:
 
     def create_queue(self, model: str) -> CommandQueue:
         self._check_model(model)
+        self.charges.charge("queues")
         return self.c.scheduler.create_queue(self.instance_id)
 
     def synchronize(self, q: CommandQueue) -> HostFuture:
@@ -113,6 +122,11 @@ class InstanceSession:
         q.priority = priority
 
     # --- messaging, kvs, http --------------------------------------------------------------
+
+    def wait_s(self, rate: str) -> float:
+        """How long the caller must wait before its next message or HTTP request
+        (quota.*.messages_per_s, http_requests_per_s); the runtime does the waiting."""
+        return self.charges.wait_s(rate)
 
     def receive(self) -> HostFuture:
         return self.inbox.next()

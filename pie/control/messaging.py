@@ -10,13 +10,14 @@ from pie.control.future import HostFuture
 
 
 class Inbox:
-    """Messages waiting for a reader, or readers waiting for a message (never both)."""
+    """Messages waiting for a reader, or readers waiting for a message (never both). With a
+    `limit`, a message beyond that many unread ones is refused (OverflowError), not queued."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int = 0) -> None:
         self.lock = threading.Lock()
         self.messages: deque[str] = deque()
         self.readers: deque[HostFuture] = deque()
-        self.closed = False
+        self.limit = limit
 
     def put(self, message: str) -> None:
         with self.lock:
@@ -25,6 +26,9 @@ class Inbox:
                 if not reader.done():
                     reader.set_result(message)
                     return
+            if self.limit and len(self.messages) >= self.limit:
+                raise OverflowError(f"the instance has {len(self.messages)} unread messages, the "
+                                    f"limit is server.max_pending_messages = {self.limit}")
             self.messages.append(message)
 
     def next(self) -> HostFuture:

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from pie.control.errors import ErrorKind, HostError
+from pie.control.quotas import Charges
 
 
 class PhysicalPool:
@@ -83,71 +84,69 @@ class VirtualTable:
 class Export:
     pages: list[int]  # physical
     owner: str | None  # instance id; None = persistent (outlives its creator)
+    charges: Charges  # its creator's accounts, refunded when the export is removed
 
 
 @dataclass
 class InstanceResources:
+    charges: Charges
     pages: VirtualTable = field(default_factory=lambda: VirtualTable("kv page"))
     embeds: VirtualTable = field(default_factory=lambda: VirtualTable("embed"))
 
 
-@dataclass(frozen=True)
-class Limits:
-    """Per-instance quotas (0 = none beyond the pool) and how long an allocation may wait
-    for a short pool to be refilled by others (control.instance_*, control.alloc_wait_ms)."""
-
-    kv_pages: int = 0
-    embeds: int = 0
-    wait_s: float = 0.0
-
-
 class ResourceManager:
     """All pools of one model, guarded by one lock (calls come from many instance threads).
-    An allocation the pool cannot satisfy waits (bounded) for releases, then fails: it never
-    takes anything from another instance."""
+    An allocation over a quota fails at once; one the pool cannot satisfy now waits up to
+    `wait_s` for releases (control.alloc_wait_ms), then fails: it never takes anything from
+    another instance."""
 
-    def __init__(self, num_pages: int, num_embeds: int, limits: Limits = Limits()):
+    def __init__(self, num_pages: int, num_embeds: int, wait_s: float = 0.0):
         self.lock = threading.Condition()
         self.pages = PhysicalPool(num_pages, "kv pages")
         self.embeds = PhysicalPool(num_embeds, "embeds")
         self.exports: dict[str, Export] = {}
-        self.limits = limits
+        self.wait_s = wait_s
 
     def alloc_pages(self, inst: InstanceResources, count: int) -> list[int]:
-        return self._alloc(inst.pages, self.pages, count, self.limits.kv_pages, "control.instance_kv_pages")
+        return self._alloc(inst, inst.pages, self.pages, count, "kv_pages")
 
     def alloc_embeds(self, inst: InstanceResources, count: int) -> list[int]:
-        return self._alloc(inst.embeds, self.embeds, count, self.limits.embeds, "control.instance_embeds")
+        return self._alloc(inst, inst.embeds, self.embeds, count, "embeds")
 
-    def _alloc(self, table: VirtualTable, pool: PhysicalPool, count: int, quota: int, key: str) -> list[int]:
+    def _alloc(self, inst: InstanceResources, table: VirtualTable, pool: PhysicalPool, count: int,
+               what: str) -> list[int]:
         with self.lock:
-            self._check_quota(table, pool, count, quota, key)
-            if pool.available < count <= pool.size and self.limits.wait_s > 0:
-                deadline = time.monotonic() + self.limits.wait_s
-                while pool.available < count and (remaining := deadline - time.monotonic()) > 0:
-                    self.lock.wait(remaining)
-                if pool.available < count:
-                    raise HostError(ErrorKind.OUT_OF_RESOURCES,
-                                    f"{count} {pool.what} requested, {pool.available} free of {pool.size} "
-                                    f"after waiting {self.limits.wait_s * 1000:.0f} ms for other instances "
-                                    f"to free some (control.alloc_wait_ms)")
-            return table.add(pool.alloc(count))
+            inst.charges.charge(what, count)
+            try:
+                self._wait_for(pool, count)
+                return table.add(pool.alloc(count))
+            except HostError:
+                inst.charges.refund(what, count)
+                raise
 
-    @staticmethod
-    def _check_quota(table: VirtualTable, pool: PhysicalPool, count: int, quota: int, key: str) -> None:
-        if quota and len(table.mapping) + count > quota:
-            raise HostError(ErrorKind.OUT_OF_RESOURCES,
-                            f"the instance holds {len(table.mapping)} {pool.what} and asks for {count} "
-                            f"more: over its quota {key} = {quota}")
+    def _wait_for(self, pool: PhysicalPool, count: int) -> None:
+        if pool.available < count <= pool.size and self.wait_s > 0:
+            deadline = time.monotonic() + self.wait_s
+            while pool.available < count and (remaining := deadline - time.monotonic()) > 0:
+                self.lock.wait(remaining)
+            if pool.available < count:
+                raise HostError(ErrorKind.OUT_OF_RESOURCES,
+                                f"{count} {pool.what} requested, {pool.available} free of {pool.size} "
+                                f"after waiting {self.wait_s * 1000:.0f} ms for other instances "
+                                f"to free some (control.alloc_wait_ms)")
 
     def take_pages(self, inst: InstanceResources, ids: list[int]) -> list[int]:
         """Invalidate virtual page ids now; the caller releases the physical ones later."""
         with self.lock:
-            return inst.pages.remove(ids)
+            physical = inst.pages.remove(ids)
+            inst.charges.refund("kv_pages", len(ids))
+            return physical
 
     def take_embeds(self, inst: InstanceResources, ids: list[int]) -> list[int]:
         with self.lock:
-            return inst.embeds.remove(ids)
+            physical = inst.embeds.remove(ids)
+            inst.charges.refund("embeds", len(ids))
+            return physical
 
     def release(self, pages: list[int], embeds: list[int]) -> None:
         with self.lock:
@@ -172,16 +171,16 @@ class ResourceManager:
             if name in self.exports:
                 raise HostError(ErrorKind.ALREADY_EXISTS, f"an export named {name!r} exists")
             physical = inst.pages.resolve(ids)
+            inst.charges.charge("exports")
             self.pages.retain(physical)
-            self.exports[name] = Export(physical, None if persistent else owner)
+            self.exports[name] = Export(physical, None if persistent else owner, inst.charges)
 
     def import_(self, inst: InstanceResources, name: str) -> list[int]:
         with self.lock:
             export = self.exports.get(name)
             if export is None:
                 raise HostError(ErrorKind.NOT_FOUND, f"no export named {name!r}")
-            self._check_quota(inst.pages, self.pages, len(export.pages), self.limits.kv_pages,
-                              "control.instance_kv_pages")
+            inst.charges.charge("kv_pages", len(export.pages))
             self.pages.retain(export.pages)
             return inst.pages.add(list(export.pages))
 
@@ -190,14 +189,14 @@ class ResourceManager:
             export = self.exports.pop(name, None)
             if export is None:
                 raise HostError(ErrorKind.NOT_FOUND, f"no export named {name!r}")
-            self.pages.release(export.pages)
+            self._remove(export)
             self.lock.notify_all()
 
     def drop_exports(self) -> int:
         """Remove every export (their pages' contents are gone with a dead backend)."""
         with self.lock:
             for export in self.exports.values():
-                self.pages.release(export.pages)
+                self._remove(export)
             count = len(self.exports)
             self.exports.clear()
             self.lock.notify_all()
@@ -211,5 +210,10 @@ class ResourceManager:
             inst.pages.mapping.clear()
             inst.embeds.mapping.clear()
             for name in [n for n, e in self.exports.items() if e.owner == owner]:
-                self.pages.release(self.exports.pop(name).pages)
+                self._remove(self.exports.pop(name))
+            inst.charges.close()
             self.lock.notify_all()
+
+    def _remove(self, export: Export) -> None:
+        self.pages.release(export.pages)
+        export.charges.refund("exports")

@@ -70,7 +70,8 @@ def record(**fields: Any) -> Record:
 class HostState:
     """One instance's wasm resources and its link to the control layer."""
 
-    def __init__(self, session: InstanceSession, send: Callable[[str], None], cpu_ticks: int):
+    def __init__(self, session: InstanceSession, send: Callable[[str], threading.Event | None],
+                 cpu_ticks: int):
         self.session = session
         self.send_message = send
         self.cpu_ticks = cpu_ticks
@@ -96,6 +97,18 @@ class HostState:
     def drop(self, store: Any, rep: int) -> None:
         self.objects.pop(rep, None)
         self.watched.pop(rep, None)
+
+    def wait_for(self, event: threading.Event) -> None:
+        """Block until `event` is set, or unwind if the instance is terminated meanwhile."""
+        while not event.wait(0.05):
+            if self.cancelled.is_set():
+                raise Terminated("instance terminated")
+
+    def pace(self, rate: str) -> None:
+        """Wait out the instance's (and its user's) rate quota before a message or HTTP call."""
+        delay = self.session.wait_s(rate)
+        if delay > 0 and self.cancelled.wait(delay):
+            raise Terminated("instance terminated")
 
     def watch(self, store: Any, pollable: Any, key: int) -> None:
         rep = pollable.to_host(store).rep
@@ -242,10 +255,14 @@ def build_linker(engine: Engine, controller: Controller, lookup: Callable[[Any],
 
             def send(st: HostState, store: Any, message: str) -> None:
                 check_size(message)
-                st.send_message(message)
+                st.pace("messages_per_s")
+                room = st.send_message(message)
+                if room is not None:  # nobody is attached and too many messages are held
+                    st.wait_for(room)
 
             def broadcast(st: HostState, store: Any, topic: str, message: str) -> None:
                 check_size(message)
+                st.pace("messages_per_s")
                 st.session.broadcast(topic, message)
 
             messaging.add_func("send", call(send, False))
@@ -267,10 +284,14 @@ def build_linker(engine: Engine, controller: Controller, lookup: Callable[[Any],
         with root.add_instance(PACKAGE.format("http")) as http:
             counted(http)
             http.add_resource("future-response", ResourceType.host(Kind.FUTURE_RESPONSE), drop)
-            http.add_func("http-get", call(lambda st, store, url, headers: st.own(
-                Kind.FUTURE_RESPONSE, st.session.http("GET", url, list(headers)))))
-            http.add_func("http-post", call(lambda st, store, url, headers, body: st.own(
-                Kind.FUTURE_RESPONSE, st.session.http("POST", url, list(headers), body))))
+
+            def request(st: HostState, method: str, url: str, headers: Any, body: str | None = None) -> Any:
+                st.pace("http_requests_per_s")
+                return st.own(Kind.FUTURE_RESPONSE, st.session.http(method, url, list(headers), body))
+
+            http.add_func("http-get", call(lambda st, store, url, headers: request(st, "GET", url, headers)))
+            http.add_func("http-post", call(
+                lambda st, store, url, headers, body: request(st, "POST", url, headers, body)))
             http.add_func("[method]future-response.subscribe",
                           call(subscribe_to(Kind.FUTURE_RESPONSE), False))
             http.add_func("[method]future-response.get", call(future_getter(

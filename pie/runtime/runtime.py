@@ -27,6 +27,8 @@ from wasmtime import Config, Engine, Store, Trap, WasmtimeError
 from pie import protocol as P
 from pie.config import PieConfig
 from pie.control.controller import Controller, InstanceSession
+from pie.control.errors import HostError
+from pie.control.quotas import ANONYMOUS
 from pie.runtime.host import HostState, LimitExceeded, Terminated, build_linker
 from pie.runtime import wasmtime_compat
 from pie.runtime.programs import InvalidProgram, ProgramStore
@@ -35,8 +37,9 @@ log = logging.getLogger("pie.runtime")
 
 EPOCH_TICK_S = 0.01
 # (instance_id, "message" | "terminated", text or end reason, usage at the end: host calls,
-# forward calls/tokens, peak pages; see InstanceSession.usage)
-EventSink = Callable[[str, str, str, "dict[str, int] | None"], None]
+# forward calls/tokens, peak pages; see InstanceSession.usage). For a message the sink may
+# return an Event the instance must wait for before it sends again (backpressure).
+EventSink = Callable[[str, str, str, "dict[str, int] | None"], "threading.Event | None"]
 
 __all__ = ["Runtime", "InstanceInfo", "UnknownProgram", "UnknownInstance", "LaunchRefused",
            "InvalidProgram", "start_runtime"]
@@ -61,6 +64,7 @@ class InstanceInfo:
     name: str | None
     arguments: list[str]
     started_at: float
+    user: str
     state: str = "running"
 
 
@@ -110,7 +114,9 @@ class Runtime:
 
     # --- the server's interface -------------------------------------------------------------
 
-    def launch(self, program: str, arguments: list[str], on_event: EventSink) -> InstanceInfo:
+    def launch(self, program: str, arguments: list[str], on_event: EventSink,
+               user: str = ANONYMOUS) -> InstanceInfo:
+        """Start an instance charged to `user` (quota.user.*)."""
         try:
             digest = self.programs.resolve(program)
         except KeyError:
@@ -119,24 +125,27 @@ class Runtime:
         component = self.programs.load(digest)
         instance_id = uuid.uuid4().hex
         name = next((n for n, h in self.programs.builtins.items() if h == digest), None)
-        info = InstanceInfo(instance_id, digest, name, list(arguments), time.time())
-        session = self.controller.session(instance_id, list(arguments))
-        host = HostState(session, lambda message: on_event(instance_id, "message", message, None),
-                         self.cpu_ticks)
-        instance = Instance(info, session, host, on_event)
+        info = InstanceInfo(instance_id, digest, name, list(arguments), time.time(), user)
         with self.lock:
             if not self.running:
                 raise LaunchRefused("the server is shutting down")
             if len(self.instances) >= self.config.runtime.max_instances:
                 raise LaunchRefused(f"{len(self.instances)} instances are live, the limit is "
                                     f"runtime.max_instances = {self.config.runtime.max_instances}")
-            self.instances[instance_id] = instance
+            try:
+                session = self.controller.session(instance_id, list(arguments), user)
+            except HostError as e:  # over quota.user.instances
+                raise LaunchRefused(e.message) from None
+            host = HostState(session, lambda message: on_event(instance_id, "message", message, None),
+                             self.cpu_ticks)
+            instance = self.instances[instance_id] = Instance(info, session, host, on_event)
         instance.thread = threading.Thread(target=self._run, args=(instance, component),
                                            name=f"inferlet-{instance_id[:8]}", daemon=True)
         instance.thread.start()
         return info
 
     def send(self, instance_id: str, message: str) -> None:
+        """Raises OverflowError when the instance has too many unread messages."""
         self._get(instance_id).session.inbox.put(message)
 
     def terminate(self, instance_id: str, reason: str = "terminated by client") -> None:

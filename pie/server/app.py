@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 
 from pie.config import ServerConfig
 from pie.server import rpc
+from pie.server.attachments import Attachments
 from pie.server.openai import add_openai_routes
 from pie.server.session import Session, token_matches
 
@@ -33,6 +34,7 @@ class ServerState:
 
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="Pie", docs_url=None, redoc_url=None, openapi_url=None)
+    attachments = Attachments(state.config.max_pending_messages)
     add_openai_routes(app, state)
 
     @app.get("/health")
@@ -59,7 +61,7 @@ def create_app(state: ServerState) -> FastAPI:
         if state.runtime is None:
             await websocket.close(rpc.CLOSE_NOT_READY, "the backend is still starting; poll GET /health")
             return
-        session = Session(state.config, state.runtime, asyncio.get_running_loop())
+        session = Session(state.config, state.runtime, attachments)
         writer = asyncio.create_task(_drain(session.outbox, websocket))
         try:
             while True:

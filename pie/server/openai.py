@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pie.server.session import token_matches
+from pie.control.quotas import ANONYMOUS
+from pie.server.session import token_matches, user_of
 
 if TYPE_CHECKING:
     from pie.server.app import ServerState
@@ -83,7 +84,7 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
 async def _serve(state: ServerState, request: Request, chat: bool):
     try:
-        _check(state, request)
+        user = _check(state, request)
         try:
             body = await request.json()
         except ValueError:
@@ -91,7 +92,7 @@ async def _serve(state: ServerState, request: Request, chat: bool):
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
         completion = parse(body, chat, state.model or "")
-        events = _launch(state, completion)
+        events = _launch(state, completion, user)
         first = await anext(events)  # {"prompt_tokens": n}, or the launch's failure
     except ApiError as e:
         return e.response()
@@ -109,7 +110,8 @@ async def _serve(state: ServerState, request: Request, chat: bool):
     return JSONResponse(_whole(completion, meta, first["prompt_tokens"], choices))
 
 
-def _check(state: ServerState, request: Request) -> None:
+def _check(state: ServerState, request: Request) -> str:
+    """The caller's user (see session.user_of), if it may be served now."""
     tokens = state.config.auth_tokens
     given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
     if tokens and not token_matches(tokens, given):
@@ -119,6 +121,7 @@ def _check(state: ServerState, request: Request) -> None:
         raise ApiError(503, f"the server cannot serve: {state.failure}", kind="server_error")
     if state.runtime is None:
         raise ApiError(503, "the backend is still starting; retry shortly", kind="server_error")
+    return user_of(given) if tokens else ANONYMOUS
 
 
 # --- request validation --------------------------------------------------------------------
@@ -221,7 +224,7 @@ def _top_logprobs(body: dict[str, Any]) -> int | None:
 # --- running the inferlet ------------------------------------------------------------------
 
 
-async def _launch(state: ServerState, completion: Completion) -> AsyncIterator[dict[str, Any]]:
+async def _launch(state: ServerState, completion: Completion, user: str) -> AsyncIterator[dict[str, Any]]:
     """The inferlet's JSON lines; raises ApiError if it cannot start or fails."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
@@ -231,7 +234,7 @@ async def _launch(state: ServerState, completion: Completion) -> AsyncIterator[d
 
     runtime = state.runtime
     try:
-        info = await asyncio.to_thread(runtime.launch, INFERLET, completion.arguments, on_event)
+        info = await asyncio.to_thread(runtime.launch, INFERLET, completion.arguments, on_event, user)
     except LookupError:  # the runtime's UnknownProgram
         raise ApiError(503, f"the built-in inferlet {INFERLET} is unavailable (see the server log)",
                        kind="server_error") from None

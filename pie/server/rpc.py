@@ -45,8 +45,10 @@ class ErrorCode(StrEnum):
     INVALID_PROGRAM = "invalid_program"  # the bytes are not a valid component
     UNKNOWN_PROGRAM = "unknown_program"
     LAUNCH_REFUSED = "launch_refused"  # e.g. runtime.max_instances reached
-    UNKNOWN_INSTANCE = "unknown_instance"  # not live, or not launched on this connection
+    UNKNOWN_INSTANCE = "unknown_instance"  # not live, or not attached to this connection
+    NOT_ATTACHABLE = "not_attachable"  # not launched detached, or attached to another connection
     MESSAGE_TOO_LARGE = "message_too_large"  # over server.max_message_bytes
+    INBOX_FULL = "inbox_full"  # the instance has server.max_pending_messages unread messages
     INTERNAL = "internal"
 
 
@@ -122,16 +124,28 @@ class ProgramExists(Request):
 
 @dataclass
 class Launch(Request):
-    """Start an instance of a program (hash or built-in name). Value: the instance id."""
+    """Start an instance of a program (hash or built-in name). Value: the instance id.
+    A `detached` instance is not terminated when this connection closes (see `Attach`)."""
 
     type: ClassVar[str] = "launch"
     program: str
     arguments: list[str] = field(default_factory=list)
+    detached: bool = False
+
+
+@dataclass
+class Attach(Request):
+    """Receive the events of a detached instance of the same user that no other connection
+    is attached to: first those held since it was last attached (possibly its end), then
+    live ones; `send` and `terminate` then work on it here. Value: None."""
+
+    type: ClassVar[str] = "attach"
+    instance_id: str
 
 
 @dataclass
 class Send(Request):
-    """Deliver a message to an instance launched on this connection. Value: None."""
+    """Deliver a message to an instance attached to this connection. Value: None."""
 
     type: ClassVar[str] = "send"
     instance_id: str
@@ -140,7 +154,7 @@ class Send(Request):
 
 @dataclass
 class Terminate(Request):
-    """Stop an instance launched on this connection. Value: None."""
+    """Stop an instance attached to this connection. Value: None."""
 
     type: ClassVar[str] = "terminate"
     instance_id: str
@@ -148,7 +162,8 @@ class Terminate(Request):
 
 @dataclass
 class ListInstances(Request):
-    """Value: every live instance on the server, as `InstanceSummary` maps."""
+    """Value: the caller's user's instances — live ones, and detached ones whose end nobody
+    has collected — as `InstanceSummary` maps."""
 
     type: ClassVar[str] = "list_instances"
 
@@ -201,15 +216,17 @@ class InstanceSummary:
     name: str | None  # built-in name, if launched by one
     arguments: list[str]
     started_at: float  # Unix time
-    state: str
+    state: str  # "running" | "terminated"
+    detached: bool
+    attached: bool  # to some connection
 
 
 Event = InstanceMessage | InstanceTerminated
 
 REQUESTS: Mapping[str, type[Request]] = types.MappingProxyType({
     cls.type: cls
-    for cls in (Authenticate, UploadBegin, UploadChunk, UploadEnd, ProgramExists, Launch, Send,
-                Terminate, ListInstances)
+    for cls in (Authenticate, UploadBegin, UploadChunk, UploadEnd, ProgramExists, Launch, Attach,
+                Send, Terminate, ListInstances)
 })
 SERVER_MESSAGES: Mapping[str, type[Message]] = types.MappingProxyType({
     cls.type: cls for cls in (Ok, Error, InstanceMessage, InstanceTerminated)

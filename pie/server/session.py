@@ -1,4 +1,5 @@
-"""One client connection: its authentication, its uploads in progress, the instances it launched.
+"""One client connection: its user (authentication), its uploads in progress, the instances
+attached to it (those it launched, and detached ones it attached to).
 
 The session turns decoded requests into runtime calls and queues reply and event frames on
 `outbox`, which the WebSocket endpoint drains. Requests are handled one at a time, so upload
@@ -14,15 +15,17 @@ import hashlib
 import hmac
 import logging
 import re
-from collections.abc import Callable
+import threading
 from typing import TYPE_CHECKING
 
 from pie.config import ServerConfig
+from pie.control.quotas import ANONYMOUS
 from pie.server import rpc
+from pie.server.attachments import Attachment, Attachments
 from pie.server.rpc import ErrorCode, RpcError
 
 if TYPE_CHECKING:
-    from pie.runtime.runtime import EventSink, Runtime
+    from pie.runtime.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
@@ -36,26 +39,6 @@ class _Upload:
     data: bytearray = dataclasses.field(default_factory=bytearray)
 
 
-class _EventGate:
-    """Holds a new instance's events until the reply to its launch is queued, so a client
-    never sees an event of an instance id it has not been told about yet."""
-
-    def __init__(self, deliver: Callable[[rpc.Event], None]):
-        self.deliver = deliver
-        self.held: list[rpc.Event] | None = []
-
-    def push(self, event: rpc.Event) -> None:
-        if self.held is None:
-            self.deliver(event)
-        else:
-            self.held.append(event)
-
-    def open(self) -> None:
-        held, self.held = self.held or [], None
-        for event in held:
-            self.deliver(event)
-
-
 def token_matches(tokens: list[str], given: str) -> bool:
     """Constant-time check against every configured token (no early exit to time)."""
     matched = False
@@ -64,15 +47,24 @@ def token_matches(tokens: list[str], given: str) -> bool:
     return matched
 
 
+def user_of(token: str | None) -> str:
+    """The user a token stands for, as quotas, listings and logs name it: a fingerprint,
+    never the token itself."""
+    if not token:
+        return ANONYMOUS
+    return "token-" + hashlib.sha256(token.encode()).hexdigest()[:8]
+
+
 class Session:
-    def __init__(self, config: ServerConfig, runtime: Runtime, loop: asyncio.AbstractEventLoop):
+    def __init__(self, config: ServerConfig, runtime: Runtime, attachments: Attachments):
         self.config = config
         self.runtime = runtime
-        self.loop = loop
+        self.attachments = attachments
         self.outbox: asyncio.Queue[bytes] = asyncio.Queue()
         self.authenticated = not config.auth_tokens
+        self.user = ANONYMOUS
         self.uploads: dict[str, _Upload] = {}
-        self.instances: set[str] = set()  # launched here and not yet reported terminated
+        self.instances: dict[str, Attachment] = {}  # attached here, end not yet delivered
         self.closed = False
 
     async def handle(self, frame: bytes) -> None:
@@ -97,15 +89,21 @@ class Session:
         self._send(rpc.Error(None, ErrorCode.INVALID_MESSAGE, reason))
 
     async def close(self) -> None:
-        """The connection is gone: terminate every instance it launched."""
+        """The connection is gone: detached instances are left to run (their events are held
+        for the next attach), every other instance attached here is terminated."""
         self.closed = True
         self.uploads.clear()
-        for instance_id in list(self.instances):
+        instances, self.instances = self.instances, {}
+        for instance_id, attachment in instances.items():
+            if attachment.detached:
+                attachment.detach()
+                continue
+            attachment.attach(lambda event: None)  # nobody is left to tell
+            self.attachments.forget(instance_id)
             try:
                 await asyncio.to_thread(self.runtime.terminate, instance_id, DISCONNECT_REASON)
             except LookupError:
                 pass  # it ended on its own meanwhile
-        self.instances.clear()
 
     # --- requests ------------------------------------------------------------------------
 
@@ -113,6 +111,8 @@ class Session:
         if self.config.auth_tokens and not token_matches(self.config.auth_tokens, request.token):
             raise RpcError(ErrorCode.AUTH_FAILED, "invalid token")
         self.authenticated = True
+        if self.config.auth_tokens:  # unchecked tokens name nobody: a client could pick a fresh one per quota
+            self.user = user_of(request.token)
         self._reply(request)
 
     async def _on_upload_begin(self, request: rpc.UploadBegin) -> None:
@@ -157,17 +157,39 @@ class Session:
         self._reply(request, self.runtime.programs.exists(_check_hash(request.sha256)))
 
     async def _on_launch(self, request: rpc.Launch) -> None:
-        gate = _EventGate(self._deliver)
+        attachment = self.attachments.create(self.user, request.detached)
+
+        def on_event(instance_id: str, kind: str, data: str,
+                     usage: dict | None = None) -> threading.Event | None:
+            if kind == "message":
+                return attachment.post(rpc.InstanceMessage(instance_id, data))
+            return attachment.post(rpc.InstanceTerminated(instance_id, data, usage or {}))
+
         try:
             info = await asyncio.to_thread(
-                self.runtime.launch, request.program, request.arguments, self._event_sink(gate))
+                self.runtime.launch, request.program, request.arguments, on_event, self.user)
         except LookupError as e:  # the runtime's UnknownProgram
             raise RpcError(ErrorCode.UNKNOWN_PROGRAM, str(e)) from None
         except RuntimeError as e:  # the runtime's LaunchRefused
             raise RpcError(ErrorCode.LAUNCH_REFUSED, str(e)) from None
-        self.instances.add(info.id)
+        self.attachments.register(attachment, info)
         self._reply(request, info.id)
-        gate.open()
+        self._attach(attachment)
+
+    async def _on_attach(self, request: rpc.Attach) -> None:
+        try:
+            attachment = self.attachments.find(request.instance_id, self.user)
+        except LookupError as e:
+            raise RpcError(ErrorCode.UNKNOWN_INSTANCE, str(e)) from None
+        if request.instance_id in self.instances:
+            raise RpcError(ErrorCode.NOT_ATTACHABLE, "the instance is already attached to this connection")
+        if not attachment.detached:
+            raise RpcError(ErrorCode.NOT_ATTACHABLE,
+                           "the instance was not launched detached; it belongs to its connection")
+        if attachment.deliver is not None:
+            raise RpcError(ErrorCode.NOT_ATTACHABLE, "the instance is attached to another connection")
+        self._reply(request)
+        self._attach(attachment)
 
     async def _on_send(self, request: rpc.Send) -> None:
         self._owned(request.instance_id)
@@ -179,6 +201,8 @@ class Session:
             self.runtime.send(request.instance_id, request.message)
         except LookupError as e:  # the runtime's UnknownInstance: it has just ended
             raise RpcError(ErrorCode.UNKNOWN_INSTANCE, str(e)) from None
+        except OverflowError as e:  # it does not read its messages
+            raise RpcError(ErrorCode.INBOX_FULL, str(e)) from None
         self._reply(request)
 
     async def _on_terminate(self, request: rpc.Terminate) -> None:
@@ -190,11 +214,14 @@ class Session:
         self._reply(request)
 
     async def _on_list_instances(self, request: rpc.ListInstances) -> None:
-        instances = [
-            dataclasses.asdict(rpc.InstanceSummary(i.id, i.program, i.name, list(i.arguments),
-                                                   i.started_at, i.state))
-            for i in self.runtime.list_instances()
-        ]
+        instances = []
+        for attachment in self.attachments.of_user(self.user):
+            i = attachment.info
+            assert i is not None
+            state = "terminated" if attachment.ended else i.state
+            instances.append(dataclasses.asdict(rpc.InstanceSummary(
+                i.id, i.program, i.name, list(i.arguments), i.started_at, state,
+                attachment.detached, attachment.deliver is not None)))
         self._reply(request, instances)
 
     # --- helpers -------------------------------------------------------------------------
@@ -208,32 +235,16 @@ class Session:
     def _owned(self, instance_id: str) -> None:
         if instance_id not in self.instances:
             raise RpcError(ErrorCode.UNKNOWN_INSTANCE,
-                           f"no live instance {instance_id!r} launched on this connection")
+                           f"no live instance {instance_id!r} attached to this connection")
 
-    def _event_sink(self, gate: _EventGate) -> EventSink:
-        """The runtime's callback for one instance; it runs on instance threads, so it only
-        hands the event over to the event loop."""
-        loop = self.loop
-
-        def on_event(instance_id: str, kind: str, data: str, usage: dict | None = None) -> None:
-            if kind == "message":
-                event: rpc.Event = rpc.InstanceMessage(instance_id, data)
-            elif kind == "terminated":
-                event = rpc.InstanceTerminated(instance_id, data, usage or {})
-            else:
-                raise ValueError(f"unknown instance event kind {kind!r}")
-            try:
-                loop.call_soon_threadsafe(gate.push, event)
-            except RuntimeError:
-                pass  # the event loop is closed: the server has stopped, nobody to tell
-
-        return on_event
+    def _attach(self, attachment: Attachment) -> None:
+        self.instances[attachment.instance_id] = attachment
+        attachment.attach(self._deliver)
 
     def _deliver(self, event: rpc.Event) -> None:
-        if self.closed:
-            return
         if isinstance(event, rpc.InstanceTerminated):
-            self.instances.discard(event.instance_id)
+            self.instances.pop(event.instance_id, None)
+            self.attachments.forget(event.instance_id)
         self._send(event)
 
     def _reply(self, request: rpc.Request, value: object = None) -> None:
