@@ -1,5 +1,5 @@
 """The `pie` command line: `pie model`, `pie backend`, `pie generate`, `pie serve`, `pie run`,
-`pie build`, `pie new`."""
+`pie attach`, `pie ps`, `pie build`, `pie new`."""
 
 from __future__ import annotations
 
@@ -153,7 +153,9 @@ async def _run(args: argparse.Namespace, data: bytes | None) -> int:
     from pie.server.local import LocalServer
 
     if args.server:
-        return await _run_on(args.server, args.token, args.program, data, args.arguments)
+        return await _run_on(args.server, args.token, args.program, data, args.arguments, args.detach)
+    if args.detach:
+        raise ValueError("--detach needs --server: a private server ends with `pie run`")
     config = _config(args)
     token = args.token or next(iter(config.server.auth_tokens), None)
     serve_args: list[str] = []
@@ -165,21 +167,70 @@ async def _run(args: argparse.Namespace, data: bytes | None) -> int:
 
 
 async def _run_on(url: str, token: str | None, program: str, data: bytes | None,
-                  arguments: list[str]) -> int:
+                  arguments: list[str], detach: bool = False) -> int:
     from pie.client import PieClient
 
     async with PieClient(url, token) as client:
         target = await client.upload(data) if data is not None else program
-        instance = await client.launch(target, arguments)
+        instance = await client.launch(target, arguments, detached=detach)
+        if detach:
+            print(instance.id)
+            console.print(f"[dim]{program}: detached; follow it with `pie attach {instance.id} "
+                          f"--server {url}`[/]", highlight=False)
+            return 0
         console.print(f"[dim]{program}: instance {instance.id}[/]")
-        async for text in instance:
-            sys.stdout.write(text + "\n")
-            sys.stdout.flush()
-        reason = await instance.wait()
+        return await _follow(program, instance)
+
+
+async def _follow(label: str, instance) -> int:
+    """Print an instance's messages until it ends; 0 iff it finished."""
+    async for text in instance:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+    reason = await instance.wait()
     if reason == "finished":
         return 0
-    console.print(f"[red]{program} did not finish:[/] {reason}", highlight=False)
+    console.print(f"[red]{label} did not finish:[/] {reason}", highlight=False)
     return 1
+
+
+def cmd_attach(args: argparse.Namespace) -> int:
+    """Follow a detached instance: what it sent since it was last followed, then live output."""
+    from pie.client import PieClient, PieConnectionError, RpcError
+
+    async def attach() -> int:
+        async with PieClient(args.server, args.token) as client:
+            return await _follow(args.instance, await client.attach(args.instance))
+
+    try:
+        return asyncio.run(attach())
+    except (RpcError, PieConnectionError, ValueError) as e:
+        console.print(f"[red]error:[/] {e}")
+        return 1
+
+
+def cmd_ps(args: argparse.Namespace) -> int:
+    """List the caller's instances on a server (live, and detached ones not yet collected)."""
+    from rich.table import Table
+
+    from pie.client import PieClient, PieConnectionError, RpcError
+
+    async def listing() -> list:
+        async with PieClient(args.server, args.token) as client:
+            return await client.list_instances()
+
+    try:
+        instances = asyncio.run(listing())
+    except (RpcError, PieConnectionError, ValueError) as e:
+        console.print(f"[red]error:[/] {e}")
+        return 1
+    table = Table("INSTANCE", "PROGRAM", "STATE", "DETACHED", "ATTACHED", "STARTED", box=None)
+    for i in sorted(instances, key=lambda i: i.started_at):
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i.started_at))
+        table.add_row(i.id, i.name or i.program[:12], i.state, "yes" if i.detached else "no",
+                      "yes" if i.attached else "no", started)
+    Console().print(table)  # stdout, like `docker ps`
+    return 0
 
 
 def cmd_build(args: argparse.Namespace) -> int:
@@ -285,7 +336,20 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("arguments", metavar="ARGS", nargs="*", help="the inferlet's arguments (after --)")
     run.add_argument("--server", metavar="URL", help="a running server, e.g. http://127.0.0.1:8080")
     run.add_argument("--token", help="authentication token (default: the first of server.auth_tokens)")
+    run.add_argument("--detach", action="store_true",
+                     help="with --server: print the instance id and exit; the instance keeps running")
     run.set_defaults(func=cmd_run)
+
+    attach = sub.add_parser("attach", help="follow a detached instance's output")
+    attach.add_argument("instance", metavar="INSTANCE_ID")
+    attach.add_argument("--server", metavar="URL", required=True)
+    attach.add_argument("--token", help="authentication token (the instance's user)")
+    attach.set_defaults(func=cmd_attach)
+
+    ps = sub.add_parser("ps", help="list your instances on a server")
+    ps.add_argument("--server", metavar="URL", required=True)
+    ps.add_argument("--token", help="authentication token")
+    ps.set_defaults(func=cmd_ps)
 
     new = sub.add_parser("new", help="create a new Rust inferlet crate")
     new.add_argument("directory", metavar="DIR", help="where to create it (must not exist or be empty)")

@@ -135,6 +135,9 @@ class ServerConfig:
     max_message_bytes: int = 2**20
     # Client messages an instance has not read yet; a send beyond is refused (inbox_full).
     max_pending_messages: int = 1024
+    # On SIGTERM/SIGINT: refuse new work, let running instances finish for up to this long,
+    # then terminate the rest ("server shutting down"). A second signal skips the wait.
+    drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -145,6 +148,8 @@ class ServerConfig:
                 "authentication is required: set server.auth_tokens (clients then send "
                 "`Authorization: Bearer <token>`), or server.allow_unauthenticated = true "
                 "to accept anyone")
+        if self.drain_timeout_s < 0:
+            raise ConfigError(f"server.drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if min(self.max_upload_bytes, self.max_message_bytes, self.max_pending_messages) < 1:
             raise ConfigError("server.max_upload_bytes, max_message_bytes and max_pending_messages "
                               "must be positive")

@@ -26,7 +26,10 @@ class Server:
     """`pie serve` on a free loopback port with a test config (fp32, so greedy output can be
     held to HF transformers')."""
 
-    def __init__(self, tmp: Path, extra_toml: str = ""):
+    def __init__(self, tmp: Path, extra_toml: str = "", server_toml: str = "",
+                 more_tokens: tuple[str, ...] = ()):
+        """`extra_toml`: tables after [server]; `server_toml`: keys inside it; `more_tokens`:
+        auth tokens beside TOKEN (other users)."""
         if "[control]\n" in extra_toml:
             extra_toml = extra_toml.replace("[control]\n", "[control]\n" + CONTROL)
         else:
@@ -35,7 +38,9 @@ class Server:
         config.write_text(
             '[backend]\ndtype = "float32"\nnum_kv_pages = 1024\n'
             "[runtime]\ncpu_slice_ms = 1000\nmemory_limit_mb = 64\n"
-            f'[server]\nmax_upload_bytes = 67108864\nauth_tokens = ["{TOKEN}"]\n' + extra_toml)
+            f"[server]\nmax_upload_bytes = 67108864\nauth_tokens = {json.dumps([TOKEN, *more_tokens])}\n"
+            + server_toml
+            + extra_toml)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "pie.cli", "serve", "--host", "127.0.0.1", "--port", "0",
              "--config", str(config)], stdout=subprocess.PIPE, text=True)

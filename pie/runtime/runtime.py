@@ -99,6 +99,7 @@ class Runtime:
         self.host_calls: dict[str, Counter[str]] = {}  # program name or hash -> calls by function
         self.lock = threading.Lock()
         self.running = True
+        self.accepting = True  # False once the server drains: launches are refused
         self.cpu_ticks = max(1, int(config.runtime.cpu_slice_ms / 1e3 / EPOCH_TICK_S))
         self.ticker = threading.Thread(target=self._tick, name="pie-epoch", daemon=True)
         self.ticker.start()
@@ -127,7 +128,7 @@ class Runtime:
         name = next((n for n, h in self.programs.builtins.items() if h == digest), None)
         info = InstanceInfo(instance_id, digest, name, list(arguments), time.time(), user)
         with self.lock:
-            if not self.running:
+            if not self.accepting:
                 raise LaunchRefused("the server is shutting down")
             if len(self.instances) >= self.config.runtime.max_instances:
                 raise LaunchRefused(f"{len(self.instances)} instances are live, the limit is "
@@ -167,6 +168,15 @@ class Runtime:
                 instance.thread.join(timeout_s)
         return len(instances)
 
+    def stop_launches(self) -> None:
+        """Refuse new launches from now on; running instances go on (the server drains)."""
+        with self.lock:
+            self.accepting = False
+
+    def live_count(self) -> int:
+        with self.lock:
+            return len(self.instances)
+
     def list_instances(self) -> list[InstanceInfo]:
         with self.lock:
             return [i.info for i in self.instances.values()]
@@ -180,7 +190,7 @@ class Runtime:
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         with self.lock:
-            self.running = False
+            self.running = self.accepting = False
             instances = list(self.instances.values())
         for instance in instances:
             self.terminate(instance.info.id, "server shutting down")

@@ -30,6 +30,7 @@ class ServerState:
     runtime: Runtime | None = None  # set once the backend handshake is done
     model: str | None = None
     failure: str | None = None  # set if the backend dies: /health reports it
+    draining: bool = False  # shutting down: running instances finish, no new launches
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -43,6 +44,8 @@ def create_app(state: ServerState) -> FastAPI:
             return JSONResponse({"status": "failed", "reason": state.failure}, status_code=503)
         if state.runtime is None:
             return JSONResponse({"status": "starting"}, status_code=503)
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok", "model": state.model})
 
     @app.get("/stats")

@@ -2,9 +2,11 @@
 
 Order matters for `/health`: the server binds first (answering 503), then the backend is
 spawned and handshaken (the built-in inferlets are built meanwhile), then the runtime is
-built and `/health` turns 200. SIGINT/SIGTERM stop uvicorn (its shutdown closes every
-connection, which terminates their instances); then the runtime and the backend are shut
-down, however serving ended.
+built and `/health` turns 200. The first SIGINT/SIGTERM drains: launches are refused and
+`/health` says "draining" while running instances finish (up to server.drain_timeout_s,
+or until a second signal); the rest are terminated and their clients told. Then uvicorn
+closes every connection, and the runtime and the backend are shut down, however serving
+ended.
 """
 
 from __future__ import annotations
@@ -53,9 +55,11 @@ async def _serve(config: PieConfig, model_dir: Path, config_path: str | None,
         ws_max_size=ws_max_size(config.server), timeout_graceful_shutdown=10,
     ))
     loop = asyncio.get_running_loop()
+    stop = _StopRequests(server)
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, _request_exit, server)
+        loop.add_signal_handler(sig, stop.request)
     serving = asyncio.create_task(server.serve())
+    stopping = asyncio.ensure_future(stop.first.wait())
     backend: BackendProcess | None = None
     runtime = None
     try:
@@ -68,7 +72,7 @@ async def _serve(config: PieConfig, model_dir: Path, config_path: str | None,
         with console.status(f"starting the backend ({model_dir.name}, {config.backend.dtype})") as status:
             handshake = asyncio.ensure_future(asyncio.to_thread(backend.connect))
             builtins = asyncio.ensure_future(asyncio.to_thread(_build_builtins, config, console))
-            await asyncio.wait({handshake, serving}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({handshake, serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
             if not handshake.done():  # asked to stop while the backend was loading
                 backend.stop()
                 await asyncio.gather(handshake, builtins, return_exceptions=True)
@@ -81,13 +85,16 @@ async def _serve(config: PieConfig, model_dir: Path, config_path: str | None,
         state.model, state.runtime = hello.model_name, runtime
         print(READY_LINE.format(model=hello.model_name, host=host, port=port), flush=True)
         watchdog = asyncio.create_task(_watch_backend(backend, runtime, state, console))
-        await serving
+        await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
         watchdog.cancel()
+        if stopping.done():
+            await _drain(runtime, state, config.server.drain_timeout_s, stop, console)
         return 0
     except BackendError as e:
         console.print(f"[red]error:[/] {e}")
         return 1
     finally:
+        stopping.cancel()
         server.should_exit = True
         await asyncio.gather(serving, return_exceptions=True)
         if runtime is not None:
@@ -148,8 +155,35 @@ def _build_builtins(config: PieConfig, console: Console) -> dict[str, Path]:
     return components
 
 
-def _request_exit(server: uvicorn.Server) -> None:
-    """First signal: graceful shutdown; a second SIGINT/SIGTERM: stop waiting for connections."""
-    if server.should_exit:
-        server.force_exit = True
-    server.should_exit = True
+class _StopRequests:
+    """SIGINT/SIGTERM: the first asks for a drain, the second to stop waiting (for running
+    instances, and for uvicorn's connections)."""
+
+    def __init__(self, server: uvicorn.Server) -> None:
+        self.server = server
+        self.first = asyncio.Event()
+        self.second = asyncio.Event()
+
+    def request(self) -> None:
+        if self.first.is_set():
+            self.second.set()
+            self.server.force_exit = True
+        self.first.set()
+
+
+async def _drain(runtime: Runtime, state: ServerState, timeout_s: float, stop: _StopRequests,
+                 console: Console) -> None:
+    """Refuse new work, let running instances finish (bounded), then terminate the rest and
+    give their connections a moment to send the news before they are closed."""
+    state.draining = True
+    runtime.stop_launches()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    if live := runtime.live_count():
+        console.print(f"draining: {live} instance(s) running; waiting up to {timeout_s:g} s "
+                      "(server.drain_timeout_s) for them to finish — signal again to stop now")
+    while runtime.live_count() and loop.time() < deadline and not stop.second.is_set():
+        await asyncio.sleep(0.05)
+    if ended := await asyncio.to_thread(runtime.terminate_all, "server shutting down"):
+        console.print(f"terminated {ended} instance(s) still running")
+        await asyncio.sleep(0.2)  # their end events reach the connections' writers

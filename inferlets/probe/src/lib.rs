@@ -15,6 +15,10 @@
 //! - `calls N`: times N round trips of each kind of host call and sends them as JSON
 //!   (`{"call": microseconds, ...}`), for benchmarks/overhead.py.
 //! - `bigsend N`: sends a message of N bytes (over the server's cap, the instance ends).
+//! - `hold N`: allocates N KV pages, sends `held N` (or the error), then waits for a message
+//!   before ending (quota tests).
+//! - `queues N`: creates N more queues; sends `queues: ok` or the first error.
+//! - `spam N`: sends `m0` … `m{N-1}` as fast as it may (rate and backpressure tests).
 //! - `fuzz N SEED`: N host calls with random arguments — live, freed and forged ids, wild
 //!   counts, lengths, offsets and positions — each of which must come back as `Ok` or a
 //!   host `Error`, never a trap; frees what it still holds and sends `{"ok": a, "err": b}`.
@@ -108,6 +112,31 @@ async fn main() -> Result<(), String> {
             let n: usize = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(0);
             inferlet::send(&"x".repeat(n));
             inferlet::send("after");
+            Ok(())
+        }
+        Some("hold") => {
+            let n: u32 = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(1);
+            match allocate::alloc_kvpage(queue.raw(), n) {
+                Ok(_) => inferlet::send(&format!("held {n}")),
+                Err(e) => inferlet::send(&format!("{:?}: {}", e.kind, e.message)),
+            }
+            inferlet::receive().await;
+            Ok(())
+        }
+        Some("queues") => {
+            let n: u32 = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(1);
+            let made: Result<Vec<_>, _> = (0..n).map(|_| runtime::create_queue(model.name())).collect();
+            match made {
+                Ok(_) => inferlet::send("queues: ok"),
+                Err(e) => inferlet::send(&format!("queues: {:?}: {}", e.kind, e.message)),
+            }
+            Ok(())
+        }
+        Some("spam") => {
+            let n: u32 = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(1);
+            for i in 0..n {
+                inferlet::send(&format!("m{i}"));
+            }
             Ok(())
         }
         Some("fuzz") => {

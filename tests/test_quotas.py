@@ -1,0 +1,136 @@
+"""Quotas, admission and detached instances through a real `pie serve` (issue 7): what one
+instance and one user (auth token) may hold and how fast it may send, the inbox cap, and
+instances that outlive their connection."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from pie.client import PieClient
+from pie.server.rpc import RpcError
+
+from pie_server import TOKEN, Server, build
+
+pytestmark = pytest.mark.anyio
+OTHER = "second-user"
+QUOTAS = """
+[quota.instance]
+queues = 3
+[quota.user]
+kv_pages = 40
+instances = 4
+messages_per_s = 20.0
+"""
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    server = Server(tmp_path_factory.mktemp("quotas"), QUOTAS, "max_pending_messages = 8\n",
+                    more_tokens=(OTHER,))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def probe() -> bytes:
+    return build("probe")
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def users(server: Server) -> dict:
+    return server.get("/stats")[1]["users"]
+
+
+async def test_user_quotas_span_instances_and_spare_other_users(server, probe):
+    """quota.user.kv_pages sums over one token's instances; another token is unaffected;
+    an instance's end gives its pages back; quota.user.instances refuses a launch."""
+    async with PieClient(server.ws, TOKEN) as mine, PieClient(server.ws, OTHER) as theirs:
+        program = await mine.upload(probe)
+        first = await mine.launch(program, ["hold", "30"])
+        assert (await first.recv()).text == "held 30"
+        second = await mine.launch(program, ["hold", "20"])
+        refused = (await second.recv()).text
+        assert refused.startswith("OutOfResources: user token-") and \
+            "holds 30 kv pages and asks for 20 more: over its quota quota.user.kv_pages = 40" in refused
+        other = await theirs.launch(program, ["hold", "30"])  # a user of its own
+        assert (await other.recv()).text == "held 30"
+        third = await mine.launch(program, ["hold", "1"])
+        assert (await third.recv()).text == "held 1"
+        fourth = await mine.launch(program, ["hold", "1"])
+        with pytest.raises(RpcError, match="launch_refused.*quota.user.instances = 4"):
+            await mine.launch(program, ["hold", "1"])
+        for instance in (first, second, other, third, fourth):
+            await instance.send("done")
+            assert await instance.wait() == "finished"
+        again = await mine.launch(program, ["hold", "39"])  # everything came back
+        assert (await again.recv()).text == "held 39"
+        await again.send("done")
+        assert await again.wait() == "finished"
+    held = users(server)
+    assert all(count == 0 for account in held.values() for count in account.values()), held
+    assert TOKEN not in str(held) and OTHER not in str(held)  # users are named by fingerprints
+
+
+async def test_instance_queue_quota(server, probe):
+    async with PieClient(server.ws, TOKEN) as client:
+        instance = await client.launch(await client.upload(probe), ["queues", "5"])
+        message = (await instance.recv()).text
+        assert "OutOfResources" in message and "quota quota.instance.queues = 3" in message
+        assert await instance.wait() == "finished"
+
+
+async def test_message_rate_paces_the_sender_and_loses_nothing(server, probe):
+    """20 messages/s with one second's burst: 40 messages take at least ~1 s, all arrive."""
+    async with PieClient(server.ws, TOKEN) as client:
+        program = await client.upload(probe)
+        start = time.monotonic()
+        instance = await client.launch(program, ["spam", "40"])
+        messages = [m async for m in instance]
+        elapsed = time.monotonic() - start
+        assert messages == [f"m{i}" for i in range(40)] and await instance.wait() == "finished"
+        assert elapsed >= 0.9  # a lower bound only: the pacing, not the machine's speed
+
+
+async def test_inbox_cap_refuses_messages_an_instance_does_not_read(server, probe):
+    async with PieClient(server.ws, TOKEN) as client:
+        program = await client.upload(probe)
+        waiting = await client.launch(program, ["subscribe", "never"])  # reads no inbox
+        assert (await waiting.recv()).text == "subscribed"
+        for i in range(8):
+            await waiting.send(f"unread {i}")
+        with pytest.raises(RpcError, match="inbox_full.*8 unread messages.*max_pending_messages = 8"):
+            await waiting.send("one too many")
+        await waiting.terminate()
+        assert await waiting.wait() == "terminated by client"
+
+
+async def test_detached_instance_survives_disconnect_and_is_attached_later(server, probe):
+    """Detached: the connection closes, the instance runs on; with 8 messages held its sends
+    wait (nothing is dropped); a later connection of the same user attaches and gets all of
+    them in order, then the end. Another user cannot attach; a plain instance is ended."""
+    async with PieClient(server.ws, TOKEN) as client:
+        program = await client.upload(probe)
+        detached = await client.launch(program, ["spam", "30"], detached=True)
+        plain = await client.launch(program, ["hold", "1"])
+    await asyncio.sleep(2.0)  # enough for 30 messages at 20/s, were they not held back
+    async with PieClient(server.ws, OTHER) as stranger:
+        with pytest.raises(RpcError, match="unknown_instance"):
+            await stranger.attach(detached.id)
+    async with PieClient(server.ws, TOKEN) as client:
+        listed = {i.id: i for i in await client.list_instances()}
+        assert plain.id not in listed  # ended with its connection
+        assert listed[detached.id].state == "running" and not listed[detached.id].attached
+        instance = await client.attach(detached.id)
+        # What reached the first connection before it closed, then the rest: all, in order.
+        early = [m async for m in detached]
+        assert early + [m async for m in instance] == [f"m{i}" for i in range(30)]
+        assert await instance.wait() == "finished"
+        assert await client.list_instances() == []
+

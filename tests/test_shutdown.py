@@ -1,0 +1,65 @@
+"""`pie serve` drains on SIGTERM (issue 7): launches are refused and /health says draining
+while running instances finish; what is still running at server.drain_timeout_s is
+terminated and its client told why; the server exits 0."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import pytest
+
+from pie.client import PieClient
+from pie.server.rpc import RpcError
+
+from pie_server import TOKEN, Server
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def completion(prompt: str, tokens: int) -> list[str]:
+    return ["--prompt", prompt, "--max-tokens", str(tokens)]
+
+
+async def test_sigterm_lets_running_instances_finish(tmp_path):
+    server = Server(tmp_path, server_toml="drain_timeout_s = 120.0\n")
+    try:
+        async with PieClient(server.ws, TOKEN) as client:
+            running = [await client.launch("text_completion", completion(p, 96))
+                       for p in ("Tell a long story about a dragon.", "Describe the sea at length.")]
+            server.process.send_signal(signal.SIGTERM)
+            await _until(lambda: server.get("/health") == (503, {"status": "draining"}))
+            with pytest.raises(RpcError, match="launch_refused.*shutting down"):
+                await client.launch("text_completion", completion("Late.", 4))
+            for instance in running:
+                [text] = [m async for m in instance]
+                assert text and await instance.wait() == "finished"
+        assert server.process.wait(60) == 0
+    finally:
+        server.stop()
+
+
+async def test_drain_timeout_terminates_what_is_still_running(tmp_path):
+    server = Server(tmp_path, server_toml="drain_timeout_s = 0.5\n")
+    try:
+        async with PieClient(server.ws, TOKEN) as client:
+            endless = await client.launch("hello", ["x"])  # echoes messages until "quit"
+            assert await endless.recv()
+            server.process.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(endless.wait(), 60) == "server shutting down"
+        assert server.process.wait(60) == 0
+    finally:
+        server.stop()
+
+
+async def _until(predicate, timeout_s: float = 30.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not await asyncio.to_thread(predicate):
+        assert loop.time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.05)
