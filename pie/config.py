@@ -68,16 +68,24 @@ class ControlConfig:
     http_allowlist: list[str] = field(default_factory=lambda: ["127.0.0.1", "localhost"])
     http_timeout_s: float = 30.0
     # A KV page / embed allocation the pool cannot satisfy now waits this long for other
-    # instances to free some, then fails with out-of-resources (no instance is ever killed).
+    # instances to free some, then fails with out-of-resources.
     alloc_wait_ms: float = 1000.0
+    # What a short pool does first: "wait" (no instance is ever killed), or the paper's FCFS
+    # policy "terminate-newest" (instances launched after the requester are ended, newest
+    # first, until they held enough; then the allocation waits for their teardown).
+    pool_full: str = "wait"
     kvs_max_bytes: int = 64 * 2**20  # keys + values in the shared key-value store
 
     def __post_init__(self) -> None:
         _check_choice("control.scheduler", self.scheduler, ("adaptive", "eager", "k", "t"))
+        _check_choice("control.pool_full", self.pool_full, ("wait", "terminate-newest"))
         if self.batch_k < 1 or self.batch_t_ms <= 0 or self.max_dist_k < 1:
             raise ConfigError("control.batch_k, batch_t_ms and max_dist_k must be positive")
         if self.alloc_wait_ms < 0:
             raise ConfigError(f"control.alloc_wait_ms must be >= 0, got {self.alloc_wait_ms}")
+        if self.pool_full == "terminate-newest" and self.alloc_wait_ms == 0:
+            raise ConfigError("control.pool_full = terminate-newest needs control.alloc_wait_ms > 0 "
+                              "(the time the ended instances' pages take to come back)")
 
 
 @dataclass

@@ -19,28 +19,34 @@ from pie.toolchain import build_inferlet
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "e2e-secret"
 READY = re.compile(r"\(ws://(\S+)/ws\)")
-CONTROL = "alloc_wait_ms = 200.0\n"  # short: the fuzzers exhaust the pool on purpose
+
+
+def base_config() -> dict[str, dict]:
+    """The test server's config tables (fp32, so greedy output can be held to HF's)."""
+    return {
+        "backend": {"dtype": "float32", "num_kv_pages": 1024},
+        "control": {"alloc_wait_ms": 200.0},  # short: the fuzzers exhaust the pool on purpose
+        "runtime": {"cpu_slice_ms": 1000, "memory_limit_mb": 64},
+        "server": {"max_upload_bytes": 67108864, "auth_tokens": [TOKEN]},
+    }
+
+
+def to_toml(tables: dict[str, dict]) -> str:
+    """Tables of scalars and lists as TOML (JSON's literals are TOML's for these)."""
+    return "".join(f"[{name}]\n" + "".join(f"{key} = {json.dumps(value)}\n" for key, value in keys.items())
+                   for name, keys in tables.items())
 
 
 class Server:
-    """`pie serve` on a free loopback port with a test config (fp32, so greedy output can be
-    held to HF transformers')."""
+    """`pie serve` on a free loopback port with the test config, `overrides` merged in
+    per table (e.g. {"quota.user": {"kv_pages": 40}})."""
 
-    def __init__(self, tmp: Path, extra_toml: str = "", server_toml: str = "",
-                 more_tokens: tuple[str, ...] = ()):
-        """`extra_toml`: tables after [server]; `server_toml`: keys inside it; `more_tokens`:
-        auth tokens beside TOKEN (other users)."""
-        if "[control]\n" in extra_toml:
-            extra_toml = extra_toml.replace("[control]\n", "[control]\n" + CONTROL)
-        else:
-            extra_toml = "[control]\n" + CONTROL + extra_toml
+    def __init__(self, tmp: Path, overrides: dict[str, dict] | None = None):
+        tables = base_config()
+        for name, keys in (overrides or {}).items():
+            tables[name] = {**tables.get(name, {}), **keys}
         config = tmp / "pie.toml"
-        config.write_text(
-            '[backend]\ndtype = "float32"\nnum_kv_pages = 1024\n'
-            "[runtime]\ncpu_slice_ms = 1000\nmemory_limit_mb = 64\n"
-            f"[server]\nmax_upload_bytes = 67108864\nauth_tokens = {json.dumps([TOKEN, *more_tokens])}\n"
-            + server_toml
-            + extra_toml)
+        config.write_text(to_toml(tables))
         self.process = subprocess.Popen(
             [sys.executable, "-m", "pie.cli", "serve", "--host", "127.0.0.1", "--port", "0",
              "--config", str(config)], stdout=subprocess.PIPE, text=True)

@@ -84,7 +84,7 @@ def test_sixteen_concurrent_inferlets_are_batched(server, expected):
 
 
 def test_eager_policy_gives_identical_results(tmp_path, server, expected):
-    eager = Server(tmp_path, '[control]\nscheduler = "eager"\n')
+    eager = Server(tmp_path, {"control": {"scheduler": "eager"}})
     try:
         results = asyncio.run(complete(eager.ws, PROMPTS * 2))
     finally:

@@ -16,20 +16,16 @@ from pie_server import TOKEN, Server, build
 
 pytestmark = pytest.mark.anyio
 OTHER = "second-user"
-QUOTAS = """
-[quota.instance]
-queues = 3
-[quota.user]
-kv_pages = 40
-instances = 4
-messages_per_s = 20.0
-"""
+QUOTAS = {
+    "quota.instance": {"queues": 3},
+    "quota.user": {"kv_pages": 40, "instances": 4, "messages_per_s": 20.0},
+    "server": {"max_pending_messages": 8, "auth_tokens": [TOKEN, OTHER]},
+}
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    server = Server(tmp_path_factory.mktemp("quotas"), QUOTAS, "max_pending_messages = 8\n",
-                    more_tokens=(OTHER,))
+    server = Server(tmp_path_factory.mktemp("quotas"), QUOTAS)
     yield server
     server.stop()
 
@@ -134,3 +130,31 @@ async def test_detached_instance_survives_disconnect_and_is_attached_later(serve
         assert await instance.wait() == "finished"
         assert await client.list_instances() == []
 
+
+
+async def test_terminate_newest_policy_frees_pages_for_older_instances(tmp_path, probe):
+    """control.pool_full = terminate-newest (the paper's FCFS, opt-in): an older instance
+    short of pages ends newer ones, which are told why; the newest one short of pages is
+    not helped — it waits (bounded) and gets out-of-resources."""
+    server = Server(tmp_path, {"backend": {"num_kv_pages": 64},
+                               "control": {"pool_full": "terminate-newest", "alloc_wait_ms": 3000.0}})
+    try:
+        async with PieClient(server.ws, TOKEN) as client:
+            program = await client.upload(probe)
+            older = await client.launch(program, ["hold", "10"])
+            assert (await older.recv()).text == "held 10"
+            newer = await client.launch(program, ["hold", "50"])
+            assert (await newer.recv()).text == "held 50"
+            await older.send("20")  # 4 free: the newer instance must go
+            assert (await older.recv()).text == "held 20"
+            assert await newer.wait() == ("error: terminated to free kv pages for an older instance "
+                                          "(control.pool_full = terminate-newest)")
+            newest = await client.launch(program, ["hold", "40"])  # 34 free, nobody newer
+            message = (await newest.recv()).text
+            assert message.startswith("OutOfResources: 40 kv pages requested, 34 free of 64 after waiting")
+            for instance in (older, newest):
+                await instance.send("done")
+                assert await instance.wait() == "finished"
+        assert server.resources()["kv_pages_free"] == 64
+    finally:
+        server.stop()

@@ -27,7 +27,7 @@ def completion(prompt: str, tokens: int) -> list[str]:
 
 
 async def test_sigterm_lets_running_instances_finish(tmp_path):
-    server = Server(tmp_path, server_toml="drain_timeout_s = 120.0\n")
+    server = Server(tmp_path, {"server": {"drain_timeout_s": 120.0}})
     try:
         async with PieClient(server.ws, TOKEN) as client:
             running = [await client.launch("text_completion", completion(p, 96))
@@ -45,7 +45,7 @@ async def test_sigterm_lets_running_instances_finish(tmp_path):
 
 
 async def test_drain_timeout_terminates_what_is_still_running(tmp_path):
-    server = Server(tmp_path, server_toml="drain_timeout_s = 0.5\n")
+    server = Server(tmp_path, {"server": {"drain_timeout_s": 0.5}})
     try:
         async with PieClient(server.ws, TOKEN) as client:
             endless = await client.launch("hello", ["x"])  # echoes messages until "quit"

@@ -74,7 +74,7 @@ class InstanceSession:
         self.instance_id = instance_id
         self.arguments = arguments
         self.charges = charges
-        self.resources = InstanceResources(charges)
+        self.resources = InstanceResources(charges, instance_id)
         self.inbox = Inbox(controller.config.server.max_pending_messages)
         self.page_size = controller.hs.page_size
         self.forward_calls = 0

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pie.control.errors import ErrorKind, HostError
 from pie.control.quotas import Charges
+
+Evict = Callable[[str, int, str], None]
 
 
 class PhysicalPool:
@@ -90,6 +93,7 @@ class Export:
 @dataclass
 class InstanceResources:
     charges: Charges
+    instance_id: str = ""
     pages: VirtualTable = field(default_factory=lambda: VirtualTable("kv page"))
     embeds: VirtualTable = field(default_factory=lambda: VirtualTable("embed"))
 
@@ -100,12 +104,16 @@ class ResourceManager:
     `wait_s` for releases (control.alloc_wait_ms), then fails: it never takes anything from
     another instance."""
 
-    def __init__(self, num_pages: int, num_embeds: int, wait_s: float = 0.0):
+    def __init__(self, num_pages: int, num_embeds: int, wait_s: float = 0.0,
+                 evict: Evict | None = None):
         self.lock = threading.Condition()
         self.pages = PhysicalPool(num_pages, "kv pages")
         self.embeds = PhysicalPool(num_embeds, "embeds")
         self.exports: dict[str, Export] = {}
         self.wait_s = wait_s
+        # control.pool_full = terminate-newest: called with (requester, shortfall, pool) to
+        # end instances newer than the requester; their teardown refills the pool.
+        self.evict = evict
 
     def alloc_pages(self, inst: InstanceResources, count: int) -> list[int]:
         return self._alloc(inst, inst.pages, self.pages, count, "kv_pages")
@@ -118,13 +126,15 @@ class ResourceManager:
         with self.lock:
             inst.charges.charge(what, count)
             try:
-                self._wait_for(pool, count)
+                self._wait_for(pool, count, inst.instance_id)
                 return table.add(pool.alloc(count))
             except HostError:
                 inst.charges.refund(what, count)
                 raise
 
-    def _wait_for(self, pool: PhysicalPool, count: int) -> None:
+    def _wait_for(self, pool: PhysicalPool, count: int, requester: str) -> None:
+        if pool.available < count <= pool.size and self.evict is not None:
+            self.evict(requester, count - pool.available, pool.what)
         if pool.available < count <= pool.size and self.wait_s > 0:
             deadline = time.monotonic() + self.wait_s
             while pool.available < count and (remaining := deadline - time.monotonic()) > 0:

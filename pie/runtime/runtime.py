@@ -12,6 +12,7 @@ queue, owned export and subscription it held.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import sys
 import threading
@@ -74,6 +75,7 @@ class Instance:
     session: InstanceSession
     host: HostState
     on_event: EventSink
+    order: int = 0  # launch order (control.pool_full = terminate-newest ends the newest first)
     thread: threading.Thread | None = None
     end_reason: str | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -97,6 +99,9 @@ class Runtime:
         self.by_store: dict[int, HostState] = {}  # store context address -> its instance
         self.linker = build_linker(self.engine, controller, self._host_state)
         self.host_calls: dict[str, Counter[str]] = {}  # program name or hash -> calls by function
+        self.launches = itertools.count(1)
+        if config.control.pool_full == "terminate-newest":
+            controller.resources.evict = self._evict_newer
         self.lock = threading.Lock()
         self.running = True
         self.accepting = True  # False once the server drains: launches are refused
@@ -139,7 +144,8 @@ class Runtime:
                 raise LaunchRefused(e.message) from None
             host = HostState(session, lambda message: on_event(instance_id, "message", message, None),
                              self.cpu_ticks)
-            instance = self.instances[instance_id] = Instance(info, session, host, on_event)
+            instance = self.instances[instance_id] = Instance(info, session, host, on_event,
+                                                              next(self.launches))
         instance.thread = threading.Thread(target=self._run, args=(instance, component),
                                            name=f"inferlet-{instance_id[:8]}", daemon=True)
         instance.thread.start()
@@ -176,6 +182,24 @@ class Runtime:
     def live_count(self) -> int:
         with self.lock:
             return len(self.instances)
+
+    def _evict_newer(self, requester: str, shortfall: int, pool: str) -> None:
+        """The paper's FCFS policy: end instances launched after `requester`, newest first,
+        until they hold `shortfall` of `pool` ("kv pages" or "embeds"); runs on the
+        requester's thread, which then waits for their teardown to refill the pool."""
+        with self.lock:
+            me = self.instances.get(requester)
+            newer = sorted((i for i in self.instances.values()
+                            if me is not None and i.order > me.order and i.end_reason is None),
+                           key=lambda i: -i.order)
+        held_by = {"kv pages": lambda r: r.pages, "embeds": lambda r: r.embeds}[pool]
+        for victim in newer:
+            if shortfall <= 0:
+                break
+            if held := len(held_by(victim.session.resources).mapping):
+                self.terminate(victim.info.id, f"error: terminated to free {pool} for an older instance "
+                                               f"(control.pool_full = terminate-newest)")
+                shortfall -= held
 
     def list_instances(self) -> list[InstanceInfo]:
         with self.lock:

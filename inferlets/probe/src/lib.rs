@@ -15,8 +15,9 @@
 //! - `calls N`: times N round trips of each kind of host call and sends them as JSON
 //!   (`{"call": microseconds, ...}`), for benchmarks/overhead.py.
 //! - `bigsend N`: sends a message of N bytes (over the server's cap, the instance ends).
-//! - `hold N`: allocates N KV pages, sends `held N` (or the error), then waits for a message
-//!   before ending (quota tests).
+//! - `hold N`: allocates N KV pages and sends `held N` (or the error); then each message
+//!   that is a number M allocates M more the same way, and any other message ends it
+//!   (quota and pool tests).
 //! - `queues N`: creates N more queues; sends `queues: ok` or the first error.
 //! - `spam N`: sends `m0` … `m{N-1}` as fast as it may (rate and backpressure tests).
 //! - `fuzz N SEED`: N host calls with random arguments — live, freed and forged ids, wild
@@ -115,13 +116,17 @@ async fn main() -> Result<(), String> {
             Ok(())
         }
         Some("hold") => {
-            let n: u32 = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(1);
-            match allocate::alloc_kvpage(queue.raw(), n) {
-                Ok(_) => inferlet::send(&format!("held {n}")),
-                Err(e) => inferlet::send(&format!("{:?}: {}", e.kind, e.message)),
+            let mut n: u32 = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(1);
+            loop {
+                match allocate::alloc_kvpage(queue.raw(), n) {
+                    Ok(_) => inferlet::send(&format!("held {n}")),
+                    Err(e) => inferlet::send(&format!("{:?}: {}", e.kind, e.message)),
+                }
+                match inferlet::receive().await.parse() {
+                    Ok(more) => n = more,
+                    Err(_) => return Ok(()),
+                }
             }
-            inferlet::receive().await;
-            Ok(())
         }
         Some("queues") => {
             let n: u32 = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(1);
