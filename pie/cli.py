@@ -211,8 +211,6 @@ def cmd_attach(args: argparse.Namespace) -> int:
 
 def cmd_ps(args: argparse.Namespace) -> int:
     """List the caller's instances on a server (live, and detached ones not yet collected)."""
-    from rich.table import Table
-
     from pie.client import PieClient, PieConnectionError, RpcError
 
     async def listing() -> list:
@@ -224,12 +222,14 @@ def cmd_ps(args: argparse.Namespace) -> int:
     except (RpcError, PieConnectionError, ValueError) as e:
         console.print(f"[red]error:[/] {e}")
         return 1
-    table = Table("INSTANCE", "PROGRAM", "STATE", "DETACHED", "ATTACHED", "STARTED", box=None)
+    rows = [("INSTANCE", "PROGRAM", "STATE", "DETACHED", "ATTACHED", "STARTED")]
     for i in sorted(instances, key=lambda i: i.started_at):
-        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i.started_at))
-        table.add_row(i.id, i.name or i.program[:12], i.state, "yes" if i.detached else "no",
-                      "yes" if i.attached else "no", started)
-    Console().print(table)  # stdout, like `docker ps`
+        rows.append((i.id, i.name or i.program[:12], i.state, "yes" if i.detached else "no",
+                     "yes" if i.attached else "no",
+                     time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i.started_at))))
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+    for row in rows:  # plain columns on stdout, never truncated (ids are meant to be copied)
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
     return 0
 
 

@@ -5,6 +5,8 @@ instances that outlive their connection."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 
 import pytest
@@ -158,3 +160,24 @@ async def test_terminate_newest_policy_frees_pages_for_older_instances(tmp_path,
         assert server.resources()["kv_pages_free"] == 64
     finally:
         server.stop()
+
+
+def test_cli_run_detach_ps_and_attach(server):
+    """`pie run --detach` prints the id and returns; `pie ps` lists it; `pie attach` prints
+    its output (held while nobody followed) and exits 0 once it finished."""
+    base = [sys.executable, "-m", "pie.cli"]
+    where = ["--server", f"http://{server.address}", "--token", TOKEN]
+    launched = subprocess.run(base + ["run", "text_completion", *where, "--detach", "--",
+                                      "--prompt", "Say hi.", "--max-tokens", "8"],
+                              capture_output=True, text=True, timeout=120)
+    assert launched.returncode == 0, launched.stderr
+    instance_id = launched.stdout.strip()
+    listing = subprocess.run(base + ["ps", *where], capture_output=True, text=True, timeout=60)
+    assert listing.returncode == 0 and instance_id in listing.stdout and "text_completion" in listing.stdout
+    attached = subprocess.run(base + ["attach", instance_id, *where], capture_output=True, text=True,
+                              timeout=120)
+    assert attached.returncode == 0, attached.stderr
+    assert attached.stdout.strip()  # the completion
+    again = subprocess.run(base + ["attach", instance_id, *where], capture_output=True, text=True,
+                           timeout=60)
+    assert again.returncode == 1 and "unknown_instance" in again.stderr  # collected already
