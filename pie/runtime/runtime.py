@@ -271,8 +271,8 @@ class Runtime:
                 program = instance.info.name or instance.info.program
                 self.host_calls.setdefault(program, Counter()).update(instance.host.calls)
             instance.info.state = "terminated"
-            log.info("instance %s (%s) ended: %s", instance.info.id[:8],
-                     instance.info.name or instance.info.program[:12], reason)
+            log.info("instance %s (%s, user %s) ended: %s", instance.info.id[:8],
+                     instance.info.name or instance.info.program[:12], instance.info.user, reason)
             usage = {**instance.session.usage(), "host_calls": sum(instance.host.calls.values())}
             instance.on_event(instance.info.id, "terminated", reason, usage)
 
