@@ -65,7 +65,6 @@ class Session:
         self.user = ANONYMOUS
         self.uploads: dict[str, _Upload] = {}
         self.instances: dict[str, Attachment] = {}  # attached here, end not yet delivered
-        self.closed = False
 
     async def handle(self, frame: bytes) -> None:
         """Answer one client frame with exactly one reply (an error if anything is wrong)."""
@@ -91,7 +90,6 @@ class Session:
     async def close(self) -> None:
         """The connection is gone: detached instances are left to run (their events are held
         for the next attach), every other instance attached here is terminated."""
-        self.closed = True
         self.uploads.clear()
         instances, self.instances = self.instances, {}
         for instance_id, attachment in instances.items():
