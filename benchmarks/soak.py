@@ -1,14 +1,17 @@
 """Load and soak: many concurrent inferlets with mixed workloads for a bounded time.
 
-Each of `--instances` slots runs workloads back to back until `--minutes` pass:
+Each of `--instances` slots runs one workload (the warm-up round), then, once every instance
+has ended, workloads back to back until `--minutes` pass:
 - `echo`: `hello`, then 5 messages that must come back in order (a lost or reordered
   message is counted);
 - `complete`: `text_completion`, 8 greedy tokens of one of a few prompts (the answer must
   equal the first answer seen for that prompt);
 - `fork`: `parallel_generation`, 2 seeded continuations of a shared prompt.
-It reports per-workload p50/p99 latency, errors, lost messages and whether every KV page and
-embed is back in the pool at the end. Loopback only (it starts its own `pie serve` unless
-given `--server`). Results: benchmarks/results/soak.json.
+It reports per-workload p50/p99 latency, errors, lost messages, whether every KV page and
+embed is back in the pool at the end, and whether the server leaked threads or file
+descriptors: counted after the warm-up round and again after the soak. Loopback only (it
+starts its own `pie serve` unless given `--server`; the leak check needs that private
+server's pid). Results: benchmarks/results/soak.json.
 
     python benchmarks/soak.py [--instances 256] [--minutes 10]
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import time
@@ -34,6 +38,13 @@ from pie.toolchain import build_inferlet
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PROMPTS = ["What is the capital of France?", "Name a color.", "Say hi.", "What is 2 + 2?"]
+# Threads or fds the server may gain over the soak without leaking: pools grow lazily up to a
+# fixed size, and the warm-up round need not have grown them all the way — asyncio's default
+# executor (launch, upload, terminate; up to min(32, cpus + 4) workers), anyio's workers for
+# sync endpoints such as /stats, the inferlets' HTTP pool (16, unused here). A leak grows with
+# the thousands of workloads of a soak, far past this.
+LEAK_TOLERANCE = 8
+SETTLE_S = 30.0  # bound on the waits for the last instances' teardown and exiting threads
 
 
 class Tally:
@@ -84,18 +95,63 @@ async def fork(client: PieClient, rng: random.Random, tally: Tally, programs: di
 WORKLOADS = {"echo": echo, "complete": complete, "fork": fork}
 
 
-async def soak(url: str, token: str | None, instances: int, seconds: float, seed: int = 0) -> dict:
-    """Run the mix on a server at `url`; the report (see the module docstring)."""
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def threads(pid: int) -> int:
+    return int(next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                    if line.startswith("Threads:")).split()[1])
+
+
+def reclaimed(stats: dict) -> bool:
+    r = stats["resources"]
+    return (stats["instances"] == 0 and r["kv_pages_free"] == r["kv_pages_total"]
+            and r["embeds_free"] == r["embeds_total"])
+
+
+async def drained(http: str, token: str | None) -> dict:
+    """/stats once no instance is left and the pools are full (teardown of the last instances
+    is asynchronous), or after SETTLE_S if that never happens."""
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        request = urllib.request.Request(f"{http}/stats", headers={"Authorization": f"Bearer {token or ''}"})
+        stats = json.loads(urllib.request.urlopen(request, timeout=10).read())
+        if reclaimed(stats) or time.monotonic() >= deadline:
+            return stats
+        await asyncio.sleep(0.1)
+
+
+async def leak_check(pid: int, threads_before: int, fds_before: int) -> dict:
+    """The server's threads and fds against the counts before the soak. Polled for up to
+    SETTLE_S: an ended instance's thread and idle pool workers exit a little after /stats
+    shows no instance; leaked ones stay."""
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        threads_after, fds_after = threads(pid), open_fds(pid)
+        leaked = (threads_after > threads_before + LEAK_TOLERANCE
+                  or fds_after > fds_before + LEAK_TOLERANCE)
+        if not leaked or time.monotonic() >= deadline:
+            return {"threads_before": threads_before, "threads_after": threads_after,
+                    "fds_before": fds_before, "fds_after": fds_after,
+                    "tolerance": LEAK_TOLERANCE, "leaked": leaked}
+        await asyncio.sleep(1)
+
+
+async def soak(url: str, token: str | None, instances: int, seconds: float, seed: int = 0,
+               pid: int | None = None) -> dict:
+    """Run the mix on a server at `url`; the report (see the module docstring). `pid`: the
+    server's process, for the leak check (None: an external server, not measured)."""
     tally = Tally()
-    deadline = time.monotonic() + seconds
+    http = url.replace("ws://", "http://").removesuffix("/ws")
     async with PieClient(url, token) as uploader:
         programs = {"parallel_generation": await uploader.upload(
             build_inferlet(ROOT / "inferlets" / "parallel_generation").read_bytes())}
+    rngs = [random.Random(seed * 100003 + index) for index in range(instances)]
 
-    async def slot(index: int) -> None:
-        rng = random.Random(seed * 100003 + index)
+    async def slot(rng: random.Random, deadline: float) -> None:
         async with PieClient(url, token) as client:
-            while time.monotonic() < deadline:
+            while True:  # at least one workload: the warm-up round is one per slot
                 name = rng.choice(list(WORKLOADS))
                 start = time.perf_counter()
                 try:
@@ -103,19 +159,22 @@ async def soak(url: str, token: str | None, instances: int, seconds: float, seed
                     tally.record(name, time.perf_counter() - start)
                 except Exception as e:  # counted, not fatal: the report says what failed
                     tally.error(name, f"{type(e).__name__}: {e}")
+                if time.monotonic() >= deadline:
+                    return
 
     started = time.monotonic()
-    await asyncio.gather(*(slot(i) for i in range(instances)))
+    # Warm-up at full concurrency, so thread pools have grown and lazily created threads and
+    # sockets exist before counting.
+    await asyncio.gather(*(slot(rng, 0.0) for rng in rngs))
+    await drained(http, token)
+    if pid is not None:
+        threads_before, fds_before = threads(pid), open_fds(pid)
+    deadline = time.monotonic() + seconds
+    await asyncio.gather(*(slot(rng, deadline) for rng in rngs))
     elapsed = time.monotonic() - started
-    http = url.replace("ws://", "http://").removesuffix("/ws")
-    stats = {}
-    for _ in range(100):  # teardown of the last instances is asynchronous
-        request = urllib.request.Request(f"{http}/stats", headers={"Authorization": f"Bearer {token or ''}"})
-        stats = json.loads(urllib.request.urlopen(request, timeout=10).read())
-        if stats["instances"] == 0:
-            break
-        await asyncio.sleep(0.1)
-    r = stats["resources"]
+    stats = await drained(http, token)
+    leaks = ("not measured (external server)" if pid is None
+             else await leak_check(pid, threads_before, fds_before))
 
     def ms(values: list[float], q: float) -> float:
         return 1000 * statistics.quantiles(values, n=100)[int(q) - 1] if len(values) > 1 else 1000 * values[0]
@@ -129,8 +188,8 @@ async def soak(url: str, token: str | None, instances: int, seconds: float, seed
         "error_examples": {k: v[:3] for k, v in tally.errors.items()},
         "lost_messages": tally.lost_messages,
         "wrong_answers": tally.wrong_answers,
-        "pools_reclaimed": stats["instances"] == 0 and r["kv_pages_free"] == r["kv_pages_total"]
-                           and r["embeds_free"] == r["embeds_total"],
+        "pools_reclaimed": reclaimed(stats),
+        "leak_check": leaks,
     }
 
 
@@ -152,8 +211,10 @@ def main() -> None:
             if not is_loopback(host):
                 raise SystemExit(f"soak runs against loopback servers only, not {host!r}")
             return await soak(args.server, args.token, args.instances, seconds)
-        async with LocalServer(["--dtype", args.dtype]) as url:
-            return await soak(url, None, args.instances, seconds)
+        server = LocalServer(["--dtype", args.dtype])
+        async with server as url:
+            assert server.process is not None
+            return await soak(url, None, args.instances, seconds, pid=server.process.pid)
 
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "dtype": None if args.server else args.dtype, **asyncio.run(run())}

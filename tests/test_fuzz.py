@@ -5,13 +5,12 @@ internal error; afterwards the server still serves, and nothing leaked."""
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-from pathlib import Path
 
 import msgpack
 import websockets
 
+from benchmarks.soak import LEAK_TOLERANCE, open_fds, threads
 from pie.client import PieClient
 from pie.server import rpc
 from pie_server import TOKEN
@@ -107,15 +106,6 @@ async def fuzz(url: str) -> dict[str, int]:
     return codes
 
 
-def open_fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def threads(pid: int) -> int:
-    return int(next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                    if line.startswith("Threads:")).split()[1])
-
-
 def test_rpc_fuzzing_gets_one_clean_reply_per_frame_and_leaks_nothing(pie_server):
     pid = pie_server.process.pid
     asyncio.run(_warm_up(pie_server.ws))
@@ -138,7 +128,8 @@ def test_rpc_fuzzing_gets_one_clean_reply_per_frame_and_leaks_nothing(pie_server
     assert stats["instances"] == 0
     assert r["kv_pages_free"] == r["kv_pages_total"] and r["embeds_free"] == r["embeds_total"]
     # a leak would grow with the 3000 frames; a few lazily started workers do not
-    assert open_fds(pid) <= fds + 8 and threads(pid) <= thread_count + 8, (fds, thread_count)
+    assert open_fds(pid) <= fds + LEAK_TOLERANCE, fds
+    assert threads(pid) <= thread_count + LEAK_TOLERANCE, thread_count
 
 
 async def _hello(url: str) -> str:
