@@ -19,7 +19,8 @@
 //!   that is a number M allocates M more the same way, and any other message ends it
 //!   (quota and pool tests).
 //! - `queues N`: creates N more queues; sends `queues: ok` or the first error.
-//! - `spam N`: sends `m0` … `m{N-1}` as fast as it may (rate and backpressure tests).
+//! - `spam N [TOPIC]`: sends `m0` … `m{N-1}` as fast as it may (rate and backpressure
+//!   tests); with TOPIC, first subscribes, sends `waiting` and waits for a broadcast on it.
 //! - `fuzz N SEED`: N host calls with random arguments — live, freed and forged ids, wild
 //!   counts, lengths, offsets and positions — each of which must come back as `Ok` or a
 //!   host `Error`, never a trap; frees what it still holds and sends `{"ok": a, "err": b}`.
@@ -139,6 +140,11 @@ async fn main() -> Result<(), String> {
         }
         Some("spam") => {
             let n: u32 = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(1);
+            if let Some(topic) = args.get(2) {
+                let subscription = messaging::subscribe(topic)?;
+                inferlet::send("waiting");
+                subscription.next().await;
+            }
             for i in 0..n {
                 inferlet::send(&format!("m{i}"));
             }
