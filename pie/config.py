@@ -142,6 +142,7 @@ class ServerConfig:
     max_upload_bytes: int = 64 * 2**20
     max_message_bytes: int = 2**20
     # Client messages an instance has not read yet; a send beyond is refused (inbox_full).
+    # Also: held messages of a detached instance, unread broadcasts of a subscription.
     max_pending_messages: int = 1024
     # On SIGTERM/SIGINT: refuse new work, let running instances finish for up to this long,
     # then terminate the rest ("server shutting down"). A second signal skips the wait.

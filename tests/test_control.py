@@ -10,10 +10,10 @@ import pytest
 import zmq
 
 from pie import protocol as P
-from pie.config import ControlConfig
+from pie.config import ControlConfig, InstanceQuota, QuotaConfig, UserQuota
 from pie.control.errors import ErrorKind, HostError
 from pie.control.future import HostFuture
-from pie.config import InstanceQuota, QuotaConfig, UserQuota
+from pie.control.messaging import MessageBus
 from pie.control.quotas import QuotaBook, RateLimit
 from pie.control.resources import InstanceResources, ResourceManager
 from pie.control.scheduler import MARKER, Command, Scheduler
@@ -327,3 +327,19 @@ def test_key_value_store_is_capped():
     store.delete("a")
     store.set("b", "z" * 19)
     assert store.used == 20
+
+
+def test_a_subscription_keeps_its_newest_messages_up_to_its_backlog():
+    """As the WIT says: undelivered messages are buffered per subscription up to the limit,
+    the oldest dropped beyond it (and counted); other subscribers and the broadcaster are
+    not affected."""
+    bus = MessageBus(backlog=2)
+    idle, reader = bus.subscribe("idle", "news"), bus.subscribe("reader", "news")
+    got = []
+    for i in range(4):
+        assert bus.broadcast("news", f"n{i}") == 2
+        got.append(reader.next().result())
+    assert got == ["n0", "n1", "n2", "n3"] and bus.dropped == 2
+    assert [idle.next().result() for _ in range(2)] == ["n2", "n3"]
+    bus.drop_instance("idle")
+    assert bus.broadcast("news", "n4") == 1

@@ -36,7 +36,7 @@ class Controller:
         self.scheduler = Scheduler(endpoint, config.control, handshake.max_batch_tokens)
         self.tokenizer = TextTokenizer(handshake)
         self.grammars = GrammarCompiler(handshake)
-        self.bus = MessageBus()
+        self.bus = MessageBus(config.server.max_pending_messages)
         self.kvs = KeyValueStore(config.control.kvs_max_bytes)
         self.http = HttpClient(config.control)
 
@@ -54,7 +54,7 @@ class Controller:
                      "embeds_total": self.resources.embeds.size,
                      "exports": len(self.resources.exports)}
         return {"scheduler": self.scheduler.snapshot_stats(), "resources": pools,
-                "users": self.quotas.usage()}
+                "users": self.quotas.usage(), "broadcasts_dropped": self.bus.dropped}
 
     def shutdown(self) -> None:
         self.scheduler.stop()

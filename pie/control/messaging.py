@@ -11,25 +11,32 @@ from pie.control.future import HostFuture
 
 class Inbox:
     """Messages waiting for a reader, or readers waiting for a message (never both). With a
-    `limit`, a message beyond that many unread ones is refused (OverflowError), not queued."""
+    `limit`, a message beyond that many unread ones is refused (OverflowError) — or, with
+    `drop_oldest`, queued in place of the oldest unread one."""
 
-    def __init__(self, limit: int = 0) -> None:
+    def __init__(self, limit: int = 0, drop_oldest: bool = False) -> None:
         self.lock = threading.Lock()
         self.messages: deque[str] = deque()
         self.readers: deque[HostFuture] = deque()
         self.limit = limit
+        self.drop_oldest = drop_oldest
 
-    def put(self, message: str) -> None:
+    def put(self, message: str) -> bool:
+        """Deliver or queue `message`; whether an older unread message was dropped for it."""
         with self.lock:
             while self.readers:
                 reader = self.readers.popleft()
                 if not reader.done():
                     reader.set_result(message)
-                    return
-            if self.limit and len(self.messages) >= self.limit:
+                    return False
+            dropped = bool(self.limit) and len(self.messages) >= self.limit
+            if dropped and not self.drop_oldest:
                 raise OverflowError(f"the instance has {len(self.messages)} unread messages, the "
                                     f"limit is server.max_pending_messages = {self.limit}")
+            if dropped:
+                self.messages.popleft()
             self.messages.append(message)
+            return dropped
 
     def next(self) -> HostFuture:
         with self.lock:
@@ -41,23 +48,31 @@ class Inbox:
 
 
 class MessageBus:
-    """Topics for broadcast/subscribe across instances."""
+    """Topics for broadcast/subscribe across instances. A subscription keeps at most
+    `backlog` unread messages, dropping the oldest beyond (counted in `dropped`), as the WIT
+    promises: a subscriber that does not read neither grows without bound nor holds up the
+    broadcasters."""
 
-    def __init__(self) -> None:
+    def __init__(self, backlog: int) -> None:
         self.lock = threading.Lock()
         self.topics: dict[str, list[tuple[str, Inbox]]] = {}
+        self.backlog = backlog
+        self.dropped = 0  # deliveries skipped because a subscriber was full (/stats)
 
     def subscribe(self, instance_id: str, topic: str) -> Inbox:
-        inbox = Inbox()
+        inbox = Inbox(self.backlog, drop_oldest=True)
         with self.lock:
             self.topics.setdefault(topic, []).append((instance_id, inbox))
         return inbox
 
     def broadcast(self, topic: str, message: str) -> int:
+        """Deliver to every subscriber; how many there were."""
         with self.lock:
             subscribers = [inbox for _, inbox in self.topics.get(topic, [])]
-        for inbox in subscribers:
-            inbox.put(message)
+        dropped = sum(inbox.put(message) for inbox in subscribers)
+        if dropped:
+            with self.lock:
+                self.dropped += dropped
         return len(subscribers)
 
     def drop_instance(self, instance_id: str) -> None:
