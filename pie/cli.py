@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import signal
 import sys
 import time
 from pathlib import Path
@@ -143,6 +144,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     data = program.read_bytes() if program.is_file() else None
     try:
         return asyncio.run(_run(args, data))
+    except asyncio.CancelledError:  # SIGTERM
+        return 128 + signal.SIGTERM
     except (RpcError, PieConnectionError, RuntimeError, ValueError) as e:  # ValueError: bad --server
         console.print(f"[red]error:[/] {e}")
         return 1
@@ -152,6 +155,11 @@ async def _run(args: argparse.Namespace, data: bytes | None) -> int:
     """On `--server`, or on a private `pie serve` child started for this call (local.py)."""
     from pie.server.local import LocalServer
 
+    # SIGTERM unwinds like Ctrl-C: the connection closes and a private server is stopped,
+    # not orphaned.
+    task = asyncio.current_task()
+    assert task is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
     if args.server:
         return await _run_on(args.server, args.token, args.program, data, args.arguments, args.detach)
     if args.detach:

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -63,3 +66,25 @@ async def _until(predicate, timeout_s: float = 30.0) -> None:
     while not await asyncio.to_thread(predicate):
         assert loop.time() < deadline, "condition not reached in time"
         await asyncio.sleep(0.05)
+
+
+def test_sigterm_to_pie_run_stops_its_private_server(tmp_path):
+    """`pie run` without --server owns a `pie serve` child: SIGTERM (like Ctrl-C) closes the
+    connection and stops that server instead of orphaning it."""
+    run = subprocess.Popen(
+        [sys.executable, "-m", "pie.cli", "run", "text_completion", "--dtype", "float32", "--",
+         "--prompt", "Tell a long story.", "--max-tokens", "2000"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in run.stderr:  # the instance line: the server is up and generating
+            if "instance" in line:
+                break
+        servers = subprocess.run(["pgrep", "-P", str(run.pid)], capture_output=True, text=True).stdout.split()
+        assert servers, "no private server child"
+        run.send_signal(signal.SIGTERM)
+        assert run.wait(60) == 128 + signal.SIGTERM
+        for pid in servers:
+            assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+    finally:
+        run.kill()
+        run.wait()
