@@ -24,7 +24,7 @@ import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
 
-from pie.client import PieClient
+from pie.client import PieClient, http_url
 from pie.server.local import LocalServer
 from pie.server.rpc import RpcError
 
@@ -33,7 +33,7 @@ PROMPT = "Tell a long story about a dragon who learns to read."
 
 
 def health(ws_url: str) -> str:
-    url = ws_url.replace("ws://", "http://").removesuffix("/ws") + "/health"
+    url = http_url(ws_url) + "/health"
     try:
         with urllib.request.urlopen(url, timeout=5) as response:
             return json.loads(response.read())["status"]
@@ -44,17 +44,16 @@ def health(ws_url: str) -> str:
 
 
 async def scenario(instances: int, max_tokens: int, drain_timeout_s: float) -> dict:
-    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as config:
-        config.write(f"[server]\ndrain_timeout_s = {drain_timeout_s}\n")
-    server = LocalServer(["--config", config.name])
-    url = await server.__aenter__()
-    try:
-        async with PieClient(url) as client:
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "pie.toml"
+        config.write_text(f"[server]\ndrain_timeout_s = {drain_timeout_s}\n")
+        server = LocalServer(["--config", str(config)])
+        async with server as url, PieClient(url) as client:
+            assert server.process is not None
             running = [await client.launch("text_completion", ["--prompt", PROMPT, "--max-tokens",
                                                                str(max_tokens)])
                        for _ in range(instances)]
             await asyncio.sleep(2.0)  # generating
-            assert server.process is not None
             signalled = time.monotonic()
             server.process.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.3)
@@ -66,11 +65,8 @@ async def scenario(instances: int, max_tokens: int, drain_timeout_s: float) -> d
                 refused = e.code == "launch_refused"
             outputs = [[m async for m in instance] for instance in running]
             reasons = [await instance.wait() for instance in running]
-        code = await server.process.wait()
-        exit_s = time.monotonic() - signalled
-    finally:
-        await server.__aexit__()
-        Path(config.name).unlink()
+            code = await server.process.wait()
+            exit_s = time.monotonic() - signalled
     return {"instances": instances, "max_tokens": max_tokens, "drain_timeout_s": drain_timeout_s,
             "reasons": {r: reasons.count(r) for r in set(reasons)},
             "output_chars": [sum(map(len, o)) for o in outputs],

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from pie.client import PieClient
+from pie.client import PieClient, http_url
 from pie.python_build import build_python_inferlet
 from pie.server.local import LocalServer
 from pie.toolchain import build_inferlet
@@ -96,7 +96,7 @@ async def run(args: argparse.Namespace) -> dict:
     cold_runs, warm_runs, rounds = (1, 3, 2) if args.quick else (3, 20, 5)
     max_tokens = 16 if args.quick else 64
     async with LocalServer(["--dtype", args.dtype]) as url:
-        base = url.replace("ws://", "http://").removesuffix("/ws")
+        base = http_url(url)
         async with PieClient(url) as client, httpx.AsyncClient() as http:
             launch = {"rust": await launch_latency(client, rust_hello, cold_runs, warm_runs),
                       "python": await launch_latency(client, python_hello, cold_runs, warm_runs)}

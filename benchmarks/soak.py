@@ -30,7 +30,7 @@ import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
 
-from pie.client import PieClient
+from pie.client import PieClient, http_url
 from pie.config import is_loopback
 from pie.server.local import LocalServer
 from pie.toolchain import build_inferlet
@@ -143,7 +143,7 @@ async def soak(url: str, token: str | None, instances: int, seconds: float, seed
     """Run the mix on a server at `url`; the report (see the module docstring). `pid`: the
     server's process, for the leak check (None: an external server, not measured)."""
     tally = Tally()
-    http = url.replace("ws://", "http://").removesuffix("/ws")
+    http = http_url(url)
     async with PieClient(url, token) as uploader:
         programs = {"parallel_generation": await uploader.upload(
             build_inferlet(ROOT / "inferlets" / "parallel_generation").read_bytes())}

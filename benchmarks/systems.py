@@ -20,7 +20,7 @@ from pathlib import Path
 from benchmarks.baselines import model
 from benchmarks.endpoint import Endpoint
 from pie.backend.weights import DEFAULT_MODEL_NAME
-from pie.client import PieClient
+from pie.client import PieClient, http_url
 from pie.server.local import LocalServer
 
 HERE = Path(__file__).resolve().parent
@@ -189,7 +189,7 @@ class Pie(System):
         url = await self.server.__aenter__()
         self.client = PieClient(url)
         await self.client.connect()
-        self.endpoint = Endpoint(url.replace("ws://", "http://").removesuffix("/ws"), DEFAULT_MODEL_NAME, "pie")
+        self.endpoint = Endpoint(http_url(url), DEFAULT_MODEL_NAME, "pie")
         return self.endpoint
 
     async def restart(self, extra_toml: str) -> PieClient:

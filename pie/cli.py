@@ -10,12 +10,17 @@ import logging
 import signal
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.logging import RichHandler
 
 from pie.config import ConfigError, PieConfig, load_config
+
+if TYPE_CHECKING:
+    from pie.client import PieClient
 
 console = Console(stderr=True)
 
@@ -202,43 +207,43 @@ async def _follow(label: str, instance) -> int:
     return 1
 
 
-def cmd_attach(args: argparse.Namespace) -> int:
-    """Follow a detached instance: what it sent since it was last followed, then live output."""
+def _with_client(args: argparse.Namespace, body: Callable[[PieClient], Awaitable[int]]) -> int:
+    """Run `body` on a connection to `--server`; a failed call or connection is exit 1."""
     from pie.client import PieClient, PieConnectionError, RpcError
 
-    async def attach() -> int:
+    async def main() -> int:
         async with PieClient(args.server, args.token) as client:
-            return await _follow(args.instance, await client.attach(args.instance))
+            return await body(client)
 
     try:
-        return asyncio.run(attach())
+        return asyncio.run(main())
     except (RpcError, PieConnectionError, ValueError) as e:
         console.print(f"[red]error:[/] {e}")
         return 1
+
+
+def cmd_attach(args: argparse.Namespace) -> int:
+    """Follow a detached instance: what it sent since it was last followed, then live output."""
+    async def follow(client: PieClient) -> int:
+        return await _follow(args.instance, await client.attach(args.instance))
+
+    return _with_client(args, follow)
 
 
 def cmd_ps(args: argparse.Namespace) -> int:
     """List the caller's instances on a server (live, and detached ones not yet collected)."""
-    from pie.client import PieClient, PieConnectionError, RpcError
+    async def listing(client: PieClient) -> int:
+        rows = [("INSTANCE", "PROGRAM", "STATE", "DETACHED", "ATTACHED", "STARTED")]
+        for i in sorted(await client.list_instances(), key=lambda i: i.started_at):
+            rows.append((i.id, i.name or i.program[:12], i.state, "yes" if i.detached else "no",
+                         "yes" if i.attached else "no",
+                         time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i.started_at))))
+        widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+        for row in rows:  # plain columns on stdout, never truncated (ids are meant to be copied)
+            print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+        return 0
 
-    async def listing() -> list:
-        async with PieClient(args.server, args.token) as client:
-            return await client.list_instances()
-
-    try:
-        instances = asyncio.run(listing())
-    except (RpcError, PieConnectionError, ValueError) as e:
-        console.print(f"[red]error:[/] {e}")
-        return 1
-    rows = [("INSTANCE", "PROGRAM", "STATE", "DETACHED", "ATTACHED", "STARTED")]
-    for i in sorted(instances, key=lambda i: i.started_at):
-        rows.append((i.id, i.name or i.program[:12], i.state, "yes" if i.detached else "no",
-                     "yes" if i.attached else "no",
-                     time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(i.started_at))))
-    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
-    for row in rows:  # plain columns on stdout, never truncated (ids are meant to be copied)
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
-    return 0
+    return _with_client(args, listing)
 
 
 def cmd_build(args: argparse.Namespace) -> int:

@@ -237,3 +237,8 @@ def ws_url(url: str) -> str:
         raise ValueError(f"not a Pie server URL: {url!r} (expected ws://host:port/ws or http://host:port)")
     path = parts.path if parts.path not in ("", "/") else "/ws"
     return urllib.parse.urlunsplit((scheme, parts.netloc, path, parts.query, ""))
+
+
+def http_url(ws: str) -> str:
+    """The HTTP base (for /health, /stats, /v1) of a server whose RPC address is `ws`."""
+    return ws.replace("wss://", "https://", 1).replace("ws://", "http://", 1).removesuffix("/ws")

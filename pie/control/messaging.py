@@ -57,7 +57,7 @@ class MessageBus:
         self.lock = threading.Lock()
         self.topics: dict[str, list[tuple[str, Inbox]]] = {}
         self.backlog = backlog
-        self.dropped = 0  # deliveries skipped because a subscriber was full (/stats)
+        self.dropped = 0  # unread messages dropped from full subscriptions (/stats)
 
     def subscribe(self, instance_id: str, topic: str) -> Inbox:
         inbox = Inbox(self.backlog, drop_oldest=True)

@@ -18,7 +18,7 @@ from pie.config import ServerConfig
 from pie.server import rpc
 from pie.server.attachments import Attachments
 from pie.server.openai import add_openai_routes
-from pie.server.session import Session, token_matches
+from pie.server.session import Session, authenticate
 
 if TYPE_CHECKING:
     from pie.runtime.runtime import Runtime
@@ -51,8 +51,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/stats")
     def stats(authorization: str | None = Header(default=None)) -> JSONResponse:
         """Scheduler statistics (batch sizes, waits), pool occupancy, host calls per program."""
-        if state.config.auth_tokens and not token_matches(
-                state.config.auth_tokens, (authorization or "").removeprefix("Bearer ")):
+        if authenticate(state.config.auth_tokens, (authorization or "").removeprefix("Bearer ")) is None:
             return JSONResponse({"error": "unauthenticated"}, status_code=401)
         if state.runtime is None:
             return JSONResponse({"status": "starting"}, status_code=503)

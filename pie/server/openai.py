@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pie.control.quotas import ANONYMOUS
-from pie.server.session import token_matches, user_of
+from pie.server.session import authenticate
 
 if TYPE_CHECKING:
     from pie.server.app import ServerState
@@ -111,17 +110,17 @@ async def _serve(state: ServerState, request: Request, chat: bool):
 
 
 def _check(state: ServerState, request: Request) -> str:
-    """The caller's user (see session.user_of), if it may be served now."""
-    tokens = state.config.auth_tokens
+    """The caller's user (see session.authenticate), if it may be served now."""
     given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-    if tokens and not token_matches(tokens, given):
+    user = authenticate(state.config.auth_tokens, given)
+    if user is None:
         raise ApiError(401, "invalid or missing API key (Authorization: Bearer ...)",
                        kind="authentication_error", code="invalid_api_key")
     if state.failure is not None:
         raise ApiError(503, f"the server cannot serve: {state.failure}", kind="server_error")
     if state.runtime is None:
         raise ApiError(503, "the backend is still starting; retry shortly", kind="server_error")
-    return user_of(given) if tokens else ANONYMOUS
+    return user
 
 
 # --- request validation --------------------------------------------------------------------

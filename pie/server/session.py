@@ -39,20 +39,17 @@ class _Upload:
     data: bytearray = dataclasses.field(default_factory=bytearray)
 
 
-def token_matches(tokens: list[str], given: str) -> bool:
-    """Constant-time check against every configured token (no early exit to time)."""
+def authenticate(tokens: list[str], given: str) -> str | None:
+    """The user `given` stands for: a fingerprint of the token (quotas, listings and logs
+    name users so, never by the token), `anonymous` on a server without tokens (where a
+    token names no one: a client could pick a fresh one per quota), None if it matches no
+    token. Compared in constant time against every token (no early exit to time)."""
+    if not tokens:
+        return ANONYMOUS
     matched = False
     for token in tokens:
         matched |= hmac.compare_digest(given.encode(), token.encode())
-    return matched
-
-
-def user_of(token: str | None) -> str:
-    """The user a token stands for, as quotas, listings and logs name it: a fingerprint,
-    never the token itself."""
-    if not token:
-        return ANONYMOUS
-    return "token-" + hashlib.sha256(token.encode()).hexdigest()[:8]
+    return "token-" + hashlib.sha256(given.encode()).hexdigest()[:8] if matched else None
 
 
 class Session:
@@ -106,11 +103,10 @@ class Session:
     # --- requests ------------------------------------------------------------------------
 
     async def _on_authenticate(self, request: rpc.Authenticate) -> None:
-        if self.config.auth_tokens and not token_matches(self.config.auth_tokens, request.token):
+        user = authenticate(self.config.auth_tokens, request.token)
+        if user is None:
             raise RpcError(ErrorCode.AUTH_FAILED, "invalid token")
-        self.authenticated = True
-        if self.config.auth_tokens:  # unchecked tokens name nobody: a client could pick a fresh one per quota
-            self.user = user_of(request.token)
+        self.authenticated, self.user = True, user
         self._reply(request)
 
     async def _on_upload_begin(self, request: rpc.UploadBegin) -> None:
