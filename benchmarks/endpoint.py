@@ -66,9 +66,8 @@ class Endpoint:
             if self.engine != "vllm":
                 raise ValueError(f"{self.engine}: its OpenAI API has no beam search")
             body["use_beam_search"] = True
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         start = time.perf_counter()
-        response = await self.http.post(f"{self.base_url}/v1/completions", json=body, headers=headers)
+        response = await self.http.post(f"{self.base_url}/v1/completions", json=body, headers=self._headers())
         seconds = time.perf_counter() - start
         if response.status_code != 200:
             raise RuntimeError(f"{self.engine}: HTTP {response.status_code}: {response.text[:500]}")
@@ -102,11 +101,13 @@ class Endpoint:
 
     async def ready(self) -> bool:
         try:
-            response = await self.http.get(f"{self.base_url}/v1/models", timeout=5,
-                                           headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})
+            response = await self.http.get(f"{self.base_url}/v1/models", timeout=5, headers=self._headers())
             return response.status_code == 200
         except httpx.HTTPError:
             return False
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     async def aclose(self) -> None:
         await self.http.aclose()
