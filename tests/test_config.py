@@ -29,6 +29,12 @@ def test_partial_file_overrides_only_its_keys(tmp_path):
         ("[model]\npath = [1]\n", "model.path must be str"),
         ("backend = 3\n", "backend must be a table"),
         ("[backend\n", "not valid TOML"),
+        ("[quota.user]\nkv_pages = -1\n", "quota keys must be >= 0"),
+        ("[quota.instance]\nqueue = 3\n", "unknown config key quota.instance.queue"),
+        ('[control]\npool_full = "kill"\n', "control.pool_full must be one of wait, terminate-newest"),
+        ('[control]\npool_full = "terminate-newest"\nalloc_wait_ms = 0\n', "needs control.alloc_wait_ms > 0"),
+        ("[server]\ndrain_timeout_s = -1\n", "server.drain_timeout_s must be >= 0"),
+        ("[server]\nmax_pending_messages = 0\n", "max_pending_messages must be positive"),
     ],
 )
 def test_bad_config_is_a_clear_error(tmp_path, text, message):

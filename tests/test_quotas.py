@@ -20,7 +20,7 @@ pytestmark = pytest.mark.anyio
 OTHER = "second-user"
 QUOTAS = {
     "quota.instance": {"queues": 3},
-    "quota.user": {"kv_pages": 40, "instances": 4, "messages_per_s": 20.0},
+    "quota.user": {"kv_pages": 40, "instances": 4, "messages_per_s": 20.0, "http_requests_per_s": 2.0},
     "server": {"max_pending_messages": 8, "auth_tokens": [TOKEN, OTHER]},
 }
 
@@ -93,6 +93,19 @@ async def test_message_rate_paces_the_sender_and_loses_nothing(server, probe):
         messages = [m async for m in instance]
         elapsed = time.monotonic() - start
         assert messages == [f"m{i}" for i in range(40)] and await instance.wait() == "finished"
+        assert elapsed >= 0.9  # a lower bound only: the pacing, not the machine's speed
+
+
+async def test_http_rate_is_shared_by_the_users_instances(server, probe):
+    """quota.user.http_requests_per_s = 2 with one second's burst: 4 instances making one
+    request each take at least ~1 s together; every request is still made."""
+    async with PieClient(server.ws, TOKEN) as client:
+        program = await client.upload(probe)
+        start = time.monotonic()
+        instances = [await client.launch(program, ["http", "http://127.0.0.1:9/"]) for _ in range(4)]
+        answers = [(await instance.recv()).text for instance in instances]
+        elapsed = time.monotonic() - start
+        assert all(a.startswith("Io:") for a in answers), answers  # nothing listens on port 9
         assert elapsed >= 0.9  # a lower bound only: the pacing, not the machine's speed
 
 
