@@ -14,6 +14,9 @@ from pathlib import Path
 from typing import Any
 
 
+MIN_TOKEN_CHARS = 16
+
+
 def is_loopback(host: str) -> bool:
     """Whether `host` names this machine only. Names other than `localhost` are refused
     rather than resolved: what a name resolves to can change after the check."""
@@ -74,7 +77,10 @@ class ControlConfig:
     # policy "terminate-newest" (instances launched after the requester are ended, newest
     # first, until they held enough; then the allocation waits for their teardown).
     pool_full: str = "wait"
-    kvs_max_bytes: int = 64 * 2**20  # keys + values in the shared key-value store
+    kvs_max_bytes: int = 64 * 2**20  # keys + values in the key-value store, all users together
+    # Largest HTTP response body an inferlet may fetch; a larger one fails with an `io` error
+    # (read in pieces, never whole).
+    http_max_response_bytes: int = 8 * 2**20
 
     def __post_init__(self) -> None:
         _check_choice("control.scheduler", self.scheduler, ("adaptive", "eager", "k", "t"))
@@ -83,16 +89,18 @@ class ControlConfig:
             raise ConfigError("control.batch_k, batch_t_ms and max_dist_k must be positive")
         if self.alloc_wait_ms < 0:
             raise ConfigError(f"control.alloc_wait_ms must be >= 0, got {self.alloc_wait_ms}")
+        if self.http_max_response_bytes < 1 or self.kvs_max_bytes < 1:
+            raise ConfigError("control.http_max_response_bytes and kvs_max_bytes must be positive")
         if self.pool_full == "terminate-newest" and self.alloc_wait_ms == 0:
             raise ConfigError("control.pool_full = terminate-newest needs control.alloc_wait_ms > 0 "
                               "(the time the ended instances' pages take to come back)")
 
 
 @dataclass
-class InstanceQuota:
-    """What one holder may have at once, and its call rates (0 = no quota beyond the pools)."""
+class HeldQuota:
+    """What a holder may have at once, and its call rates (0 = no quota beyond the pools)."""
 
-    kv_pages: int = 0
+    kv_pages: int = 0  # KV pages held, persistent exports included
     embeds: int = 0
     queues: int = 0  # queues created (they live until the instance ends)
     exports: int = 0  # exports created and not yet removed (persistent ones count too)
@@ -106,44 +114,99 @@ class InstanceQuota:
 
 
 @dataclass
-class UserQuota(InstanceQuota):
-    """The same, summed over every instance one user (auth token) runs, plus live instances."""
+class InstanceQuota(HeldQuota):
+    """One instance's quota, plus its lifetime budgets: guest and host CPU time spent on the
+    instance's thread, and wall-clock time since launch. Past either it is ended with the key
+    named (a CPU slice bounds one stretch without host calls; this bounds the total)."""
 
-    instances: int = 0
+    queues: int = 64
+    exports: int = 64
+    cpu_s: float = 600.0
+    wall_s: float = 86400.0
+
+
+@dataclass
+class UserQuota(HeldQuota):
+    """The same, summed over every instance one user (auth token) runs, plus live instances
+    and the bytes of its keys in the key-value store."""
+
+    exports: int = 256
+    instances: int = 0  # live instances (runtime.max_instances bounds them all)
+    kvs_bytes: int = 16 * 2**20
 
 
 @dataclass
 class QuotaConfig:
     instance: InstanceQuota = field(default_factory=InstanceQuota)
     user: UserQuota = field(default_factory=UserQuota)
+    # Per-user overrides, by user fingerprint (`pie token` prints it):
+    # [quota.users."token-1a2b3c4d".user] kv_pages = 512 — any key of quota.instance / quota.user.
+    users: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.resolved: dict[str, tuple[InstanceQuota, UserQuota]] = {}
+        for user, tables in self.users.items():
+            if not isinstance(tables, dict) or set(tables) - {"instance", "user"}:
+                raise ConfigError(f"quota.users.{user} must be a table of the tables instance and/or user")
+            quotas = []
+            for name, base in (("instance", self.instance), ("user", self.user)):
+                table = tables.get(name, {})
+                if not isinstance(table, dict):
+                    raise ConfigError(f"quota.users.{user}.{name} must be a table")
+                merged = {**dataclasses.asdict(base), **table}
+                quotas.append(_build(type(base), merged, f"quota.users.{user}.{name}."))
+            self.resolved[user] = (quotas[0], quotas[1])
+
+    def for_user(self, user: str) -> tuple[InstanceQuota, UserQuota]:
+        """The instance and user quotas that apply to `user` (a fingerprint)."""
+        return self.resolved.get(user, (self.instance, self.user))
 
 
 @dataclass
 class RuntimeConfig:
     max_instances: int = 256
-    memory_limit_mb: int = 256  # linear-memory cap per instance
+    # Wasmtime store limits of one instance (the same for Rust and Python inferlets; a
+    # Python component holds several core modules, hence the counts).
+    memory_limit_mb: int = 256  # all linear memories of the instance together
+    max_memories: int = 8  # linear memories
+    max_tables: int = 16
+    max_table_elements: int = 100_000  # entries of any one table
+    max_wasm_instances: int = 64  # core module instances inside the component
     # Longest stretch of guest computation between two host calls before the instance is
     # stopped (wasmtime epoch deadline): ends infinite loops, not long generations.
     cpu_slice_ms: int = 5000
 
     def __post_init__(self) -> None:
-        if self.max_instances < 1 or self.memory_limit_mb < 1 or self.cpu_slice_ms < 1:
-            raise ConfigError("runtime.max_instances, memory_limit_mb and cpu_slice_ms must be positive")
+        for key in ("max_instances", "memory_limit_mb", "max_memories", "max_tables",
+                    "max_table_elements", "max_wasm_instances", "cpu_slice_ms"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"runtime.{key} must be positive, got {getattr(self, key)}")
 
 
 @dataclass
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8080
-    # Clients authenticate with one of these tokens; empty = no authentication, which is
-    # only allowed on a loopback host unless allow_unauthenticated says otherwise.
+    # Clients authenticate with one of these tokens (each a user; at least 16 characters);
+    # empty = no authentication, which is only allowed on a loopback host unless
+    # allow_unauthenticated says otherwise.
     auth_tokens: list[str] = field(default_factory=list)
+    # Tokens that are users too and may also see every user's usage in /stats.
+    admin_tokens: list[str] = field(default_factory=list)
     allow_unauthenticated: bool = False
-    max_upload_bytes: int = 64 * 2**20
+    max_upload_bytes: int = 64 * 2**20  # one program
+    max_user_upload_bytes: int = 128 * 2**20  # uploads in progress of one user, all connections
+    max_total_upload_bytes: int = 512 * 2**20  # uploads in progress on the server
     max_message_bytes: int = 2**20
     # Client messages an instance has not read yet; a send beyond is refused (inbox_full).
     # Also: held messages of a detached instance, unread broadcasts of a subscription.
     max_pending_messages: int = 1024
+    max_pending_bytes: int = 16 * 2**20  # the same backlogs, in bytes
+    # Replies and events queued for one connection that it has not read: beyond, its
+    # instances' sends wait; a client that reads nothing for slow_client_timeout_s while
+    # they wait is disconnected (its instances end, saying why).
+    max_outbox_bytes: int = 32 * 2**20
+    slow_client_timeout_s: float = 30.0
     # On SIGTERM/SIGINT: refuse new work, let running instances finish for up to this long,
     # then terminate the rest ("server shutting down"). A second signal skips the wait.
     drain_timeout_s: float = 30.0
@@ -151,7 +214,16 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ConfigError(f"server.port must be in [0, 65535], got {self.port}")
-        if not (self.auth_tokens or self.allow_unauthenticated or is_loopback(self.host)):
+        tokens = self.tokens
+        for token in tokens:
+            if not isinstance(token, str) or len(token.strip()) < MIN_TOKEN_CHARS or token != token.strip():
+                raise ConfigError(
+                    f"server.auth_tokens / admin_tokens: every token must be at least {MIN_TOKEN_CHARS} "
+                    f"characters with no surrounding spaces (got one of {len(str(token))}); "
+                    "`pie token` makes one")
+        if len(set(tokens)) != len(tokens):
+            raise ConfigError("server.auth_tokens / admin_tokens: a token appears twice")
+        if not (tokens or self.allow_unauthenticated or is_loopback(self.host)):
             raise ConfigError(
                 f"server.host = {self.host!r} is reachable from other machines, so "
                 "authentication is required: set server.auth_tokens (clients then send "
@@ -159,9 +231,21 @@ class ServerConfig:
                 "to accept anyone")
         if self.drain_timeout_s < 0:
             raise ConfigError(f"server.drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
-        if min(self.max_upload_bytes, self.max_message_bytes, self.max_pending_messages) < 1:
-            raise ConfigError("server.max_upload_bytes, max_message_bytes and max_pending_messages "
-                              "must be positive")
+        sizes = ("max_upload_bytes", "max_user_upload_bytes", "max_total_upload_bytes",
+                 "max_message_bytes", "max_pending_messages", "max_pending_bytes", "max_outbox_bytes")
+        for key in sizes:
+            if getattr(self, key) < 1:
+                raise ConfigError(f"server.{key} must be positive, got {getattr(self, key)}")
+        if self.max_outbox_bytes < self.max_message_bytes or self.max_pending_bytes < self.max_message_bytes:
+            raise ConfigError("server.max_outbox_bytes and max_pending_bytes must be at least "
+                              "server.max_message_bytes (one message must fit)")
+        if self.slow_client_timeout_s <= 0:
+            raise ConfigError(f"server.slow_client_timeout_s must be positive, got {self.slow_client_timeout_s}")
+
+    @property
+    def tokens(self) -> list[str]:
+        """Every token that authenticates (users and admins)."""
+        return [*self.auth_tokens, *self.admin_tokens]
 
 
 @dataclass
