@@ -82,7 +82,7 @@ def test_compiled_programs_survive_a_restart(runtime):
     artifact = runtime.programs.dir / f"{digest}.cwasm"
     assert artifact.is_file()
     runtime.programs.loaded.clear()  # as after a restart: only the disk cache is left
-    assert runtime.programs.exists(digest)
+    assert runtime.programs.exists(digest, "anonymous")  # built-ins are public
     events = Events()
     runtime.launch(digest, ["again"], events)
     runtime.send(runtime.list_instances()[0].id, "quit")

@@ -53,7 +53,7 @@ class FakePrograms:
         self.stored: dict[str, bytes] = {}
         self.adds = 0
 
-    def add(self, data: bytes) -> str:
+    def add(self, data: bytes, owner: str | None = None, public: bool = False) -> str:
         self.adds += 1
         if not data.startswith(b"\0asm"):
             raise InvalidProgram("not a WebAssembly component")
@@ -61,7 +61,7 @@ class FakePrograms:
         self.stored[digest] = data
         return digest
 
-    def exists(self, digest: str) -> bool:
+    def exists(self, digest: str, user: str = "anonymous") -> bool:
         return digest in self.stored
 
     def builtin_names(self) -> list[str]:

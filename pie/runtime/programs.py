@@ -2,6 +2,11 @@
 
 Compiled artifacts are cached on disk (`<cache>/programs/<hash>.cwasm`), so a restart
 deserializes (~3 ms) instead of recompiling; loaded components stay in memory.
+
+Every uploaded program has owners: the users who uploaded it. Only they may launch it or
+learn that it exists, unless one of them uploaded it `public` (then every user may launch
+it); built-in programs are public. Owners are kept in memory: after a restart a user
+uploads again (the compiled artifact is on disk, so that costs a hash, not a compile).
 """
 
 from __future__ import annotations
@@ -29,11 +34,19 @@ class ProgramStore:
         self.lock = threading.Lock()
         self.loaded: dict[str, Component] = {}
         self.builtins: dict[str, str] = {}  # name -> hash
+        self.owners: dict[str, set[str]] = {}  # hash -> users who uploaded it
+        self.public: set[str] = set()  # hashes any user may launch
 
-    def add(self, data: bytes) -> str:
-        """Compile and cache `data`; return its hash (idempotent)."""
+    def add(self, data: bytes, owner: str | None = None, public: bool = False) -> str:
+        """Compile and cache `data` (once), record `owner` as one of its owners; return its
+        hash. `public` lets every user launch it."""
         digest = hashlib.sha256(data).hexdigest()
-        if self.exists(digest):
+        with self.lock:
+            if owner is not None:
+                self.owners.setdefault(digest, set()).add(owner)
+            if public:
+                self.public.add(digest)
+        if self._stored(digest):
             return digest
         try:
             component = Component(self.engine, data)
@@ -48,20 +61,30 @@ class ProgramStore:
         return digest
 
     def add_builtin(self, name: str, path: Path) -> str:
-        digest = self.add(path.read_bytes())
+        digest = self.add(path.read_bytes(), public=True)
         self.builtins[name] = digest
         return digest
 
     def builtin_names(self) -> list[str]:
         return sorted(self.builtins)
 
-    def exists(self, digest: str) -> bool:
+    def visible(self, digest: str, user: str) -> bool:
+        """Whether `user` may launch (and learn of) the program `digest`."""
+        with self.lock:
+            return digest in self.public or user in self.owners.get(digest, ())
+
+    def exists(self, digest: str, user: str) -> bool:
+        """Whether the program is stored and `user` may launch it: another user's private
+        program is answered exactly like a missing one."""
+        return self.visible(digest, user) and self._stored(digest)
+
+    def _stored(self, digest: str) -> bool:
         return digest in self.loaded or (self.dir / f"{digest}.cwasm").is_file()
 
-    def resolve(self, program: str) -> str:
-        """A built-in name or a hash → the hash, or KeyError."""
+    def resolve(self, program: str, user: str) -> str:
+        """A built-in name or a hash `user` may launch → the hash, or KeyError."""
         digest = self.builtins.get(program, program)
-        if not self.exists(digest):
+        if not self.exists(digest, user):
             raise KeyError(program)
         return digest
 

@@ -124,10 +124,10 @@ class Runtime:
                user: str = ANONYMOUS) -> InstanceInfo:
         """Start an instance charged to `user` (quota.user.*)."""
         try:
-            digest = self.programs.resolve(program)
+            digest = self.programs.resolve(program, user)
         except KeyError:
-            raise UnknownProgram(f"no program {program!r} (neither a built-in name nor an "
-                                 f"uploaded hash)") from None
+            raise UnknownProgram(f"no program {program!r} (neither a built-in name nor the hash "
+                                 f"of a program you uploaded or one uploaded public)") from None
         component = self.programs.load(digest)
         instance_id = uuid.uuid4().hex
         name = next((n for n, h in self.programs.builtins.items() if h == digest), None)

@@ -142,13 +142,13 @@ class Session:
         if actual != sha256:
             raise RpcError(ErrorCode.HASH_MISMATCH, f"the bytes hash to {actual}, not {sha256}")
         try:
-            stored = await asyncio.to_thread(self.runtime.programs.add, bytes(upload.data))
+            stored = await asyncio.to_thread(self.runtime.programs.add, bytes(upload.data), self.user)
         except ValueError as e:  # the runtime's InvalidProgram
             raise RpcError(ErrorCode.INVALID_PROGRAM, str(e)) from None
         self._reply(request, stored)
 
     async def _on_program_exists(self, request: rpc.ProgramExists) -> None:
-        self._reply(request, self.runtime.programs.exists(_check_hash(request.sha256)))
+        self._reply(request, self.runtime.programs.exists(_check_hash(request.sha256), self.user))
 
     async def _on_launch(self, request: rpc.Launch) -> None:
         attachment = self.attachments.create(self.user, request.detached)
