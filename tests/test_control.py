@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 from pie import protocol as P
-from pie.config import ControlConfig, InstanceQuota, QuotaConfig, UserQuota
+from pie.config import ConfigError, ControlConfig, InstanceQuota, QuotaConfig, UserQuota
 from pie.control.errors import ErrorKind, HostError
 from pie.control.future import HostFuture
 from pie.control.messaging import MessageBus
@@ -174,57 +174,109 @@ def _wait(future: HostFuture, timeout: float = 5.0) -> bool:
 
 def test_resources_virtualize_and_refcount():
     manager = ResourceManager(num_pages=4, num_embeds=4)
-    a, b = holder(), holder()
+    a, b = holder(instance="a"), holder(instance="b")
     pages = manager.alloc_pages(a, 2)
     with pytest.raises(HostError) as e:  # b holds no pages: a's ids are foreign to it
         b.pages.resolve(pages)
     assert e.value.kind == ErrorKind.INVALID_HANDLE
-    manager.export(a, "a", pages, "prefix", persistent=False)
-    imported = manager.import_(b, "prefix")
+    manager.export(a, pages, "prefix", persistent=False)
+    imported = manager.import_(b, "prefix")  # the same user: its own namespace
     assert manager.pages.available == 2
     with pytest.raises(HostError, match="shared"):
         manager.writable_pages(b, imported)
-    manager.release_instance(a, "a")  # a's pages live on in b; the owned export is gone
-    assert manager.pages.available == 2 and "prefix" not in manager.exports
-    manager.release_instance(b, "b")
+    with pytest.raises(HostError, match="another instance that is still running") as e:
+        manager.unexport(b, "prefix")
+    assert e.value.kind == ErrorKind.PERMISSION_DENIED
+    manager.release_instance(a)  # a's pages live on in b; the owned export is gone
+    assert manager.pages.available == 2 and manager.exports_of(None) == 0
+    manager.release_instance(b)
     assert manager.pages.available == 4
     with pytest.raises(HostError) as e:
         manager.alloc_pages(a, 5)
     assert e.value.kind == ErrorKind.OUT_OF_RESOURCES
 
 
-def holder(book: QuotaBook | None = None, user: str = "u") -> InstanceResources:
+def holder(book: QuotaBook | None = None, user: str = "u", instance: str = "") -> InstanceResources:
     """One instance's resources, charged to `user` in `book` (no quotas by default)."""
-    return InstanceResources((book or QuotaBook(QuotaConfig())).open(user))
+    return InstanceResources((book or QuotaBook(QuotaConfig())).open(user), instance or user, user)
+
+
+def test_export_names_belong_to_their_user_unless_public():
+    """Another user can neither import, remove nor squat a private export name; a `public:`
+    export can be imported by anyone and removed only by its owner."""
+    manager = ResourceManager(num_pages=8, num_embeds=4)
+    alice, bob = holder(user="alice"), holder(user="bob")
+    pages = manager.alloc_pages(alice, 2)
+    manager.export(alice, pages, "secret", persistent=True)
+    for attempt in (lambda: manager.import_(bob, "secret"), lambda: manager.unexport(bob, "secret")):
+        with pytest.raises(HostError, match="no export named 'secret'") as e:
+            attempt()
+        assert e.value.kind == ErrorKind.NOT_FOUND
+    manager.export(bob, manager.alloc_pages(bob, 1), "secret", persistent=False)  # no squatting
+    assert manager.exports_of("alice") == 1 and manager.exports_of("bob") == 1
+    manager.export(alice, pages, "public:prefix", persistent=True)
+    assert len(manager.import_(bob, "public:prefix")) == 2
+    with pytest.raises(HostError, match="belongs to another user") as e:
+        manager.unexport(bob, "public:prefix")
+    assert e.value.kind == ErrorKind.PERMISSION_DENIED
+    with pytest.raises(HostError, match="a public name another user owns") as e:
+        manager.export(bob, manager.alloc_pages(bob, 1), "public:prefix", persistent=False)
+    assert e.value.kind == ErrorKind.ALREADY_EXISTS
+    manager.unexport(alice, "public:prefix")
+    manager.unexport(alice, "secret")
+    manager.release_instance(alice)
+    manager.release_instance(bob)
+    assert manager.pages.available == 8 and manager.exports_of(None) == 0
 
 
 def test_user_quota_spans_the_users_instances_and_is_refunded_at_teardown():
     """quota.user.* sums over one user's instances; other users are not affected; an
-    instance's end gives its user back everything but its persistent exports."""
-    book = QuotaBook(QuotaConfig(user=UserQuota(kv_pages=4, exports=1, queues=2)))
+    instance's end gives its user back everything but its persistent exports, whose pages
+    stay charged to the user until they are removed."""
+    book = QuotaBook(QuotaConfig(user=UserQuota(kv_pages=5, exports=1, queues=2)))
     manager = ResourceManager(num_pages=16, num_embeds=4)
-    a1, a2, b = holder(book, "alice"), holder(book, "alice"), holder(book, "bob")
+    a1, a2, b = holder(book, "alice", "a1"), holder(book, "alice", "a2"), holder(book, "bob")
     manager.alloc_pages(a1, 3)
-    with pytest.raises(HostError, match="user alice holds 3 kv pages and asks for 2 more: over "
-                                        "its quota quota.user.kv_pages = 4") as e:
-        manager.alloc_pages(a2, 2)
+    with pytest.raises(HostError, match="user alice holds 3 kv pages and asks for 3 more: over "
+                                        "its quota quota.user.kv_pages = 5") as e:
+        manager.alloc_pages(a2, 3)
     assert e.value.kind == ErrorKind.OUT_OF_RESOURCES and manager.pages.available == 13
     assert len(manager.alloc_pages(b, 4)) == 4  # bob has a quota of his own
     pages = manager.alloc_pages(a2, 1)
-    manager.export(a2, "a2", pages, "kept", persistent=True)
+    manager.export(a2, pages, "kept", persistent=True)  # pins 1 page: alice holds 5
     with pytest.raises(HostError, match="quota.user.exports = 1"):
-        manager.export(a1, "a1", pages[:0], "other", persistent=False)
-    with pytest.raises(HostError, match="quota.user.kv_pages = 4"):  # importing is holding
+        manager.export(a1, pages[:0], "other", persistent=False)
+    with pytest.raises(HostError, match="quota.user.kv_pages = 5"):  # importing is holding
         manager.import_(a1, "kept")
     a1.charges.charge("queues", 2)
     with pytest.raises(HostError, match="quota.user.queues = 2"):
         a2.charges.charge("queues")
-    manager.release_instance(a1, "a1")
-    manager.release_instance(a2, "a2")
-    assert book.usage()["alice"] == {"kv_pages": 0, "embeds": 0, "queues": 0, "exports": 1,
-                                     "instances": 0}
-    manager.unexport("kept")
-    assert book.usage()["alice"]["exports"] == 0 and manager.pages.available == 12  # bob's 4
+    manager.release_instance(a1)
+    manager.release_instance(a2)
+    assert book.usage()["alice"] == {"kv_pages": 1, "embeds": 0, "queues": 0, "exports": 1,
+                                     "instances": 0}  # the persistent export's page
+    survivor = holder(book, "alice", "a3")
+    with pytest.raises(HostError, match="holds 1 kv pages and asks for 5 more"):
+        manager.alloc_pages(survivor, 5)
+    manager.unexport(survivor, "kept")
+    assert book.usage()["alice"]["exports"] == 0 and book.usage()["alice"]["kv_pages"] == 0
+    assert manager.pages.available == 12  # bob's 4
+
+
+def test_per_user_quota_overrides():
+    config = QuotaConfig(user=UserQuota(kv_pages=2),
+                         users={"token-big": {"user": {"kv_pages": 6}, "instance": {"cpu_s": 5}}})
+    assert config.for_user("token-big")[1].kv_pages == 6 and config.for_user("token-big")[0].cpu_s == 5
+    assert config.for_user("token-big")[0].queues == config.instance.queues  # the rest inherited
+    book = QuotaBook(config)
+    manager = ResourceManager(num_pages=16, num_embeds=4)
+    assert len(manager.alloc_pages(holder(book, "token-big"), 6)) == 6
+    with pytest.raises(HostError, match="over its quota quota.user.kv_pages = 2"):
+        manager.alloc_pages(holder(book, "token-small"), 3)
+    with pytest.raises(HostError, match="quota.users.token-big.user.kv_pages = 6"):
+        manager.alloc_pages(holder(book, "token-big"), 1)
+    with pytest.raises(ConfigError, match="quota.users.x.user.kv_pagez"):
+        QuotaConfig(users={"x": {"user": {"kv_pagez": 1}}})
 
 
 def test_rate_limit_allows_one_seconds_burst_then_paces():
@@ -318,15 +370,34 @@ def test_instance_session_validates_before_enqueueing(tmp_path, model_dir):
 def test_key_value_store_is_capped():
     from pie.control.messaging import KeyValueStore
 
-    store = KeyValueStore(max_bytes=20)
-    store.set("a", "x" * 10)
-    store.set("a", "y" * 19)  # replacing frees the old value first
+    store = KeyValueStore(max_bytes=20, quotas=QuotaConfig())
+    store.set("u", "a", "x" * 10)
+    store.set("u", "a", "y" * 19)  # replacing frees the old value first
     with pytest.raises(HostError, match="kvs_max_bytes = 20") as e:
-        store.set("b", "z")
-    assert e.value.kind == ErrorKind.OUT_OF_RESOURCES and store.get("b") is None
-    store.delete("a")
-    store.set("b", "z" * 19)
+        store.set("u", "b", "z")
+    assert e.value.kind == ErrorKind.OUT_OF_RESOURCES and store.get("u", "b") is None
+    store.delete("u", "a")
+    store.set("u", "b", "z" * 19)
     assert store.used == 20
+
+
+def test_key_value_store_keys_belong_to_their_user_unless_public():
+    from pie.control.messaging import KeyValueStore
+
+    store = KeyValueStore(max_bytes=1000, quotas=QuotaConfig(user=UserQuota(kvs_bytes=30)))
+    store.set("alice", "k", "alice's secret")
+    assert store.get("bob", "k") is None  # bob's own namespace
+    store.set("bob", "k", "bob's")
+    assert store.get("alice", "k") == "alice's secret" and not store.delete("bob", "nothing")
+    store.set("alice", "public:motd", "hi")
+    assert store.get("bob", "public:motd") == "hi"
+    with pytest.raises(HostError, match="belongs to another user") as e:
+        store.set("bob", "public:motd", "defaced")
+    assert e.value.kind == ErrorKind.PERMISSION_DENIED
+    assert not store.delete("bob", "public:motd") and store.get("alice", "public:motd") == "hi"
+    with pytest.raises(HostError, match="quota.user.kvs_bytes = 30"):
+        store.set("alice", "more", "x" * 20)
+    assert store.used_by["alice"] == len("k") + len("alice's secret") + len("public:motd") + 2
 
 
 def test_a_subscription_keeps_its_newest_messages_up_to_its_backlog():
@@ -334,12 +405,31 @@ def test_a_subscription_keeps_its_newest_messages_up_to_its_backlog():
     the oldest dropped beyond it (and counted); other subscribers and the broadcaster are
     not affected."""
     bus = MessageBus(backlog=2)
-    idle, reader = bus.subscribe("idle", "news"), bus.subscribe("reader", "news")
+    idle, reader = bus.subscribe("idle", "u", "news"), bus.subscribe("reader", "u", "news")
     got = []
     for i in range(4):
-        assert bus.broadcast("news", f"n{i}") == 2
+        assert bus.broadcast("w", "u", "news", f"n{i}") == 2
         got.append(reader.next().result())
     assert got == ["n0", "n1", "n2", "n3"] and bus.dropped == 2
     assert [idle.next().result() for _ in range(2)] == ["n2", "n3"]
     bus.drop_instance("idle")
-    assert bus.broadcast("news", "n4") == 1
+    assert bus.broadcast("w", "u", "news", "n4") == 1
+
+
+def test_topics_belong_to_their_user_and_public_ones_have_one_publisher():
+    bus = MessageBus(backlog=8)
+    alices = bus.subscribe("a1", "alice", "news")
+    assert bus.broadcast("b1", "bob", "news", "from bob") == 0  # bob's own "news"
+    assert bus.broadcast("a2", "alice", "news", "from alice") == 1
+    assert alices.next().result() == "from alice"
+    bobs = bus.subscribe("b1", "bob", "public:feed")
+    assert bus.broadcast("a2", "alice", "public:feed", "hello all") == 1
+    assert bobs.next().result() == "hello all"
+    with pytest.raises(HostError, match="published by another user") as e:
+        bus.broadcast("b1", "bob", "public:feed", "spoofed")
+    assert e.value.kind == ErrorKind.PERMISSION_DENIED
+    bus.drop_instance("a2")  # alice's publisher ended: the topic is free again
+    assert bus.broadcast("b1", "bob", "public:feed", "mine now") == 1
+    bus.drop_instance("b1")
+    bus.drop_instance("a1")
+    assert bus.topics == {} and bus.publishers == {}

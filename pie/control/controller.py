@@ -37,24 +37,30 @@ class Controller:
         self.tokenizer = TextTokenizer(handshake)
         self.grammars = GrammarCompiler(handshake)
         self.bus = MessageBus(config.server.max_pending_messages)
-        self.kvs = KeyValueStore(config.control.kvs_max_bytes)
+        self.kvs = KeyValueStore(config.control.kvs_max_bytes, config.quota)
         self.http = HttpClient(config.control)
 
     def session(self, instance_id: str, arguments: list[str], user: str = ANONYMOUS) -> "InstanceSession":
         """A new instance's session, charged to `user` (fails over quota.user.instances)."""
         charges = self.quotas.open(user)
         charges.charge("instances")
-        return InstanceSession(self, instance_id, arguments, charges)
+        return InstanceSession(self, instance_id, arguments, charges, user)
 
-    def stats(self) -> dict:
+    def stats(self, user: str | None = None) -> dict:
+        """Scheduler and pool statistics, and what users hold: every user's (user None, for
+        admins) or only `user`'s. Pool totals are shared by all and shown to all."""
         with self.resources.lock:
             pools = {"kv_pages_free": self.resources.pages.available,
                      "kv_pages_total": self.resources.pages.size,
                      "embeds_free": self.resources.embeds.available,
-                     "embeds_total": self.resources.embeds.size,
-                     "exports": len(self.resources.exports)}
+                     "embeds_total": self.resources.embeds.size}
+        pools["exports"] = self.resources.exports_of(user)
+        users = self.quotas.usage(user)
+        with self.kvs.lock:
+            for name, account in users.items():
+                account["kvs_bytes"] = self.kvs.used_by[name]
         return {"scheduler": self.scheduler.snapshot_stats(), "resources": pools,
-                "users": self.quotas.usage(), "broadcasts_dropped": self.bus.dropped}
+                "users": users, "broadcasts_dropped": self.bus.dropped}
 
     def shutdown(self) -> None:
         self.scheduler.stop()
@@ -69,12 +75,13 @@ class InstanceSession:
     """One instance's view of the system; all methods run on that instance's thread."""
 
     def __init__(self, controller: Controller, instance_id: str, arguments: list[str],
-                 charges: Charges):
+                 charges: Charges, user: str = ANONYMOUS):
         self.c = controller
         self.instance_id = instance_id
+        self.user = user  # owns the instance's exports, keys and topics (their namespace)
         self.arguments = arguments
         self.charges = charges
-        self.resources = InstanceResources(charges, instance_id)
+        self.resources = InstanceResources(charges, instance_id, user)
         self.inbox = Inbox(controller.config.server.max_pending_messages)
         self.page_size = controller.hs.page_size
         self.forward_calls = 0
@@ -132,12 +139,21 @@ class InstanceSession:
         return self.inbox.next()
 
     def broadcast(self, topic: str, message: str) -> None:
-        self.c.bus.broadcast(topic, message)
+        self.c.bus.broadcast(self.instance_id, self.user, topic, message)
 
     def subscribe(self, topic: str) -> Inbox:
         if not topic:
             raise _invalid("topic must not be empty")
-        return self.c.bus.subscribe(self.instance_id, topic)
+        return self.c.bus.subscribe(self.instance_id, self.user, topic)
+
+    def store_get(self, key: str) -> str | None:
+        return self.c.kvs.get(self.user, key)
+
+    def store_set(self, key: str, value: str) -> None:
+        self.c.kvs.set(self.user, key, value)
+
+    def store_delete(self, key: str) -> None:
+        self.c.kvs.delete(self.user, key)
 
     def http(self, method: str, url: str, headers: list[tuple[str, str]],
              body: str | None = None) -> HostFuture:
@@ -186,13 +202,13 @@ class InstanceSession:
     def export_kvpage(self, pages: list[int], name: str, persistent: bool) -> None:
         if not name:
             raise _invalid("export name must not be empty")
-        self.c.resources.export(self.resources, self.instance_id, pages, name, persistent)
+        self.c.resources.export(self.resources, pages, name, persistent)
 
     def import_kvpage(self, name: str) -> list[int]:
         return self.c.resources.import_(self.resources, name)
 
     def unexport_kvpage(self, name: str) -> None:
-        self.c.resources.unexport(name)
+        self.c.resources.unexport(self.resources, name)
 
     # --- forward ---------------------------------------------------------------------------
 
@@ -300,5 +316,5 @@ class InstanceSession:
     def close(self) -> None:
         """Release everything the instance held: queues, pages, embeds, exports, topics."""
         self.c.scheduler.close_instance(self.instance_id)
-        self.c.resources.release_instance(self.resources, self.instance_id)
+        self.c.resources.release_instance(self.resources)
         self.c.bus.drop_instance(self.instance_id)

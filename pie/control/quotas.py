@@ -21,6 +21,13 @@ HELD = {"kv_pages": "kv pages", "embeds": "embeds", "queues": "queues", "exports
         "instances": "live instances"}
 RATES = ("messages_per_s", "http_requests_per_s")
 ANONYMOUS = "anonymous"  # the user of every client when the server has no auth tokens
+PUBLIC = "public:"  # names with this prefix are shared by every user (read-only for others)
+
+
+def namespace(user: str, name: str) -> tuple[str, str]:
+    """Where `user`'s export, key or topic `name` lives: in the user's own namespace, or in
+    the one every user shares for names that begin with `public:` (docs/security.md)."""
+    return ("", name) if name.startswith(PUBLIC) else (user, name)
 
 
 class RateLimit:
@@ -79,6 +86,16 @@ class Charges:
             self.instance.held[what] -= count
             self.user.held[what] -= count
 
+    def charge_user(self, what: str, count: int) -> None:
+        """Charge the user alone: for what outlives the instance (the pages an export pins)."""
+        with self.book.lock:
+            self.user.check(what, count)
+            self.user.held[what] += count
+
+    def refund_user(self, what: str, count: int) -> None:
+        with self.book.lock:
+            self.user.held[what] -= count
+
     def wait_s(self, rate: str) -> float:
         """Reserve the next call of `rate` in both accounts; how long the caller must wait."""
         now = time.monotonic()
@@ -104,14 +121,20 @@ class QuotaBook:
         self.users: dict[str, Account] = {}
 
     def open(self, user: str) -> Charges:
+        """Accounts for a new instance of `user`, with the user's quota overrides
+        (quota.users.<fingerprint>) if any."""
+        instance_quota, user_quota = self.config.for_user(user)
+        overridden = user in self.config.resolved
         with self.lock:
             account = self.users.get(user)
             if account is None:
-                account = self.users[user] = Account(f"user {user}", "quota.user", self.config.user)
-        return Charges(self, Account("the instance", "quota.instance", self.config.instance), account)
+                key = f"quota.users.{user}.user" if overridden else "quota.user"
+                account = self.users[user] = Account(f"user {user}", key, user_quota)
+        key = f"quota.users.{user}.instance" if overridden else "quota.instance"
+        return Charges(self, Account("the instance", key, instance_quota), account)
 
-    def usage(self) -> dict[str, dict[str, int]]:
-        """What each user holds now (for /stats)."""
+    def usage(self, user: str | None = None) -> dict[str, dict[str, int]]:
+        """What each user holds now (for /stats); only `user`'s entry when one is given."""
         with self.lock:
-            return {user: {what: account.held[what] for what in HELD}
-                    for user, account in self.users.items()}
+            return {name: {what: account.held[what] for what in HELD}
+                    for name, account in self.users.items() if user is None or name == user}

@@ -4,6 +4,15 @@ The backend owns the memory; the control layer owns the bookkeeping. Every id an
 holds is virtual and resolved through its own table on every call, so a forged, foreign or
 freed id is an error, never another inferlet's data. KV pages are reference-counted so
 fork, export and import can share them.
+
+Export names live in their user's namespace: a user sees, imports and removes only its own
+exports, and cannot take a name from another user. A name beginning with `public:` is
+the one explicit grant: it lives in a namespace shared by every user, where the first user
+to export it owns it until it is removed; other users may import it (shared pages are
+read-only), never remove or replace it. Every export's pages count against its creator's
+`quota.user.kv_pages` until it is removed: an export pins pages whoever else holds them
+(for a persistent one, after its creator has ended), so without the charge a user could
+pin the pool beyond its quota.
 """
 
 from __future__ import annotations
@@ -14,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pie.control.errors import ErrorKind, HostError
-from pie.control.quotas import Charges
+from pie.control.quotas import Charges, namespace
 
 Evict = Callable[[str, int, str], None]
 
@@ -86,6 +95,7 @@ class VirtualTable:
 @dataclass
 class Export:
     pages: list[int]  # physical
+    user: str  # the user who made it, its owner
     owner: str | None  # instance id; None = persistent (outlives its creator)
     charges: Charges  # its creator's accounts, refunded when the export is removed
 
@@ -94,6 +104,7 @@ class Export:
 class InstanceResources:
     charges: Charges
     instance_id: str = ""
+    user: str = ""
     pages: VirtualTable = field(default_factory=lambda: VirtualTable("kv page"))
     embeds: VirtualTable = field(default_factory=lambda: VirtualTable("embed"))
 
@@ -109,7 +120,7 @@ class ResourceManager:
         self.lock = threading.Condition()
         self.pages = PhysicalPool(num_pages, "kv pages")
         self.embeds = PhysicalPool(num_embeds, "embeds")
-        self.exports: dict[str, Export] = {}
+        self.exports: dict[tuple[str, str], Export] = {}  # namespace(user, name) -> export
         self.wait_s = wait_s
         # control.pool_full = terminate-newest: called with (requester, shortfall, pool) to
         # end instances newer than the requester; their teardown refills the pool.
@@ -175,30 +186,51 @@ class ResourceManager:
                                     f"and read-only; copy it into a page of your own to write")
             return physical
 
-    def export(self, inst: InstanceResources, owner: str, ids: list[int], name: str,
-               persistent: bool) -> None:
+    def export(self, inst: InstanceResources, ids: list[int], name: str, persistent: bool) -> None:
+        key = namespace(inst.user, name)
         with self.lock:
-            if name in self.exports:
-                raise HostError(ErrorKind.ALREADY_EXISTS, f"an export named {name!r} exists")
+            if key in self.exports:
+                theirs = self.exports[key].user != inst.user
+                raise HostError(ErrorKind.ALREADY_EXISTS,
+                                f"an export named {name!r} exists"
+                                + (" (a public name another user owns)" if theirs else ""))
             physical = inst.pages.resolve(ids)
             inst.charges.charge("exports")
+            try:
+                inst.charges.charge_user("kv_pages", len(physical))
+            except HostError:
+                inst.charges.refund("exports")
+                raise
             self.pages.retain(physical)
-            self.exports[name] = Export(physical, None if persistent else owner, inst.charges)
+            self.exports[key] = Export(physical, inst.user, None if persistent else inst.instance_id,
+                                       inst.charges)
 
     def import_(self, inst: InstanceResources, name: str) -> list[int]:
         with self.lock:
-            export = self.exports.get(name)
+            export = self.exports.get(namespace(inst.user, name))
             if export is None:
                 raise HostError(ErrorKind.NOT_FOUND, f"no export named {name!r}")
             inst.charges.charge("kv_pages", len(export.pages))
             self.pages.retain(export.pages)
             return inst.pages.add(list(export.pages))
 
-    def unexport(self, name: str) -> None:
+    def unexport(self, inst: InstanceResources, name: str) -> None:
+        """Only the owner removes an export, and a non-persistent one only its own instance
+        (it goes when that instance ends)."""
+        key = namespace(inst.user, name)
         with self.lock:
-            export = self.exports.pop(name, None)
+            export = self.exports.get(key)
             if export is None:
                 raise HostError(ErrorKind.NOT_FOUND, f"no export named {name!r}")
+            if export.user != inst.user:
+                raise HostError(ErrorKind.PERMISSION_DENIED,
+                                f"the public export {name!r} belongs to another user; only its owner "
+                                f"may remove it")
+            if export.owner is not None and export.owner != inst.instance_id:
+                raise HostError(ErrorKind.PERMISSION_DENIED,
+                                f"the export {name!r} belongs to another instance that is still "
+                                f"running; it is removed when that instance ends")
+            del self.exports[key]
             self._remove(export)
             self.lock.notify_all()
 
@@ -212,18 +244,24 @@ class ResourceManager:
             self.lock.notify_all()
             return count
 
-    def release_instance(self, inst: InstanceResources, owner: str) -> None:
+    def release_instance(self, inst: InstanceResources) -> None:
         """Teardown: every page and embed the instance held, and its non-persistent exports."""
         with self.lock:
             self.pages.release(list(inst.pages.mapping.values()))
             self.embeds.release(list(inst.embeds.mapping.values()))
             inst.pages.mapping.clear()
             inst.embeds.mapping.clear()
-            for name in [n for n, e in self.exports.items() if e.owner == owner]:
-                self._remove(self.exports.pop(name))
+            for key in [k for k, e in self.exports.items() if e.owner == inst.instance_id]:
+                self._remove(self.exports.pop(key))
             inst.charges.close()
             self.lock.notify_all()
+
+    def exports_of(self, user: str | None) -> int:
+        """How many exports `user` owns (None: all)."""
+        with self.lock:
+            return sum(1 for e in self.exports.values() if user is None or e.user == user)
 
     def _remove(self, export: Export) -> None:
         self.pages.release(export.pages)
         export.charges.refund("exports")
+        export.charges.refund_user("kv_pages", len(export.pages))

@@ -263,7 +263,10 @@ def build_linker(engine: Engine, controller: Controller, lookup: Callable[[Any],
             def broadcast(st: HostState, store: Any, topic: str, message: str) -> None:
                 check_size(message)
                 st.pace("messages_per_s")
-                st.session.broadcast(topic, message)
+                try:
+                    st.session.broadcast(topic, message)
+                except HostError as e:  # broadcast has no error result: the refusal ends the instance
+                    raise LimitExceeded(f"broadcast refused: {e.kind}: {e.message}") from None
 
             messaging.add_func("send", call(send, False))
             messaging.add_func("receive",
@@ -277,9 +280,9 @@ def build_linker(engine: Engine, controller: Controller, lookup: Callable[[Any],
 
         with root.add_instance(PACKAGE.format("kvs")) as kvs:
             counted(kvs)
-            kvs.add_func("store-get", call(lambda st, store, k: st.session.c.kvs.get(k), False))
-            kvs.add_func("store-set", call(lambda st, store, k, v: st.session.c.kvs.set(k, v)))
-            kvs.add_func("store-delete", call(lambda st, store, k: st.session.c.kvs.delete(k), False))
+            kvs.add_func("store-get", call(lambda st, store, k: st.session.store_get(k), False))
+            kvs.add_func("store-set", call(lambda st, store, k, v: st.session.store_set(k, v)))
+            kvs.add_func("store-delete", call(lambda st, store, k: st.session.store_delete(k), False))
 
         with root.add_instance(PACKAGE.format("http")) as http:
             counted(http)

@@ -205,12 +205,16 @@ class Runtime:
         with self.lock:
             return [i.info for i in self.instances.values()]
 
-    def stats(self) -> dict:
-        """Live instances, host calls per program, and the control layer's statistics."""
+    def stats(self, user: str | None = None) -> dict:
+        """Live instances, host calls per program, and the control layer's statistics: of
+        every user (user None: an admin, or a server without tokens), or of `user` only —
+        its instances, and programs it may launch, so no other user's program hash shows."""
         with self.lock:
-            calls = {program: dict(c) for program, c in self.host_calls.items()}
-            live = len(self.instances)
-        return {"instances": live, "host_calls": calls, **self.controller.stats()}
+            calls = {program: dict(c) for program, c in self.host_calls.items()
+                     if user is None or program in self.programs.builtins
+                     or self.programs.visible(program, user)}
+            live = sum(1 for i in self.instances.values() if user is None or i.info.user == user)
+        return {"instances": live, "host_calls": calls, **self.controller.stats(user)}
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         with self.lock:
