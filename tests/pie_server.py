@@ -17,7 +17,7 @@ from pie.client import PieClient
 from pie.toolchain import build_inferlet
 
 ROOT = Path(__file__).resolve().parents[1]
-TOKEN = "e2e-secret"
+TOKEN = "e2e-secret-token-0001"
 READY = re.compile(r"\(ws://(\S+)/ws\)")
 
 

@@ -53,7 +53,7 @@ def test_missing_config_file():
 def test_non_loopback_hosts_require_authentication(host):
     with pytest.raises(ConfigError, match="authentication is required"):
         ServerConfig(host=host)
-    assert ServerConfig(host=host, auth_tokens=["secret"]).host == host
+    assert ServerConfig(host=host, auth_tokens=["secret-token-00001"]).host == host
     assert ServerConfig(host=host, allow_unauthenticated=True).host == host
     for loopback in ("127.0.0.1", "::1", "localhost"):
         assert ServerConfig(host=loopback).auth_tokens == []

@@ -17,7 +17,7 @@ from pie.server.rpc import RpcError
 from pie_server import TOKEN, Server, build
 
 pytestmark = pytest.mark.anyio
-OTHER = "second-user"
+OTHER = "second-user-token-0002"
 QUOTAS = {
     "quota.instance": {"queues": 3},
     "quota.user": {"kv_pages": 40, "instances": 4, "messages_per_s": 20.0, "http_requests_per_s": 2.0},

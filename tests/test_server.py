@@ -35,6 +35,7 @@ from pie.runtime.runtime import (
 
 pytestmark = pytest.mark.anyio
 
+ALICE, BOB = "alice-token-00001", "bob-token-0000001"
 COMPONENT = b"\0asm" + bytes(range(256)) * 10_000  # 2.5 MB: three upload chunks
 
 
@@ -207,7 +208,7 @@ async def test_health_and_rpc_wait_for_the_backend_handshake():
 
 
 async def test_authentication_required_when_tokens_are_configured(fake):
-    state = ServerState(ServerConfig(auth_tokens=["alpha", "s3cret"]), fake, "m")
+    state = ServerState(ServerConfig(auth_tokens=["alpha-token-00001", "s3cret-token-0001"]), fake, "m")
     with serving(state) as base:
         async with PieClient(base) as client:
             with pytest.raises(RpcError) as e:
@@ -218,12 +219,12 @@ async def test_authentication_required_when_tokens_are_configured(fake):
             assert e.value.code == "auth_failed"
             with pytest.raises(RpcError, match="unauthenticated"):
                 await client.launch("hello")
-            await client._call(rpc.Authenticate, token="s3cret")
+            await client._call(rpc.Authenticate, token="s3cret-token-0001")
             assert await client.list_instances() == []
         with pytest.raises(RpcError, match="auth_failed"):
             async with PieClient(base, token="nope"):
                 pass
-        async with PieClient(base, token="alpha") as client:
+        async with PieClient(base, token="alpha-token-00001") as client:
             assert await client.program_exists("0" * 64) is False
 
 
@@ -388,16 +389,16 @@ async def test_detached_instance_outlives_its_connection_and_can_be_attached(fak
     """A detached instance keeps running when its connection closes; its events are held
     (the instance's sends wait once max_pending_messages are held, so nothing is lost) and
     delivered in order to whichever connection of the same user attaches next."""
-    config = ServerConfig(auth_tokens=["alice", "bob"], max_pending_messages=3)
+    config = ServerConfig(auth_tokens=[ALICE, BOB], max_pending_messages=3)
     with serving(ServerState(config, fake, "m")) as base:
-        async with PieClient(base, token="alice") as first:
+        async with PieClient(base, token=ALICE) as first:
             detached = await first.launch("echo", detached=True)
             plain = await first.launch("echo")
             await detached.send("before")
             assert (await detached.recv()).text == "before"
             with pytest.raises(RpcError, match="not_attachable.*already attached to this connection"):
                 await first.attach(detached.id)
-            async with PieClient(base, token="alice") as second:
+            async with PieClient(base, token=ALICE) as second:
                 with pytest.raises(RpcError, match="not_attachable.*attached to another connection"):
                     await second.attach(detached.id)
                 with pytest.raises(RpcError, match="not_attachable.*not launched detached"):
@@ -409,11 +410,11 @@ async def test_detached_instance_outlives_its_connection_and_can_be_attached(fak
         await eventually(lambda: inbox.qsize() == 3)
         await asyncio.sleep(0.2)
         assert inbox.qsize() == 3  # still waiting: backpressure, not loss
-        async with PieClient(base, token="bob") as bob:
+        async with PieClient(base, token=BOB) as bob:
             with pytest.raises(RpcError, match="unknown_instance"):  # another user's
                 await bob.attach(detached.id)
             assert await bob.list_instances() == []
-        async with PieClient(base, token="alice") as third:
+        async with PieClient(base, token=ALICE) as third:
             [summary] = await third.list_instances()
             assert (summary.id, summary.detached, summary.attached) == (detached.id, True, False)
             again = await third.attach(detached.id)
@@ -421,12 +422,12 @@ async def test_detached_instance_outlives_its_connection_and_can_be_attached(fak
             await again.send("bye")
             assert await again.wait() == "finished"
             assert await third.list_instances() == []
-        async with PieClient(base, token="alice") as fourth:  # an end nobody was there to see
+        async with PieClient(base, token=ALICE) as fourth:  # an end nobody was there to see
             ended = await fourth.launch("echo", detached=True)
         await eventually(lambda: ended.id in [i.id for i in fake.list_instances()])
         fake.terminate(ended.id, "stopped meanwhile")
         await eventually(lambda: fake.list_instances() == [])
-        async with PieClient(base, token="alice") as fifth:
+        async with PieClient(base, token=ALICE) as fifth:
             [summary] = await fifth.list_instances()
             assert summary.state == "terminated"
             late = await fifth.attach(ended.id)
