@@ -1,5 +1,5 @@
 """The `pie` command line: `pie model`, `pie backend`, `pie generate`, `pie serve`, `pie run`,
-`pie attach`, `pie ps`, `pie build`, `pie new`."""
+`pie attach`, `pie ps`, `pie build`, `pie new`, `pie token`."""
 
 from __future__ import annotations
 
@@ -125,8 +125,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
     overrides = {"host": args.host, "port": args.port}
     config.server = dataclasses.replace(
         config.server, **{k: v for k, v in overrides.items() if v is not None})
+    _warn_shared_without_quotas(config)
     return serve(config, _model_dir(config), args.config, _backend_overrides(args), console,
                  verbose=args.verbose)
+
+
+def _warn_shared_without_quotas(config: PieConfig) -> None:
+    """Several users and no fair-share quota: any one user may take the whole KV pool or
+    every instance slot (docs/security.md, "A server for several users")."""
+    if len(config.server.tokens) < 2:
+        return
+    unset = [f"quota.user.{key}" for key in ("kv_pages", "instances")
+             if not getattr(config.quota.user, key)]
+    if unset:
+        console.print(f"[yellow]warning:[/] {len(config.server.tokens)} users and no {' or '.join(unset)}: "
+                      "one user can take the whole KV pool / every instance slot (see docs/security.md)",
+                      highlight=False)
+
+
+def cmd_token(args: argparse.Namespace) -> int:
+    """A new random token for server.auth_tokens (or the fingerprint of a given one)."""
+    import secrets
+
+    from pie.config import MIN_TOKEN_CHARS
+    from pie.control.quotas import fingerprint
+
+    token = args.token if args.token is not None else secrets.token_urlsafe(24)
+    if len(token) < MIN_TOKEN_CHARS:
+        console.print(f"[red]error:[/] a token must have at least {MIN_TOKEN_CHARS} characters")
+        return 2
+    if args.token is None:
+        print(f"token:       {token}")
+    print(f"fingerprint: {fingerprint(token)}  (names this user in /stats, logs and quota.users)")
+    return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -368,6 +399,13 @@ def build_parser() -> argparse.ArgumentParser:
     new.add_argument("directory", metavar="DIR", help="where to create it (must not exist or be empty)")
     new.add_argument("--name", help="crate name (default: the directory's name)")
     new.set_defaults(func=cmd_new)
+
+    token = sub.add_parser("token", help="make a new auth token and print its fingerprint",
+                           description="Print a new random token for server.auth_tokens and the "
+                                       "fingerprint that names its user; with TOKEN, only that "
+                                       "token's fingerprint.")
+    token.add_argument("token", metavar="TOKEN", nargs="?")
+    token.set_defaults(func=cmd_token)
 
     build = sub.add_parser("build", help="build an inferlet (Rust crate or Python file) into a component")
     build.add_argument("crate", metavar="CRATE_DIR|FILE.py")

@@ -243,11 +243,17 @@ def test_user_quota_spans_the_users_instances_and_is_refunded_at_teardown():
     assert e.value.kind == ErrorKind.OUT_OF_RESOURCES and manager.pages.available == 13
     assert len(manager.alloc_pages(b, 4)) == 4  # bob has a quota of his own
     pages = manager.alloc_pages(a2, 1)
-    manager.export(a2, pages, "kept", persistent=True)  # pins 1 page: alice holds 5
+    manager.export(a2, pages, "kept", persistent=True)  # a2 holds the page: nothing more to pay
+    assert book.usage()["alice"]["kv_pages"] == 4
     with pytest.raises(HostError, match="quota.user.exports = 1"):
         manager.export(a1, pages[:0], "other", persistent=False)
-    with pytest.raises(HostError, match="quota.user.kv_pages = 5"):  # importing is holding
-        manager.import_(a1, "kept")
+    assert len(manager.import_(a1, "kept")) == 1  # a page alice keeps alive already
+    assert book.usage()["alice"]["kv_pages"] == 4 and a1.charges.instance.held["kv_pages"] == 4
+    extra = manager.alloc_pages(a2, 1)  # alice holds 5
+    bobs = bobs_export(manager, b)
+    with pytest.raises(HostError, match="holds 5 kv pages and asks for 1 more"):  # a new page
+        manager.import_(a1, bobs)
+    manager.release(manager.take_pages(a2, extra), [])
     a1.charges.charge("queues", 2)
     with pytest.raises(HostError, match="quota.user.queues = 2"):
         a2.charges.charge("queues")
@@ -256,11 +262,17 @@ def test_user_quota_spans_the_users_instances_and_is_refunded_at_teardown():
     assert book.usage()["alice"] == {"kv_pages": 1, "embeds": 0, "queues": 0, "exports": 1,
                                      "instances": 0}  # the persistent export's page
     survivor = holder(book, "alice", "a3")
-    with pytest.raises(HostError, match="holds 1 kv pages and asks for 5 more"):
+    with pytest.raises(HostError, match="holds 1 kv pages and asks for 5 more"):  # still pinned
         manager.alloc_pages(survivor, 5)
     manager.unexport(survivor, "kept")
     assert book.usage()["alice"]["exports"] == 0 and book.usage()["alice"]["kv_pages"] == 0
-    assert manager.pages.available == 12  # bob's 4
+    assert manager.pages.available == 11  # bob's 4, and the page of his public export
+    assert manager.exports_of("bob") == 1 and book.usage()["bob"]["kv_pages"] == 5
+
+
+def bobs_export(manager: ResourceManager, bob: InstanceResources) -> str:
+    manager.export(bob, manager.alloc_pages(bob, 1), "public:bobs", persistent=True)
+    return "public:bobs"
 
 
 def test_per_user_quota_overrides():

@@ -8,6 +8,7 @@ over quota makes the caller wait (throttling loses nothing).
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections import Counter
@@ -22,6 +23,12 @@ HELD = {"kv_pages": "kv pages", "embeds": "embeds", "queues": "queues", "exports
 RATES = ("messages_per_s", "http_requests_per_s")
 ANONYMOUS = "anonymous"  # the user of every client when the server has no auth tokens
 PUBLIC = "public:"  # names with this prefix are shared by every user (read-only for others)
+
+
+def fingerprint(token: str) -> str:
+    """The user a token stands for, as quotas, listings, logs and /stats name it: never the
+    token itself, and the key of its per-user overrides (quota.users.<fingerprint>)."""
+    return "token-" + hashlib.sha256(token.encode()).hexdigest()[:8]
 
 
 def namespace(user: str, name: str) -> tuple[str, str]:
@@ -74,27 +81,21 @@ class Charges:
     def __init__(self, book: QuotaBook, instance: Account, user: Account):
         self.book, self.instance, self.user = book, instance, user
 
-    def charge(self, what: str, count: int = 1) -> None:
+    def charge(self, what: str, count: int = 1, user_count: int | None = None) -> None:
+        """Charge `count` to the instance and `user_count` (default the same) to its user:
+        they differ for KV pages, which a user is charged once however many of its
+        instances and exports hold them (see ResourceManager)."""
+        user_count = count if user_count is None else user_count
         with self.book.lock:
             self.instance.check(what, count)
-            self.user.check(what, count)
+            self.user.check(what, user_count)
             self.instance.held[what] += count
-            self.user.held[what] += count
+            self.user.held[what] += user_count
 
-    def refund(self, what: str, count: int = 1) -> None:
+    def refund(self, what: str, count: int = 1, user_count: int | None = None) -> None:
         with self.book.lock:
             self.instance.held[what] -= count
-            self.user.held[what] -= count
-
-    def charge_user(self, what: str, count: int) -> None:
-        """Charge the user alone: for what outlives the instance (the pages an export pins)."""
-        with self.book.lock:
-            self.user.check(what, count)
-            self.user.held[what] += count
-
-    def refund_user(self, what: str, count: int) -> None:
-        with self.book.lock:
-            self.user.held[what] -= count
+            self.user.held[what] -= count if user_count is None else user_count
 
     def wait_s(self, rate: str) -> float:
         """Reserve the next call of `rate` in both accounts; how long the caller must wait."""
@@ -107,7 +108,7 @@ class Charges:
         whoever removes them (a persistent one outlives the instance and stays charged)."""
         with self.book.lock:
             for what, count in self.instance.held.items():
-                if what != "exports":
+                if what not in ("exports", "kv_pages"):  # both are settled by ResourceManager
                     self.user.held[what] -= count
                     self.instance.held[what] = 0
 

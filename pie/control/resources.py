@@ -9,16 +9,20 @@ Export names live in their user's namespace: a user sees, imports and removes on
 exports, and cannot take a name from another user. A name beginning with `public:` is
 the one explicit grant: it lives in a namespace shared by every user, where the first user
 to export it owns it until it is removed; other users may import it (shared pages are
-read-only), never remove or replace it. Every export's pages count against its creator's
-`quota.user.kv_pages` until it is removed: an export pins pages whoever else holds them
-(for a persistent one, after its creator has ended), so without the charge a user could
-pin the pool beyond its quota.
+read-only), never remove or replace it.
+
+KV pages count against quotas as references: an instance is charged for the ids it holds
+(allocated or imported), a user for the distinct physical pages that its instances and its
+exports keep alive, each once. So exporting pages an instance holds costs its user
+nothing more, and a persistent export stays charged to its user after the instance ends,
+until it is removed: a user cannot pin more of the pool than its quota.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -121,27 +125,52 @@ class ResourceManager:
         self.pages = PhysicalPool(num_pages, "kv pages")
         self.embeds = PhysicalPool(num_embeds, "embeds")
         self.exports: dict[tuple[str, str], Export] = {}  # namespace(user, name) -> export
+        # user -> physical page -> references from the user's instances and exports
+        self.user_pages: dict[str, Counter[int]] = {}
         self.wait_s = wait_s
         # control.pool_full = terminate-newest: called with (requester, shortfall, pool) to
         # end instances newer than the requester; their teardown refills the pool.
         self.evict = evict
 
     def alloc_pages(self, inst: InstanceResources, count: int) -> list[int]:
-        return self._alloc(inst, inst.pages, self.pages, count, "kv_pages")
+        physical = self._alloc(inst, self.pages, count, "kv_pages")
+        self._user_hold(inst.user, physical)
+        return inst.pages.add(physical)
 
     def alloc_embeds(self, inst: InstanceResources, count: int) -> list[int]:
-        return self._alloc(inst, inst.embeds, self.embeds, count, "embeds")
+        return inst.embeds.add(self._alloc(inst, self.embeds, count, "embeds"))
 
-    def _alloc(self, inst: InstanceResources, table: VirtualTable, pool: PhysicalPool, count: int,
-               what: str) -> list[int]:
+    def _alloc(self, inst: InstanceResources, pool: PhysicalPool, count: int, what: str) -> list[int]:
         with self.lock:
             inst.charges.charge(what, count)
             try:
                 self._wait_for(pool, count, inst.instance_id)
-                return table.add(pool.alloc(count))
+                return pool.alloc(count)
             except HostError:
                 inst.charges.refund(what, count)
                 raise
+
+    # A user's KV charge: its distinct physical pages (see the module docstring).
+    def _user_new(self, user: str, pages: list[int]) -> int:
+        held = self.user_pages.get(user, Counter())
+        return len({p for p in pages if p not in held})
+
+    def _user_hold(self, user: str, pages: list[int]) -> None:
+        with self.lock:
+            self.user_pages.setdefault(user, Counter()).update(pages)
+
+    def _user_drop(self, user: str, pages: list[int]) -> int:
+        """Drop references; how many pages the user no longer keeps alive."""
+        if not pages:
+            return 0
+        held = self.user_pages[user]
+        held.subtract(pages)
+        gone = [p for p in set(pages) if held[p] <= 0]
+        for p in gone:
+            del held[p]
+        if not held:
+            del self.user_pages[user]
+        return len(gone)
 
     def _wait_for(self, pool: PhysicalPool, count: int, requester: str) -> None:
         if pool.available < count <= pool.size and self.evict is not None:
@@ -160,7 +189,7 @@ class ResourceManager:
         """Invalidate virtual page ids now; the caller releases the physical ones later."""
         with self.lock:
             physical = inst.pages.remove(ids)
-            inst.charges.refund("kv_pages", len(ids))
+            inst.charges.refund("kv_pages", len(ids), self._user_drop(inst.user, physical))
             return physical
 
     def take_embeds(self, inst: InstanceResources, ids: list[int]) -> list[int]:
@@ -196,11 +225,7 @@ class ResourceManager:
                                 + (" (a public name another user owns)" if theirs else ""))
             physical = inst.pages.resolve(ids)
             inst.charges.charge("exports")
-            try:
-                inst.charges.charge_user("kv_pages", len(physical))
-            except HostError:
-                inst.charges.refund("exports")
-                raise
+            self._user_hold(inst.user, physical)  # held by the instance: nothing new to charge
             self.pages.retain(physical)
             self.exports[key] = Export(physical, inst.user, None if persistent else inst.instance_id,
                                        inst.charges)
@@ -210,7 +235,8 @@ class ResourceManager:
             export = self.exports.get(namespace(inst.user, name))
             if export is None:
                 raise HostError(ErrorKind.NOT_FOUND, f"no export named {name!r}")
-            inst.charges.charge("kv_pages", len(export.pages))
+            inst.charges.charge("kv_pages", len(export.pages), self._user_new(inst.user, export.pages))
+            self._user_hold(inst.user, export.pages)
             self.pages.retain(export.pages)
             return inst.pages.add(list(export.pages))
 
@@ -247,7 +273,9 @@ class ResourceManager:
     def release_instance(self, inst: InstanceResources) -> None:
         """Teardown: every page and embed the instance held, and its non-persistent exports."""
         with self.lock:
-            self.pages.release(list(inst.pages.mapping.values()))
+            held = list(inst.pages.mapping.values())
+            inst.charges.refund("kv_pages", len(held), self._user_drop(inst.user, held))
+            self.pages.release(held)
             self.embeds.release(list(inst.embeds.mapping.values()))
             inst.pages.mapping.clear()
             inst.embeds.mapping.clear()
@@ -264,4 +292,4 @@ class ResourceManager:
     def _remove(self, export: Export) -> None:
         self.pages.release(export.pages)
         export.charges.refund("exports")
-        export.charges.refund_user("kv_pages", len(export.pages))
+        export.charges.refund("kv_pages", 0, self._user_drop(export.user, export.pages))

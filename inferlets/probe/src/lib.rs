@@ -21,6 +21,11 @@
 //! - `queues N`: creates N more queues; sends `queues: ok` or the first error.
 //! - `spam N [TOPIC]`: sends `m0` … `m{N-1}` as fast as it may (rate and backpressure
 //!   tests); with TOPIC, first subscribes, sends `waiting` and waits for a broadcast on it.
+//! - `unexport NAME`: removes the export NAME; sends `unexport: ok` or the error.
+//! - `persist NAME N`: allocates N pages, exports them persistently as NAME, frees its own
+//!   ids and sends `persisted N` (or the error); the export outlives the instance.
+//! - `kvs get KEY` / `kvs set KEY VALUE` / `kvs delete KEY`: sends `value: V`, `value: none`,
+//!   `set: ok`, `delete: ok` or the error.
 //! - `fuzz N SEED`: N host calls with random arguments — live, freed and forged ids, wild
 //!   counts, lengths, offsets and positions — each of which must come back as `Ok` or a
 //!   host `Error`, never a trap; frees what it still holds and sends `{"ok": a, "err": b}`.
@@ -147,6 +152,39 @@ async fn main() -> Result<(), String> {
             }
             for i in 0..n {
                 inferlet::send(&format!("m{i}"));
+            }
+            Ok(())
+        }
+        Some("unexport") => {
+            report("unexport", allocate::unexport_kvpage(&args[1]));
+            Ok(())
+        }
+        Some("persist") => {
+            let n: u32 = args.get(2).and_then(|a| a.parse().ok()).unwrap_or(1);
+            let exported = allocate::alloc_kvpage(queue.raw(), n).and_then(|pages| {
+                allocate::export_kvpage(&pages, &args[1], true)?;
+                allocate::dealloc_kvpage(queue.raw(), &pages)
+            });
+            match exported {
+                Ok(()) => inferlet::send(&format!("persisted {n}")),
+                Err(e) => inferlet::send(&format!("{:?}: {}", e.kind, e.message)),
+            }
+            Ok(())
+        }
+        Some("kvs") => {
+            match (args.get(1).map(String::as_str), args.get(2)) {
+                (Some("get"), Some(key)) => match kvs::store_get(key) {
+                    Some(value) => inferlet::send(&format!("value: {value}")),
+                    None => inferlet::send("value: none"),
+                },
+                (Some("set"), Some(key)) => {
+                    report("set", kvs::store_set(key, args.get(3).map(String::as_str).unwrap_or("")))
+                }
+                (Some("delete"), Some(key)) => {
+                    kvs::store_delete(key);
+                    inferlet::send("delete: ok");
+                }
+                _ => return Err("usage: kvs get|set|delete KEY [VALUE]".into()),
             }
             Ok(())
         }
