@@ -51,6 +51,7 @@ async def test_user_quotas_span_instances_and_spare_other_users(server, probe):
     an instance's end gives its pages back; quota.user.instances refuses a launch."""
     async with PieClient(server.ws, TOKEN) as mine, PieClient(server.ws, OTHER) as theirs:
         program = await mine.upload(probe)
+        await theirs.upload(probe)  # programs belong to their uploaders
         first = await mine.launch(program, ["hold", "30"])
         assert (await first.recv()).text == "held 30"
         second = await mine.launch(program, ["hold", "20"])
