@@ -69,7 +69,7 @@ pub mod types {
         /// A name is already taken (an export name).
         AlreadyExists,
         /// The server's policy forbids it (URL host not in the allowlist, another
-        /// instance's export).
+        /// instance's export, another user's `public:` name).
         PermissionDenied,
         /// The model does not implement the trait or feature (no image input, no adapters,
         /// no chat template).
@@ -682,8 +682,12 @@ pub mod messaging {
 
     /// Sends a message to every current subscriber of a topic, this instance included.
     ///
-    /// A message over `server.max_message_bytes` ends the instance with an error, as for
-    /// `send`.
+    /// Topics belong to the user (auth token) that launched the instance: only that user's
+    /// instances hear each other. A topic that begins with `public:` is shared by every
+    /// user; it is published by one user, the one whose instance first broadcast on it, for
+    /// as long as one of that user's instances that broadcast on it runs. A message over
+    /// `server.max_message_bytes`, or a broadcast on a `public:` topic another user
+    /// publishes, ends the instance with an error, as for `send`.
     ///
     /// Arguments:
     /// - topic: the topic name.
@@ -704,7 +708,7 @@ pub mod messaging {
     /// Subscribes to a topic: messages broadcast from now on are kept for this instance.
     ///
     /// Arguments:
-    /// - topic: the topic name.
+    /// - topic: the topic name: one of the user's own, or a `public:` topic of any user.
     ///
     /// Returns: the subscription; dropping it unsubscribes.
     ///
@@ -748,8 +752,10 @@ pub mod messaging {
     }
 }
 
-/// A key-value store shared by all instances on the server, kept in memory until the
-/// server stops.
+/// A key-value store kept in memory until the server stops. Keys belong to the user (auth
+/// token) that launched the instance: every instance of that user shares them, no other
+/// user sees them. A key that begins with `public:` is shared by every user: the user who
+/// first sets it owns it, others may read it, only the owner changes or deletes it.
 pub mod kvs {
     pub type Error = super::types::Error;
 
@@ -784,7 +790,8 @@ pub mod kvs {
     ///
     /// Errors:
     /// - out-of-resources: the store would exceed its configured total size
-    ///   (`control.kvs_max_bytes`).
+    ///   (`control.kvs_max_bytes`) or the user's `quota.user.kvs_bytes`.
+    /// - permission-denied: the key is a `public:` key another user owns.
     pub fn store_set(key: &str, value: &str) -> Result<(), Error> {
         #[link(wasm_import_module = "pie:inferlet/kvs@0.1.0")]
         extern "C" {
@@ -798,7 +805,8 @@ pub mod kvs {
         }
     }
 
-    /// Removes a key; removing a key that is not set does nothing.
+    /// Removes a key; removing a key that is not set, or another user's `public:` key, does
+    /// nothing.
     ///
     /// Arguments:
     /// - key: the key.
@@ -1123,11 +1131,15 @@ pub mod allocate {
     ///
     /// The export holds its own reference to each physical page: the exporter may free its
     /// ids afterwards. It names the pages as they are: `synchronize` first if commands that
-    /// write them are still pending.
+    /// write them are still pending. Names belong to the user (auth token) that launched
+    /// the instance: only that user's instances see them. A name that begins with `public:`
+    /// is shared by every user instead: others may import it, only its owner removes it.
+    /// The pages stay charged to the user's `quota.user.kv_pages` until the export is removed.
     ///
     /// Arguments:
     /// - pages: the pages, in sequence order.
-    /// - name: the export's name, unique on the server.
+    /// - name: the export's name, unique among the user's exports (or among all `public:`
+    ///   names).
     /// - persistent: false removes the export when this instance ends; true keeps it until
     ///   `unexport-kvpage`.
     ///
@@ -1136,7 +1148,9 @@ pub mod allocate {
     /// Errors:
     /// - invalid-handle: an id is not a live page of this instance.
     /// - invalid-argument: `pages` or `name` is empty.
-    /// - already-exists: an export with this name exists.
+    /// - already-exists: the user (or, for a `public:` name, any user) has an export with
+    ///   this name.
+    /// - out-of-resources: the instance's or the user's export quota would be exceeded.
     pub fn export_kvpage(pages: &[KvPage], name: &str, persistent: bool) -> Result<(), Error> {
         #[link(wasm_import_module = "pie:inferlet/allocate@0.1.0")]
         extern "C" {
@@ -1158,15 +1172,16 @@ pub mod allocate {
     /// `dealloc-kvpage` like any page.
     ///
     /// Arguments:
-    /// - name: the export's name.
+    /// - name: the export's name: one of the user's own, or a `public:` name.
     ///
     /// Returns: new page ids, in the export's order.
     ///
     /// Layer: control
     ///
     /// Errors:
-    /// - not-found: no export has this name.
-    /// - out-of-resources: the instance's page quota would be exceeded.
+    /// - not-found: the user has no export with this name, and no `public:` export has it
+    ///   (another user's private export is not found).
+    /// - out-of-resources: the instance's or the user's page quota would be exceeded.
     pub fn import_kvpage(name: &str) -> Result<Vec<KvPage>, Error> {
         #[link(wasm_import_module = "pie:inferlet/allocate@0.1.0")]
         extern "C" {
@@ -1189,8 +1204,9 @@ pub mod allocate {
     /// Layer: control
     ///
     /// Errors:
-    /// - not-found: no export has this name.
-    /// - permission-denied: another instance that is still running made the export.
+    /// - not-found: the user has no export with this name, and no `public:` export has it.
+    /// - permission-denied: another user owns the `public:` export, or another instance
+    ///   that is still running made it (it is removed when that instance ends).
     pub fn unexport_kvpage(name: &str) -> Result<(), Error> {
         #[link(wasm_import_module = "pie:inferlet/allocate@0.1.0")]
         extern "C" {
