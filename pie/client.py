@@ -31,7 +31,8 @@ from pie.server.rpc import RpcError
 log = logging.getLogger(__name__)
 
 # Close codes a Pie server sends without a reason.
-CLOSE_CODES = {1009: "frame larger than the server accepts", 1012: "server shutting down"}
+CLOSE_CODES = {1008: "the client stopped reading", 1009: "frame larger than the server accepts",
+               1012: "server shutting down"}
 
 __all__ = ["PieClient", "Instance", "RpcError", "PieConnectionError", "ws_url"]
 
@@ -122,12 +123,14 @@ class PieClient:
     async def program_exists(self, sha256: str) -> bool:
         return await self._call(rpc.ProgramExists, sha256=sha256)
 
-    async def upload(self, data: bytes) -> str:
-        """Store a program (component bytes) on the server unless it has it; its hash."""
+    async def upload(self, data: bytes, public: bool = False) -> str:
+        """Store a program (component bytes) on the server unless it has it; its hash. Only
+        this client's user (whoever uploaded it) may launch it, unless it is `public`: then
+        every user may (sent even when stored, so that the grant reaches the server)."""
         sha256 = hashlib.sha256(data).hexdigest()
-        if await self.program_exists(sha256):
+        if not public and await self.program_exists(sha256):
             return sha256
-        await self._call(rpc.UploadBegin, sha256=sha256, size=len(data))
+        await self._call(rpc.UploadBegin, sha256=sha256, size=len(data), public=public)
         for start in range(0, len(data), rpc.CHUNK_BYTES):
             await self._call(rpc.UploadChunk, sha256=sha256, data=data[start:start + rpc.CHUNK_BYTES])
         return await self._call(rpc.UploadEnd, sha256=sha256)

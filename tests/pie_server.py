@@ -6,14 +6,20 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import socket
 import subprocess
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pie.client import PieClient
+import msgpack
+import pytest
+import websockets
+
+from pie.client import PieClient, ws_url
 from pie.toolchain import build_inferlet
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,9 +64,9 @@ class Server:
             raise RuntimeError(f"pie serve exited with {self.process.wait()} before it was ready")
         self.ws = f"ws://{self.address}/ws"
 
-    def get(self, path: str) -> tuple[int, dict]:
+    def get(self, path: str, token: str = TOKEN) -> tuple[int, dict]:
         request = urllib.request.Request(f"http://{self.address}{path}",
-                                         headers={"Authorization": f"Bearer {TOKEN}"})
+                                         headers={"Authorization": f"Bearer {token}"})
         try:
             with urllib.request.urlopen(request, timeout=10) as response:
                 return response.status, json.loads(response.read())
@@ -69,6 +75,13 @@ class Server:
 
     def resources(self) -> dict:
         return self.get("/stats")[1]["resources"]
+
+    def rss_mib(self) -> float:
+        """Resident memory of the `pie serve` process (the control process: server, runtime
+        and inferlets; the backend is a child process of its own)."""
+        with open(f"/proc/{self.process.pid}/status") as status:
+            kib = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+        return kib / 1024
 
     def stop(self) -> None:
         self.process.terminate()
@@ -86,6 +99,27 @@ class ToolServer:
     def stop(self) -> None:
         self.process.terminate()
         self.process.wait(10)
+
+
+def slow_reader(url: str, **kwargs):
+    """A raw connection whose socket holds little (64 KiB) of what the client has not read
+    (the kernel otherwise lets tens of MB pile up on loopback: net.ipv4.tcp_rmem), without
+    compression (which would let our repetitive messages pile up 50 times as many)."""
+    parts = urllib.parse.urlsplit(ws_url(url))
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+    sock.connect((parts.hostname, parts.port))
+    sock.setblocking(False)
+    return websockets.connect(ws_url(url), sock=sock, max_size=None, compression=None, **kwargs)
+
+
+async def read_until_closed(ws) -> tuple[list[dict], websockets.frames.Close]:
+    """Every frame left on a raw connection, then the server's close frame."""
+    frames = []
+    with pytest.raises(websockets.ConnectionClosed) as closed:
+        while True:
+            frames.append(msgpack.unpackb(await ws.recv()))
+    return frames, closed.value.rcvd
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 
 import pytest
 import zmq
@@ -445,3 +446,95 @@ def test_topics_belong_to_their_user_and_public_ones_have_one_publisher():
     bus.drop_instance("b1")
     bus.drop_instance("a1")
     assert bus.topics == {} and bus.publishers == {}
+
+
+def test_an_inbox_is_bounded_in_bytes_as_well_as_in_messages():
+    """server.max_pending_bytes: a client message that would take an instance's unread
+    messages over it is refused (the session turns that into inbox_full); a subscription
+    drops its oldest messages until the new one fits."""
+    from pie.control.messaging import Inbox
+
+    inbox = Inbox(limit=100, max_bytes=10)
+    inbox.put("abcd")
+    inbox.put("é" * 3)  # 6 bytes of UTF-8
+    with pytest.raises(OverflowError, match="10 bytes of unread messages; 1 more would exceed "
+                                             "server.max_pending_bytes = 10"):
+        inbox.put("x")
+    assert inbox.next().result() == "abcd" and inbox.bytes == 6
+    inbox.put("wxyz")
+    assert inbox.bytes == 10
+    subscription = Inbox(limit=100, drop_oldest=True, max_bytes=10)
+    assert [subscription.put(m) for m in ("aaaa", "bbbb", "cc", "dddddddd")] == [0, 0, 0, 2]
+    assert [subscription.next().result() for _ in range(2)] == ["cc", "dddddddd"]
+    assert subscription.bytes == 0
+    assert subscription.put("y" * 11) == 1  # larger than the bound on its own: dropped itself
+    assert subscription.messages == deque()
+
+
+def _http_client(handler, **config) -> "HttpClient":
+    import httpx
+
+    from pie.control.http_client import HttpClient
+
+    client = HttpClient(ControlConfig(**config))
+    client.client = httpx.Client(transport=httpx.MockTransport(handler))
+    return client
+
+
+def _get(client, url: str):
+    """GET `url` through `client` and wait for the answer (raises its HostError)."""
+    from pie.control.future import wait_any
+
+    future = client.request("GET", url, [])
+    wait_any([future])
+    return future.result()
+
+
+def test_http_responses_are_read_in_pieces_up_to_the_cap():
+    """control.http_max_response_bytes: a larger body fails with an `io` error naming the
+    key once that much was read (or at once, if it declares a larger Content-Length)."""
+    import httpx
+
+    pulled = []
+
+    def body(n: int):
+        for _ in range(n):
+            pulled.append(1)
+            yield b"x" * 1000
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        n = int(request.url.params["n"])
+        if request.url.path == "/declared":
+            return httpx.Response(200, headers={"content-length": str(n * 1000)}, content=b"")
+        return httpx.Response(200, content=body(n))
+
+    client = _http_client(handler, http_max_response_bytes=5000)
+    assert _get(client, "http://localhost/x?n=5") == (200, "x" * 5000)
+    pulled.clear()
+    with pytest.raises(HostError) as e:
+        _get(client, "http://localhost/x?n=100000")
+    assert e.value.kind == ErrorKind.IO
+    assert "the response body exceeds control.http_max_response_bytes = 5000 (stopped reading after 6000" \
+        in e.value.message
+    assert len(pulled) == 6  # not the 100 MB
+    with pytest.raises(HostError, match="it declares 6000 bytes"):
+        _get(client, "http://localhost/declared?n=6")
+    client.close()
+
+
+def test_http_to_the_servers_own_port_is_refused_on_every_local_address():
+    import httpx
+
+    client = _http_client(lambda request: httpx.Response(200, text="ok"),
+                          http_allowlist=["127.0.0.1", "localhost", "0.0.0.0", "::1", "example.invalid"])
+    client.protect("127.0.0.1", 8080)
+    for url in ("http://127.0.0.1:8080/stats", "http://localhost:8080/", "http://0.0.0.0:8080/",
+                "http://[::1]:8080/ws"):
+        with pytest.raises(HostError, match="is this Pie server's own address") as e:
+            client.request("GET", url, [])
+        assert e.value.kind == ErrorKind.PERMISSION_DENIED
+    assert _get(client, "http://127.0.0.1:8081/") == (200, "ok")
+    assert _get(client, "http://localhost/") == (200, "ok")  # port 80
+    # A name is refused for the server's port only if it resolves to this machine.
+    assert _get(client, "http://example.invalid:8080/") == (200, "ok")
+    client.close()

@@ -32,6 +32,7 @@ from pie.runtime.runtime import (
     UnknownInstance,
     UnknownProgram,
 )
+from pie_server import read_until_closed, slow_reader
 
 pytestmark = pytest.mark.anyio
 
@@ -52,6 +53,7 @@ def anyio_backend() -> str:
 class FakePrograms:
     def __init__(self) -> None:
         self.stored: dict[str, bytes] = {}
+        self.public: set[str] = set()
         self.adds = 0
 
     def add(self, data: bytes, owner: str | None = None, public: bool = False) -> str:
@@ -60,6 +62,8 @@ class FakePrograms:
             raise InvalidProgram("not a WebAssembly component")
         digest = hashlib.sha256(data).hexdigest()
         self.stored[digest] = data
+        if public:
+            self.public.add(digest)
         return digest
 
     def exists(self, digest: str, user: str = "anonymous") -> bool:
@@ -73,9 +77,11 @@ class FakeRuntime:
     """The runtime's interface with toy programs, each instance on its own thread calling
     `on_event` from there: echo (echoes messages; "bye" finishes it), hello (one greeting
     with its arguments, then finishes), trap (traps), eager (sends a message from inside
-    `launch`, before it returns). Uploaded programs behave like hello."""
+    `launch`, before it returns), flood (arguments SIZE COUNT: sends COUNT messages of SIZE
+    bytes as fast as the server lets it, waiting where the runtime would). Uploaded programs
+    behave like hello."""
 
-    BUILTINS = ("echo", "hello", "trap", "eager")
+    BUILTINS = ("echo", "hello", "trap", "eager", "flood")
 
     def __init__(self, max_instances: int = 8):
         self.programs = FakePrograms()
@@ -83,6 +89,12 @@ class FakeRuntime:
         self.lock = threading.Lock()
         self.live: dict[str, tuple[InstanceInfo, queue.Queue]] = {}
         self.terminations: list[tuple[str, str]] = []  # terminate() calls
+        self.posted: dict[str, int] = {}  # messages each instance has sent
+        self.stats_for: list[str | None] = []  # the `user` of each stats() call
+
+    def stats(self, user: str | None = None) -> dict:
+        self.stats_for.append(user)
+        return {"instances": len(self.live), "users": {}}
 
     def launch(self, program, arguments, on_event, user="anonymous") -> InstanceInfo:
         if program not in self.BUILTINS and not self.programs.exists(program):
@@ -111,11 +123,30 @@ class FakeRuntime:
                     room.wait()  # the runtime's backpressure (held messages of a detached instance)
         elif info.name == "trap":
             reason = "trap: unreachable"
+        elif info.name == "flood":
+            reason = self._flood(info, inbox, on_event, int(info.arguments[0]), int(info.arguments[1]))
         elif info.name != "eager":
             on_event(info.id, "message", "hello " + " ".join(info.arguments))
         with self.lock:
             self.live.pop(info.id, None)
         on_event(info.id, "terminated", reason)
+
+    def _flood(self, info: InstanceInfo, inbox: queue.Queue, on_event, size: int, count: int) -> str:
+        def stopped() -> str | None:
+            while not inbox.empty():
+                if isinstance(message := inbox.get_nowait(), tuple):
+                    return message[1]
+            return None
+
+        for i in range(count):
+            if reason := stopped():
+                return reason
+            self.posted[info.id] = i + 1
+            room = on_event(info.id, "message", f"{i:08d}".ljust(size, "x"))
+            while room is not None and not room.wait(0.02):  # waits as the runtime does
+                if reason := stopped():
+                    return reason
+        return "finished"
 
     def _inbox(self, instance_id: str) -> queue.Queue:
         with self.lock:
@@ -505,3 +536,173 @@ def test_pie_run_passes_everything_after_double_dash_to_the_inferlet():
     assert (args.program, args.server) == ("text_completion", "http://h:1")
     assert args.arguments == ["--prompt", "a -- b", "--max-tokens", "3"]
     assert _parse(build_parser(), ["run", "hello", "x", "y"]).arguments == ["x", "y"]
+
+
+# --- bounded buffers and /stats per user -----------------------------------------------------
+
+
+async def test_a_client_that_stops_reading_is_disconnected_and_its_instances_ended(fake):
+    """server.max_outbox_bytes: once that much waits for a client that reads nothing, its
+    instance's sends wait; after server.slow_client_timeout_s the instance is ended and the
+    connection closed, both saying why. The client gets what was queued, in order, then the
+    end and the close frame. (Before the bound the flood ran to its end, the server holding
+    every message.)"""
+    config = ServerConfig(max_message_bytes=1000, max_outbox_bytes=20_000, slow_client_timeout_s=1.0)
+    with serving(ServerState(config, fake, "m")) as base:
+        async with slow_reader(base) as ws:
+            reply = await raw_call(ws, {"type": "launch", "corr_id": 1, "program": "flood",
+                                        "arguments": ["500", "100000"]})
+            instance_id = reply["value"]
+            await eventually(lambda: not fake.live, timeout_s=20)  # we read nothing meanwhile
+            [(ended, reason)] = fake.terminations
+            assert ended == instance_id
+            assert reason.startswith("the client stopped reading: ") and reason.endswith(
+                "bytes unread for 1 s (server.max_outbox_bytes, server.slow_client_timeout_s)")
+            # The outbox, the socket buffers and one message in flight; not 50 MB.
+            assert fake.posted[instance_id] < 40_000
+            frames, close = await read_until_closed(ws)
+    assert (close.code, close.reason) == (1008, reason)
+    texts = [f["text"] for f in frames if f["type"] == "instance_message"]
+    assert texts == [f"{i:08d}".ljust(500, "x") for i in range(len(texts))]
+    assert frames[-1] == {"type": "instance_terminated", "instance_id": instance_id, "reason": reason,
+                          "usage": {}}
+
+
+async def test_outbox_backpressure_holds_instances_back_and_loses_nothing(fake):
+    """A client that pauses for less than slow_client_timeout_s: the instance waits, then
+    every message arrives, in order."""
+    config = ServerConfig(max_message_bytes=1000, max_outbox_bytes=20_000, slow_client_timeout_s=10.0)
+    with serving(ServerState(config, fake, "m")) as base:
+        async with slow_reader(base) as ws:
+            reply = await raw_call(ws, {"type": "launch", "corr_id": 1, "program": "flood",
+                                        "arguments": ["1000", "12000"]})
+            await asyncio.sleep(1.5)
+            paused_at = fake.posted[reply["value"]]
+            assert paused_at < 8000  # waiting (the socket buffers hold about 4 MB)
+            await asyncio.sleep(0.5)
+            assert fake.posted[reply["value"]] == paused_at
+            texts = []
+            while (frame := msgpack.unpackb(await ws.recv()))["type"] == "instance_message":
+                texts.append(frame["text"])
+    assert frame["reason"] == "finished"
+    assert texts == [f"{i:08d}".ljust(1000, "x") for i in range(12000)]
+
+
+async def test_a_client_that_sends_requests_without_reading_replies_is_disconnected(fake):
+    """Replies count against max_outbox_bytes too: over it the server reads no further
+    request, and after slow_client_timeout_s it closes the connection and ends its
+    instances. (Before, every request was answered into an unbounded queue.)"""
+    config = ServerConfig(max_outbox_bytes=2**20, slow_client_timeout_s=1.0)
+    with serving(ServerState(config, fake, "m")) as base:
+        async with slow_reader(base) as ws:
+            for i in range(3):
+                await raw_call(ws, {"type": "launch", "corr_id": i, "program": "echo",
+                                    "arguments": ["a" * 300_000]})
+            for i in range(200):  # each reply lists the three: ~900 KB
+                await ws.send(msgpack.packb({"type": "list_instances", "corr_id": 10 + i}))
+            await eventually(lambda: len(fake.terminations) == 3, timeout_s=20)
+            frames, close = await read_until_closed(ws)
+    assert close.code == 1008 and close.reason.startswith("the client stopped reading: ")
+    assert {reason for _, reason in fake.terminations} == {close.reason}
+    assert len([f for f in frames if f["type"] == "ok"]) < 60  # not 200 replies
+    assert [f["reason"] for f in frames if f["type"] == "instance_terminated"] == [close.reason] * 3
+
+
+async def test_uploads_in_progress_are_bounded_per_user_and_on_the_server(fake):
+    """server.max_user_upload_bytes sums a user's uploads in progress over its connections,
+    server.max_total_upload_bytes everyone's; bytes come back when an upload ends, fails or
+    its connection closes. (Before, each connection had max_upload_bytes of its own.)"""
+    config = ServerConfig(auth_tokens=[ALICE, BOB], max_upload_bytes=1000,
+                          max_user_upload_bytes=1500, max_total_upload_bytes=2000)
+    with serving(ServerState(config, fake, "m")) as base:
+        async with PieClient(base, ALICE) as a1, PieClient(base, ALICE) as a2, \
+                PieClient(base, BOB) as b1, PieClient(base, BOB) as b2:
+            await a1._call(rpc.UploadBegin, sha256="a" * 64, size=800)
+            with pytest.raises(RpcError) as e:
+                await a2._call(rpc.UploadBegin, sha256="b" * 64, size=800)
+            assert e.value.code == "upload_too_large"
+            assert "plus 800 in uploads of yours in progress" in e.value.message
+            assert "server.max_user_upload_bytes = 1500" in e.value.message
+            await b1._call(rpc.UploadBegin, sha256="c" * 64, size=800)
+            with pytest.raises(RpcError) as e:
+                await b2._call(rpc.UploadBegin, sha256="d" * 64, size=600)
+            assert e.value.code == "upload_too_large" and "server.max_total_upload_bytes = 2000" in e.value.message
+            # A failed upload gives its bytes back...
+            with pytest.raises(RpcError, match="upload_incomplete"):
+                await b1._call(rpc.UploadEnd, sha256="c" * 64)
+            await b2._call(rpc.UploadBegin, sha256="d" * 64, size=600)
+            # ... a finished one too ...
+            data = b"\0asm" + b"p" * 396
+            digest = hashlib.sha256(data).hexdigest()
+            await a2._call(rpc.UploadBegin, sha256=digest, size=400)  # Alice: 1200 of 1500
+            await a2._call(rpc.UploadChunk, sha256=digest, data=data)
+            assert await a2._call(rpc.UploadEnd, sha256=digest) == digest
+            await b1._call(rpc.UploadBegin, sha256="e" * 64, size=600)  # total 2000
+        # ... and so does a closed connection.
+        async with PieClient(base, BOB) as b3:
+            await b3._call(rpc.UploadBegin, sha256="f" * 64, size=1000)
+
+
+async def test_frames_with_non_string_keys_get_an_error_reply(url):
+    """A map with bytes keys once raised an uncaught TypeError (sorting mixed key types)
+    and dropped the connection without a reply."""
+    async with websockets.connect(ws_url(url)) as ws:
+        reply = await raw_call(ws, msgpack.packb({"type": "launch", "corr_id": 3, b"x": 1, "y": 2},
+                                                 use_bin_type=True))
+        assert (reply["corr_id"], reply["code"]) == (3, "invalid_request")
+        assert reply["message"] == "map keys must be strings, got bytes key(s) b'x'"
+        reply = await raw_call(ws, msgpack.packb({b"type": "list_instances", b"corr_id": 4}, use_bin_type=True))
+        assert (reply["corr_id"], reply["code"]) == (None, "invalid_message")
+        reply = await raw_call(ws, msgpack.packb({"type": "terminate", "corr_id": 5, b"a": 1, 2.5: 1}))
+        assert reply["code"] == "invalid_message" and "not valid msgpack" in reply["message"]  # float key
+        reply = await raw_call(ws, {"type": "list_instances", "corr_id": 6})
+        assert reply == {"type": "ok", "corr_id": 6, "value": []}
+
+
+async def test_stats_shows_a_user_its_own_usage_and_an_admin_everyones(fake):
+    admin = "admin-token-000001"
+    config = ServerConfig(auth_tokens=[ALICE, BOB], admin_tokens=[admin])
+    with serving(ServerState(config, fake, "m")) as base:
+        async with httpx.AsyncClient() as http:
+            def get(token: str | None):
+                return http.get(base + "/stats", headers={"Authorization": f"Bearer {token}"} if token else {})
+            assert (await get(None)).status_code == 401
+            assert (await get("not-a-token-at-all")).status_code == 401
+            assert (await get(ALICE)).status_code == 200
+            assert (await get(admin)).status_code == 200
+        async with PieClient(base, admin) as client:  # admins are users too
+            assert await client.list_instances() == []
+    fingerprint = "token-" + hashlib.sha256(ALICE.encode()).hexdigest()[:8]
+    assert fake.stats_for == [fingerprint, None]
+    with serving(ServerState(ServerConfig(), fake, "m")) as base:  # one user: sees everything
+        assert httpx.get(base + "/stats").status_code == 200
+    assert fake.stats_for[-1] is None
+
+
+async def test_public_upload_is_passed_to_the_program_store(url, fake):
+    async with PieClient(url) as client:
+        private = await client.upload(COMPONENT)
+        assert private not in fake.programs.public
+        assert await client.upload(COMPONENT, public=True) == private  # sent again, for the grant
+        assert private in fake.programs.public
+
+
+async def test_a_detached_instance_holds_at_most_max_pending_bytes(fake):
+    """Held messages of a detached instance nobody follows are bounded in bytes too
+    (server.max_pending_bytes): beyond, its sends wait for an attach; nothing is lost."""
+    config = ServerConfig(max_message_bytes=1000, max_pending_bytes=3000)
+    with serving(ServerState(config, fake, "m")) as base:
+        async with PieClient(base) as first:
+            detached = await first.launch("echo", detached=True)
+        await asyncio.sleep(0.2)  # the connection has closed; nobody follows the instance
+        inbox = fake._inbox(detached.id)
+        for i in range(10):
+            inbox.put(f"{i}" * 1000)
+        await eventually(lambda: inbox.qsize() == 7)  # 3000 bytes held: its send waits
+        await asyncio.sleep(0.2)
+        assert inbox.qsize() == 7
+        async with PieClient(base) as second:
+            again = await second.attach(detached.id)
+            assert [(await again.recv()).text for _ in range(10)] == [f"{i}" * 1000 for i in range(10)]
+            await again.send("bye")
+            assert await again.wait() == "finished"

@@ -15,37 +15,64 @@ MAX_PUBLIC_TOPICS = 256  # public topics one instance may publish on (bounds the
 
 class Inbox:
     """Messages waiting for a reader, or readers waiting for a message (never both). With a
-    `limit`, a message beyond that many unread ones is refused (OverflowError) — or, with
-    `drop_oldest`, queued in place of the oldest unread one."""
+    `limit` (unread messages) and `max_bytes` (their UTF-8 bytes together; 0 = no bound), a
+    message beyond either is refused (OverflowError naming the config key) — or, with
+    `drop_oldest`, queued in place of as many of the oldest unread ones as it takes."""
 
-    def __init__(self, limit: int = 0, drop_oldest: bool = False) -> None:
+    def __init__(self, limit: int = 0, drop_oldest: bool = False, max_bytes: int = 0) -> None:
         self.lock = threading.Lock()
         self.messages: deque[str] = deque()
         self.readers: deque[HostFuture] = deque()
         self.limit = limit
         self.drop_oldest = drop_oldest
+        self.max_bytes = max_bytes
+        self.bytes = 0  # UTF-8 bytes of the unread messages
 
-    def put(self, message: str) -> bool:
-        """Deliver or queue `message`; whether an older unread message was dropped for it."""
+    @staticmethod
+    def size(message: str) -> int:
+        """UTF-8 bytes of `message` (without encoding it when it is ASCII)."""
+        return len(message) if message.isascii() else len(message.encode())
+
+    def _full(self, size: int) -> bool:
+        return ((bool(self.limit) and len(self.messages) >= self.limit)
+                or (bool(self.max_bytes) and self.bytes + size > self.max_bytes))
+
+    def put(self, message: str) -> int:
+        """Deliver or queue `message`; how many older unread messages were dropped for it
+        (with `drop_oldest`; a message larger than `max_bytes` alone is dropped itself)."""
         with self.lock:
             while self.readers:
                 reader = self.readers.popleft()
                 if not reader.done():
                     reader.set_result(message)
-                    return False
-            dropped = bool(self.limit) and len(self.messages) >= self.limit
-            if dropped and not self.drop_oldest:
-                raise OverflowError(f"the instance has {len(self.messages)} unread messages, the "
-                                    f"limit is server.max_pending_messages = {self.limit}")
-            if dropped:
-                self.messages.popleft()
+                    return 0
+            size = self.size(message)
+            if not self._full(size):
+                self.messages.append(message)
+                self.bytes += size
+                return 0
+            if not self.drop_oldest:
+                if bool(self.limit) and len(self.messages) >= self.limit:
+                    raise OverflowError(f"the instance has {len(self.messages)} unread messages, the "
+                                        f"limit is server.max_pending_messages = {self.limit}")
+                raise OverflowError(f"the instance has {self.bytes} bytes of unread messages; {size} more "
+                                    f"would exceed server.max_pending_bytes = {self.max_bytes}")
+            dropped = 0
+            while self.messages and self._full(size):
+                self.bytes -= self.size(self.messages.popleft())
+                dropped += 1
+            if self._full(size):  # larger than max_bytes on its own
+                return dropped + 1
             self.messages.append(message)
+            self.bytes += size
             return dropped
 
     def next(self) -> HostFuture:
         with self.lock:
             if self.messages:
-                return HostFuture.resolved(self.messages.popleft())
+                message = self.messages.popleft()
+                self.bytes -= self.size(message)
+                return HostFuture.resolved(message)
             future = HostFuture()
             self.readers.append(future)
             return future

@@ -3,11 +3,19 @@
 The app is served before the backend is up, so `/health` can tell load balancers and
 `pie run` when it is: `state.runtime` stays None until the backend handshake is done and
 the runtime is built.
+
+Each connection has a reader (requests, one at a time) and a writer (its session's outbox).
+When the outbox is over server.max_outbox_bytes the reader waits and the connection's
+instances wait in `send`; if the client then takes nothing for server.slow_client_timeout_s
+its instances are ended, saying why, and the connection is closed (code 1008, the same
+reason) once the client has read what was queued — or dropped if it takes nothing for
+slow_client_timeout_s more.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -16,9 +24,9 @@ from fastapi.responses import JSONResponse
 
 from pie.config import ServerConfig
 from pie.server import rpc
-from pie.server.attachments import Attachments
+from pie.server.attachments import Attachments, Close, Outbox
 from pie.server.openai import add_openai_routes
-from pie.server.session import Session, authenticate
+from pie.server.session import Session, UploadBudget, authenticate, is_admin
 
 if TYPE_CHECKING:
     from pie.runtime.runtime import Runtime
@@ -35,7 +43,8 @@ class ServerState:
 
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="Pie", docs_url=None, redoc_url=None, openapi_url=None)
-    attachments = Attachments(state.config.max_pending_messages)
+    attachments = Attachments(state.config.max_pending_messages, state.config.max_pending_bytes)
+    budget = UploadBudget(state.config)  # uploads in progress, over every connection
     add_openai_routes(app, state)
 
     @app.get("/health")
@@ -50,12 +59,17 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/stats")
     def stats(authorization: str | None = Header(default=None)) -> JSONResponse:
-        """Scheduler statistics (batch sizes, waits), pool occupancy, host calls per program."""
-        if authenticate(state.config.auth_tokens, (authorization or "").removeprefix("Bearer ")) is None:
+        """Scheduler statistics (batch sizes, waits), pool occupancy, host calls per program;
+        the usage of the caller's user only, unless it is an admin (server.admin_tokens) or
+        the server has no tokens (then there is one user)."""
+        given = (authorization or "").removeprefix("Bearer ")
+        user = authenticate(state.config.tokens, given)
+        if user is None:
             return JSONResponse({"error": "unauthenticated"}, status_code=401)
         if state.runtime is None:
             return JSONResponse({"status": "starting"}, status_code=503)
-        return JSONResponse(state.runtime.stats())
+        everyone = not state.config.tokens or is_admin(state.config, given)
+        return JSONResponse(state.runtime.stats(None if everyone else user))
 
     @app.websocket("/ws")
     async def rpc_endpoint(websocket: WebSocket) -> None:
@@ -63,18 +77,21 @@ def create_app(state: ServerState) -> FastAPI:
         if state.runtime is None:
             await websocket.close(rpc.CLOSE_NOT_READY, "the backend is still starting; poll GET /health")
             return
-        session = Session(state.config, state.runtime, attachments)
-        writer = asyncio.create_task(_drain(session.outbox, websocket))
+        session = Session(state.config, state.runtime, attachments, budget)
+        slow = asyncio.Event()
+        writer = asyncio.create_task(_write(session.outbox, websocket))
+        watchdog = asyncio.create_task(_watch(session, slow))
         try:
-            while True:
-                message = await websocket.receive()
-                if message["type"] == "websocket.disconnect":
-                    break
-                if message.get("bytes") is not None:
-                    await session.handle(message["bytes"])
-                else:
-                    session.reject_frame("frames must be binary (msgpack), not text")
+            await _read(session, websocket, slow)
+            if session.slow_reason is not None:
+                # End its instances (their ends queued behind what it has not read) and
+                # write all that and the close frame for as long as the client takes some
+                # of it at least every slow_client_timeout_s; then give up on it.
+                await session.end_for_slow_client(session.slow_reason)
+                session.outbox.put(Close(rpc.CLOSE_SLOW_CLIENT, session.slow_reason))
+                await _finish_writing(writer, session.outbox, state.config.slow_client_timeout_s)
         finally:
+            watchdog.cancel()
             writer.cancel()
             await session.close()
 
@@ -87,10 +104,69 @@ def ws_max_size(config: ServerConfig) -> int:
     return max(config.max_message_bytes, rpc.CHUNK_BYTES) + 64 * 1024
 
 
-async def _drain(outbox: asyncio.Queue[bytes], websocket: WebSocket) -> None:
-    """Write replies and events in the order the session queued them."""
+async def _read(session: Session, websocket: WebSocket, slow: asyncio.Event) -> None:
+    """Handle the client's frames one at a time until it disconnects, or until the writer
+    finds that it stopped reading (`slow`; a request in progress is finished first). No
+    frame is read while the outbox is over its bound."""
+    stop = asyncio.ensure_future(slow.wait())
     try:
         while True:
-            await websocket.send_bytes(await outbox.get())
+            step = asyncio.ensure_future(_next_frame(session, websocket))
+            await asyncio.wait({step, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                step.cancel()
+                return
+            message = step.result()
+            if message["type"] == "websocket.disconnect":
+                return
+            if message.get("bytes") is not None:
+                await session.handle(message["bytes"])
+            else:
+                session.reject_frame("frames must be binary (msgpack), not text")
+    finally:
+        stop.cancel()
+
+
+async def _next_frame(session: Session, websocket: WebSocket) -> dict:
+    await session.outbox.wait_room()
+    return await websocket.receive()
+
+
+async def _write(outbox: Outbox, websocket: WebSocket) -> None:
+    """Write replies and events in the order the session queued them; after a `Close`,
+    close the connection."""
+    try:
+        while True:
+            frame = await outbox.get()
+            if isinstance(frame, Close):
+                await websocket.close(frame.code, _truncate(frame.reason, 123))
+                return
+            await websocket.send_bytes(frame)
+            outbox.sent(frame)
     except (WebSocketDisconnect, RuntimeError, OSError):
-        pass  # the connection is gone; the receive loop sees the disconnect and cleans up
+        pass  # the connection is gone; the reader sees the disconnect and cleans up
+
+
+async def _watch(session: Session, slow: asyncio.Event) -> None:
+    """Set the session's `slow_reason` and `slow` once its outbox has been over its bound
+    for server.slow_client_timeout_s without the client taking a frame."""
+    outbox, timeout = session.outbox, session.config.slow_client_timeout_s
+    while outbox.stalled_s() < timeout:
+        await asyncio.sleep(min(1.0, timeout / 4, max(0.01, timeout - outbox.stalled_s())))
+    session.slow_reason = (f"the client stopped reading: {outbox.bytes} bytes unread for {timeout:g} s "
+                           f"(server.max_outbox_bytes, server.slow_client_timeout_s)")
+    slow.set()
+
+
+async def _finish_writing(writer: asyncio.Task, outbox: Outbox, timeout_s: float) -> None:
+    """Until the writer is done, or the client has taken nothing for `timeout_s`."""
+    since = time.monotonic()
+    while not writer.done():
+        await asyncio.wait({writer}, timeout=min(1.0, timeout_s / 4))
+        if time.monotonic() - max(since, outbox.written_at) >= timeout_s:
+            return
+
+
+def _truncate(text: str, max_bytes: int) -> str:
+    """`text` cut to at most `max_bytes` of UTF-8 (a close frame's reason holds 123)."""
+    return text.encode()[:max_bytes].decode(errors="ignore")

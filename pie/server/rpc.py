@@ -30,6 +30,9 @@ import msgpack
 CHUNK_BYTES = 1 << 20
 # WebSocket close code of a connection opened before the backend handshake is done.
 CLOSE_NOT_READY = 1013  # "try again later"
+# Close code of a connection whose client stopped reading (server.slow_client_timeout_s);
+# the reason says so.
+CLOSE_SLOW_CLIENT = 1008  # "policy violation"
 
 
 class ErrorCode(StrEnum):
@@ -38,7 +41,8 @@ class ErrorCode(StrEnum):
     INVALID_REQUEST = "invalid_request"  # missing, unknown or wrongly typed field
     UNAUTHENTICATED = "unauthenticated"  # a request before a successful authenticate
     AUTH_FAILED = "auth_failed"
-    UPLOAD_TOO_LARGE = "upload_too_large"  # over server.max_upload_bytes, or over the declared size
+    # over server.max_upload_bytes / max_user_upload_bytes / max_total_upload_bytes, or the declared size
+    UPLOAD_TOO_LARGE = "upload_too_large"
     NO_UPLOAD = "no_upload"  # chunk or end without upload_begin
     UPLOAD_INCOMPLETE = "upload_incomplete"  # end before the declared size arrived
     HASH_MISMATCH = "hash_mismatch"
@@ -90,11 +94,14 @@ class Authenticate(Request):
 
 @dataclass
 class UploadBegin(Request):
-    """Start uploading a program of `size` bytes whose sha256 is `sha256`. Value: None."""
+    """Start uploading a program of `size` bytes whose sha256 is `sha256`. A `public`
+    program may be launched by every user (otherwise only by those who uploaded it).
+    Value: None."""
 
     type: ClassVar[str] = "upload_begin"
     sha256: str
     size: int
+    public: bool = False
 
 
 @dataclass
@@ -255,19 +262,28 @@ def decode_request(frame: bytes) -> Request:
 def decode_server_message(frame: bytes) -> Message:
     """Parse a server frame (used by the client)."""
     table = _unpack(frame)
-    cls = SERVER_MESSAGES.get(table.get("type"))  # type: ignore[arg-type]
+    kind = table.get("type")
+    cls = SERVER_MESSAGES.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise RpcError(ErrorCode.UNKNOWN_OP, f"unknown server message type {table.get('type')!r}")
+        raise RpcError(ErrorCode.UNKNOWN_OP, f"unknown server message type {kind!r}")
     return _build(cls, table, None)
 
 
 def _unpack(frame: bytes) -> dict[str, Any]:
+    """The frame's map, whose keys are all strings."""
     try:
         table = msgpack.unpackb(frame, raw=False)
     except (ValueError, TypeError, msgpack.UnpackException) as e:
         raise RpcError(ErrorCode.INVALID_MESSAGE, f"frame is not valid msgpack ({e or type(e).__name__})") from None
     if not isinstance(table, dict):
         raise RpcError(ErrorCode.INVALID_MESSAGE, f"frame must be a msgpack map, got {type(table).__name__}")
+    if bad := [key for key in table if not isinstance(key, str)]:
+        corr_id = table.get("corr_id")
+        usable = isinstance(corr_id, int) and not isinstance(corr_id, bool)
+        raise RpcError(ErrorCode.INVALID_REQUEST if usable else ErrorCode.INVALID_MESSAGE,
+                       f"map keys must be strings, got {', '.join(sorted({type(k).__name__ for k in bad}))} "
+                       f"key(s) {', '.join(sorted(repr(k)[:40] for k in bad)[:5])}",
+                       corr_id if usable else None)
     return table
 
 

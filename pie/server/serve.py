@@ -82,6 +82,8 @@ async def _serve(config: PieConfig, model_dir: Path, config_path: str | None,
             status.update("starting the runtime")
             runtime = await asyncio.to_thread(start_runtime, config, backend.endpoint, hello,
                                               await builtins)
+        for sock in server.servers[0].sockets:  # inferlets may not call this server itself
+            runtime.controller.http.protect(*sock.getsockname()[:2])
         state.model, state.runtime = hello.model_name, runtime
         print(READY_LINE.format(model=hello.model_name, host=host, port=port), flush=True)
         watchdog = asyncio.create_task(_watch_backend(backend, runtime, state, console))

@@ -2,9 +2,11 @@
 attached to it (those it launched, and detached ones it attached to).
 
 The session turns decoded requests into runtime calls and queues reply and event frames on
-`outbox`, which the WebSocket endpoint drains. Requests are handled one at a time, so upload
-chunks arrive in order and a disconnect is seen only after the request in progress is done.
-Runtime calls that may block (compile, instantiate, terminate) run in worker threads.
+`outbox` (bounded in bytes: server.max_outbox_bytes), which the WebSocket endpoint drains.
+Requests are handled one at a time, so upload chunks arrive in order and a disconnect is
+seen only after the request in progress is done. Runtime calls that may block (compile,
+instantiate, terminate) run in worker threads. Uploads in progress are bounded per
+connection, per user and on the whole server (`UploadBudget`, one per app).
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ import hmac
 import logging
 import re
 import threading
+import time
+from collections import Counter
 from typing import TYPE_CHECKING
 
 from pie.config import ServerConfig
 from pie.control.quotas import ANONYMOUS
 from pie.server import rpc
-from pie.server.attachments import Attachment, Attachments
+from pie.server.attachments import Attachment, Attachments, Outbox
 from pie.server.rpc import ErrorCode, RpcError
 
 if TYPE_CHECKING:
@@ -36,7 +40,41 @@ DISCONNECT_REASON = "client disconnected"
 @dataclasses.dataclass
 class _Upload:
     size: int  # declared by upload_begin
+    user: str  # charged for it in the UploadBudget
+    public: bool = False  # every user may launch the program
     data: bytearray = dataclasses.field(default_factory=bytearray)
+
+
+class UploadBudget:
+    """Bytes of the uploads in progress (their declared sizes), per user and on the whole
+    server, over every connection: server.max_user_upload_bytes, max_total_upload_bytes.
+    Reserved by upload_begin, released when the upload ends, fails or its connection
+    closes. One per app; used on the event loop only."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.user_limit = config.max_user_upload_bytes
+        self.total_limit = config.max_total_upload_bytes
+        self.by_user: Counter[str] = Counter()
+        self.total = 0
+
+    def reserve(self, user: str, size: int) -> None:
+        held = self.by_user[user]
+        if held + size > self.user_limit:
+            raise RpcError(ErrorCode.UPLOAD_TOO_LARGE,
+                           f"{size} bytes (plus {held} in uploads of yours in progress) exceed "
+                           f"server.max_user_upload_bytes = {self.user_limit}")
+        if self.total + size > self.total_limit:
+            raise RpcError(ErrorCode.UPLOAD_TOO_LARGE,
+                           f"{size} bytes more of uploads in progress would exceed "
+                           f"server.max_total_upload_bytes = {self.total_limit}; try again later")
+        self.by_user[user] += size
+        self.total += size
+
+    def release(self, user: str, size: int) -> None:
+        self.by_user[user] -= size
+        if self.by_user[user] <= 0:
+            del self.by_user[user]
+        self.total -= size
 
 
 def authenticate(tokens: list[str], given: str) -> str | None:
@@ -52,16 +90,29 @@ def authenticate(tokens: list[str], given: str) -> str | None:
     return "token-" + hashlib.sha256(given.encode()).hexdigest()[:8] if matched else None
 
 
+def is_admin(config: ServerConfig, given: str) -> bool:
+    """Whether `given` is one of server.admin_tokens (who may see every user's usage in
+    /stats); compared in constant time against each."""
+    matched = False
+    for token in config.admin_tokens:
+        matched |= hmac.compare_digest(given.encode(), token.encode())
+    return matched
+
+
 class Session:
-    def __init__(self, config: ServerConfig, runtime: Runtime, attachments: Attachments):
+    def __init__(self, config: ServerConfig, runtime: Runtime, attachments: Attachments,
+                 budget: UploadBudget | None = None):
         self.config = config
         self.runtime = runtime
         self.attachments = attachments
-        self.outbox: asyncio.Queue[bytes] = asyncio.Queue()
-        self.authenticated = not config.auth_tokens
+        self.budget = budget or UploadBudget(config)
+        self.outbox = Outbox(config.max_outbox_bytes)
+        self.authenticated = not config.tokens
         self.user = ANONYMOUS
         self.uploads: dict[str, _Upload] = {}
         self.instances: dict[str, Attachment] = {}  # attached here, end not yet delivered
+        # Set when the client stopped reading (see app.py): why the connection is closed.
+        self.slow_reason: str | None = None
 
     async def handle(self, frame: bytes) -> None:
         """Answer one client frame with exactly one reply (an error if anything is wrong)."""
@@ -69,6 +120,10 @@ class Session:
             request = rpc.decode_request(frame)
         except RpcError as e:
             self._send(rpc.Error(e.corr_id, e.code, e.message))
+            return
+        except Exception as e:  # a malformed frame the decoder did not foresee: still one reply
+            log.warning("unreadable request frame: %s", type(e).__name__)
+            self._send(rpc.Error(None, ErrorCode.INVALID_MESSAGE, f"unreadable frame ({type(e).__name__})"))
             return
         try:
             if not self.authenticated and not isinstance(request, rpc.Authenticate):
@@ -86,24 +141,49 @@ class Session:
 
     async def close(self) -> None:
         """The connection is gone: detached instances are left to run (their events are held
-        for the next attach), every other instance attached here is terminated."""
-        self.uploads.clear()
+        for the next attach), every other instance attached here is terminated; uploads in
+        progress are dropped and what was not written is given back."""
+        for sha256 in list(self.uploads):
+            self._discard(sha256)
         instances, self.instances = self.instances, {}
-        for instance_id, attachment in instances.items():
+        for attachment in instances.values():  # first: nothing more goes to the outbox
             if attachment.detached:
                 attachment.detach()
+            else:
+                attachment.attach(lambda event: None)  # nobody is left to tell
+        self.outbox.close()  # wakes the instances waiting for room in it
+        for instance_id, attachment in instances.items():
+            if attachment.detached:
                 continue
-            attachment.attach(lambda event: None)  # nobody is left to tell
             self.attachments.forget(instance_id)
             try:
                 await asyncio.to_thread(self.runtime.terminate, instance_id, DISCONNECT_REASON)
             except LookupError:
                 pass  # it ended on its own meanwhile
 
+    async def end_for_slow_client(self, reason: str, timeout_s: float = 5.0) -> None:
+        """The client stopped reading: end the instances attached here with `reason`
+        (detached ones are left to run, their events held) and wait, at most `timeout_s`,
+        until their ends are queued behind what the client has not read."""
+        ending = []
+        for instance_id, attachment in list(self.instances.items()):
+            if attachment.detached:
+                attachment.detach()
+                del self.instances[instance_id]
+                continue
+            try:
+                await asyncio.to_thread(self.runtime.terminate, instance_id, reason)
+                ending.append(instance_id)
+            except LookupError:
+                pass  # it ended on its own meanwhile
+        deadline = time.monotonic() + timeout_s
+        while any(i in self.instances for i in ending) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
     # --- requests ------------------------------------------------------------------------
 
     async def _on_authenticate(self, request: rpc.Authenticate) -> None:
-        user = authenticate(self.config.auth_tokens, request.token)
+        user = authenticate(self.config.tokens, request.token)
         if user is None:
             raise RpcError(ErrorCode.AUTH_FAILED, "invalid token")
         self.authenticated, self.user = True, user
@@ -113,19 +193,22 @@ class Session:
         sha256 = _check_hash(request.sha256)
         if request.size < 0:
             raise RpcError(ErrorCode.INVALID_REQUEST, f"upload_begin.size must be >= 0, got {request.size}")
-        pending = sum(u.size for h, u in self.uploads.items() if h != sha256)
+        if sha256 in self.uploads:  # begun again: start over
+            self._discard(sha256)
+        pending = sum(u.size for u in self.uploads.values())
         if pending + request.size > self.config.max_upload_bytes:
             raise RpcError(ErrorCode.UPLOAD_TOO_LARGE,
                            f"{request.size} bytes (plus {pending} pending on this connection) exceed "
                            f"server.max_upload_bytes = {self.config.max_upload_bytes}")
-        self.uploads[sha256] = _Upload(request.size)
+        self.budget.reserve(self.user, request.size)
+        self.uploads[sha256] = _Upload(request.size, self.user, request.public)
         self._reply(request)
 
     async def _on_upload_chunk(self, request: rpc.UploadChunk) -> None:
         sha256 = _check_hash(request.sha256)
         upload = self._upload(sha256)
         if len(upload.data) + len(request.data) > upload.size:
-            del self.uploads[sha256]
+            self._discard(sha256)
             raise RpcError(ErrorCode.UPLOAD_TOO_LARGE,
                            f"more bytes than the {upload.size} declared in upload_begin; upload discarded")
         upload.data += request.data
@@ -134,15 +217,17 @@ class Session:
     async def _on_upload_end(self, request: rpc.UploadEnd) -> None:
         sha256 = _check_hash(request.sha256)
         upload = self._upload(sha256)
-        del self.uploads[sha256]
+        self._discard(sha256)  # its bytes no longer count as an upload in progress
         if len(upload.data) != upload.size:
             raise RpcError(ErrorCode.UPLOAD_INCOMPLETE,
                            f"received {len(upload.data)} of {upload.size} bytes; upload discarded")
-        actual = hashlib.sha256(upload.data).hexdigest()
+        data, public = bytes(upload.data), upload.public
+        del upload
+        actual = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
         if actual != sha256:
             raise RpcError(ErrorCode.HASH_MISMATCH, f"the bytes hash to {actual}, not {sha256}")
         try:
-            stored = await asyncio.to_thread(self.runtime.programs.add, bytes(upload.data), self.user)
+            stored = await asyncio.to_thread(self.runtime.programs.add, data, self.user, public)
         except ValueError as e:  # the runtime's InvalidProgram
             raise RpcError(ErrorCode.INVALID_PROGRAM, str(e)) from None
         self._reply(request, stored)
@@ -226,6 +311,10 @@ class Session:
             raise RpcError(ErrorCode.NO_UPLOAD, f"no upload_begin for {sha256} on this connection")
         return upload
 
+    def _discard(self, sha256: str) -> None:
+        upload = self.uploads.pop(sha256)
+        self.budget.release(upload.user, upload.size)
+
     def _owned(self, instance_id: str) -> None:
         if instance_id not in self.instances:
             raise RpcError(ErrorCode.UNKNOWN_INSTANCE,
@@ -233,7 +322,7 @@ class Session:
 
     def _attach(self, attachment: Attachment) -> None:
         self.instances[attachment.instance_id] = attachment
-        attachment.attach(self._deliver)
+        attachment.attach(self._deliver, self.outbox)
 
     def _deliver(self, event: rpc.Event) -> None:
         if isinstance(event, rpc.InstanceTerminated):
@@ -245,7 +334,7 @@ class Session:
         self._send(rpc.Ok(request.corr_id, value))
 
     def _send(self, message: rpc.Message) -> None:
-        self.outbox.put_nowait(rpc.encode(message))
+        self.outbox.put(rpc.encode(message))
 
 
 def _check_hash(value: str) -> str:

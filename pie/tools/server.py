@@ -2,7 +2,8 @@
 
 Every tool is `POST /tools/<name>` with a JSON object in and a JSON object out; `GET /tools`
 lists them with a one-line description and the JSON schema of their input; `GET /stats`
-counts the requests each tool received. A request the
+counts the requests each tool received; `GET /bytes?n=N` streams N bytes (tests of
+response size limits). A request the
 tool refuses (bad expression, limit exceeded, malformed body) answers 400 with
 {"error": "<why>"}; an unknown tool answers 404 the same way, so an agent always finds a
 message it can show the model.
@@ -21,13 +22,17 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pie.tools.calculator import CalculatorError, evaluate
 from pie.tools.config import ToolConfig
 from pie.tools.execute import ExecuteLimits, execute_python
 from pie.tools.search import BUNDLED_CORPUS, Corpus
+
+
+MAX_BYTES_BODY = 512 * 2**20  # largest body `GET /bytes` streams
+BYTES_CHUNK = 64 * 2**10
 
 
 class ToolError(Exception):
@@ -72,6 +77,21 @@ def create_tool_app(config: ToolConfig) -> FastAPI:
     @app.get("/stats")
     async def stats() -> dict[str, Any]:
         return {"calls": dict(calls)}
+
+    @app.get("/bytes")
+    async def stream_bytes(n: str = "0") -> Response:
+        """`n` bytes of "x", streamed in 64 KiB chunks without a Content-Length (a client
+        learns the size only by reading): for tests of response size limits."""
+        if not n.isdigit() or int(n) > MAX_BYTES_BODY:
+            return _error(400, f"n must be an integer from 0 to {MAX_BYTES_BODY}, got {n!r}")
+        size = int(n)
+
+        async def body():
+            chunk = b"x" * BYTES_CHUNK
+            for start in range(0, size, BYTES_CHUNK):
+                yield chunk[:min(BYTES_CHUNK, size - start)]
+
+        return StreamingResponse(body(), media_type="text/plain")
 
     @app.get("/tools")
     async def list_tools() -> list[dict[str, Any]]:
