@@ -184,6 +184,26 @@ async def test_a_client_that_stops_reading_is_cut_off_and_memory_stays_bounded(s
     assert frames[-1]["reason"] == close.reason
 
 
+async def test_large_messages_to_a_client_that_stops_reading_stay_bounded(server, program):
+    """The audit's case at this server's message cap: 1,000 messages of 200 kB (200 MB; the
+    audit sent 1,000 x 1 MB and the server held ~1 GB) to a client that reads nothing: the
+    server holds about max_outbox_bytes, then ends the instance."""
+    async with slow_reader(server.ws) as ws:
+        await raw_call(ws, {"type": "authenticate", "corr_id": 1, "token": TOKEN})
+        await raw_call(ws, {"type": "launch", "corr_id": 2, "program": program,
+                            "arguments": ["flood", "1000", "200000"]})
+
+        async def until_ended() -> None:
+            while live(server):
+                await asyncio.sleep(0.1)
+
+        _, peak = await peak_rss(server, asyncio.wait_for(until_ended(), 90))
+        assert peak <= PEAK_MIB, f"the server's RSS grew by {peak:.0f} MiB for a client that reads nothing"
+        frames, close = await read_until_closed(ws)
+    assert close.code == 1008 and close.reason.startswith("the client stopped reading: ")
+    assert 0 < sum(f["type"] == "instance_message" for f in frames) < 1000
+
+
 # --- (b) a large HTTP response ----------------------------------------------------------------
 
 

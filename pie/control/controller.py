@@ -36,7 +36,7 @@ class Controller:
         self.scheduler = Scheduler(endpoint, config.control, handshake.max_batch_tokens)
         self.tokenizer = TextTokenizer(handshake)
         self.grammars = GrammarCompiler(handshake)
-        self.bus = MessageBus(config.server.max_pending_messages)
+        self.bus = MessageBus(config.server.max_pending_messages, config.server.max_pending_bytes)
         self.kvs = KeyValueStore(config.control.kvs_max_bytes, config.quota)
         self.http = HttpClient(config.control)
 
@@ -82,7 +82,8 @@ class InstanceSession:
         self.arguments = arguments
         self.charges = charges
         self.resources = InstanceResources(charges, instance_id, user)
-        self.inbox = Inbox(controller.config.server.max_pending_messages)
+        self.inbox = Inbox(controller.config.server.max_pending_messages,
+                           max_bytes=controller.config.server.max_pending_bytes)
         self.page_size = controller.hs.page_size
         self.forward_calls = 0
         self.forward_tokens = 0

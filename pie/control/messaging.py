@@ -90,8 +90,9 @@ class MessageBus:
     broadcast on it, for as long as an instance of that user that broadcast on it runs;
     another user's broadcast is refused (permission-denied)."""
 
-    def __init__(self, backlog: int) -> None:
+    def __init__(self, backlog: int, max_bytes: int = 0) -> None:
         self.lock = threading.Lock()
+        self.max_bytes = max_bytes  # unread bytes per subscription (server.max_pending_bytes)
         self.topics: dict[tuple[str, str], list[tuple[str, Inbox]]] = {}
         # public topic -> (its publishing user, that user's instances that broadcast on it)
         self.publishers: dict[str, tuple[str, set[str]]] = {}
@@ -99,7 +100,7 @@ class MessageBus:
         self.dropped = 0  # unread messages dropped from full subscriptions (/stats)
 
     def subscribe(self, instance_id: str, user: str, topic: str) -> Inbox:
-        inbox = Inbox(self.backlog, drop_oldest=True)
+        inbox = Inbox(self.backlog, drop_oldest=True, max_bytes=self.max_bytes)
         with self.lock:
             self.topics.setdefault(namespace(user, topic), []).append((instance_id, inbox))
         return inbox

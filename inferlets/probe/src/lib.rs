@@ -21,6 +21,7 @@
 //! - `queues N`: creates N more queues; sends `queues: ok` or the first error.
 //! - `spam N [TOPIC]`: sends `m0` … `m{N-1}` as fast as it may (rate and backpressure
 //!   tests); with TOPIC, first subscribes, sends `waiting` and waits for a broadcast on it.
+//! - `flood N BYTES`: sends N messages of BYTES bytes each (slow-reader tests).
 //! - `unexport NAME`: removes the export NAME; sends `unexport: ok` or the error.
 //! - `persist NAME N`: allocates N pages, exports them persistently as NAME, frees its own
 //!   ids and sends `persisted N` (or the error); the export outlives the instance.
@@ -152,6 +153,15 @@ async fn main() -> Result<(), String> {
             }
             for i in 0..n {
                 inferlet::send(&format!("m{i}"));
+            }
+            Ok(())
+        }
+        Some("flood") => {
+            let n: u32 = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(1);
+            let bytes: usize = args.get(2).and_then(|a| a.parse().ok()).unwrap_or(1);
+            let message = "x".repeat(bytes);
+            for _ in 0..n {
+                inferlet::send(&message);
             }
             Ok(())
         }
