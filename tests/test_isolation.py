@@ -54,8 +54,10 @@ async def run(client: PieClient, program: str, *args: str) -> tuple[list[str], s
 
 
 def held(server: Server, token: str) -> dict:
-    """What `token`'s user holds, from /stats as an admin-free server reports it."""
-    return server.get("/stats")[1]["users"].get(fingerprint(token), {})
+    """What `token`'s user holds, from its own /stats (which shows no other user)."""
+    users = server.get("/stats", token)[1]["users"]
+    assert set(users) <= {fingerprint(token)}, users
+    return users.get(fingerprint(token), {})
 
 
 def pools_full(server: Server) -> bool:
