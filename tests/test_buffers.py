@@ -19,7 +19,6 @@ in MiB over the RSS before the test:
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 from collections.abc import Awaitable
 
@@ -28,6 +27,7 @@ import pytest
 import websockets
 
 from pie.client import PieClient
+from pie.control.quotas import fingerprint
 from pie.server import rpc
 from pie.server.rpc import RpcError
 
@@ -49,10 +49,6 @@ LIMITS = {
     },
     "control": {"http_max_response_bytes": MIB},
 }
-
-
-def fingerprint(token: str) -> str:
-    return "token-" + hashlib.sha256(token.encode()).hexdigest()[:8]
 
 
 @pytest.fixture(scope="module")

@@ -471,7 +471,7 @@ def test_an_inbox_is_bounded_in_bytes_as_well_as_in_messages():
     assert subscription.messages == deque()
 
 
-def _http_client(handler, **config) -> "HttpClient":
+def _http_client(handler, **config):
     import httpx
 
     from pie.control.http_client import HttpClient

@@ -5,7 +5,6 @@ owner's KV quota; tokens are long enough to be secrets."""
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
 import time

@@ -23,7 +23,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from pie.config import ServerConfig
-from pie.control.quotas import ANONYMOUS
+from pie.control.quotas import ANONYMOUS, fingerprint
 from pie.server import rpc
 from pie.server.attachments import Attachment, Attachments, Outbox
 from pie.server.rpc import ErrorCode, RpcError
@@ -87,7 +87,7 @@ def authenticate(tokens: list[str], given: str) -> str | None:
     matched = False
     for token in tokens:
         matched |= hmac.compare_digest(given.encode(), token.encode())
-    return "token-" + hashlib.sha256(given.encode()).hexdigest()[:8] if matched else None
+    return fingerprint(given) if matched else None
 
 
 def is_admin(config: ServerConfig, given: str) -> bool:
