@@ -81,6 +81,9 @@ class HandshakeReply(Message):
     chat_template: str
     dtype: str
     device: str
+    # The model's context length (config.json's max_position_embeddings): the most tokens,
+    # prompt and completion together, one sequence may hold. 0: unknown (an older backend).
+    context_length: int = 0
 
 
 # --- batched handlers --------------------------------------------------------------------

@@ -33,6 +33,7 @@ def test_handshake_describes_model_and_pools(backend):
     assert "<|im_start|>" in hs.chat_template and '"model"' in hs.tokenizer_json
     assert {"forward", "input-text", "output-text"} <= set(hs.traits)
     assert hs.dtype == "float32"
+    assert hs.context_length == 8192  # config.json's max_position_embeddings
 
 
 def test_greedy_equals_hf_transformers_fp32(backend, hf_model, tokenizer):

@@ -159,6 +159,7 @@ class Engine:
             chat_template=tokenizer_config.get("chat_template") or "",
             dtype=self.config.dtype,
             device=self.config.device,
+            context_length=cfg.max_position_embeddings,
         )
 
     def stats(self, request: P.StatsRequest) -> P.StatsReply:

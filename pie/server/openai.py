@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -27,6 +29,13 @@ if TYPE_CHECKING:
 INFERLET = "openai_completion"
 MAX_N = 16
 MAX_STOPS = 4
+# max_tokens when the request gives none (OpenAI's defaults; either is capped at what is left
+# of the model's context after the prompt)
+DEFAULT_MAX_TOKENS = {False: 16, True: 256}
+MAX_TOKENS = 2**31 - 1  # beyond any context; keeps error messages short
+DISCONNECT_POLL_S = 0.25  # how often a whole (non-streaming) response checks for its client
+
+log = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
@@ -34,6 +43,7 @@ class ApiError(Exception):
 
     def __init__(self, status: int, message: str, param: str | None = None,
                  kind: str = "invalid_request_error", code: str | None = None):
+        message = message.encode("utf-8", "replace").decode()  # no lone surrogates echoed back
         super().__init__(message)
         self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
 
@@ -47,11 +57,14 @@ class Completion:
     """A validated request, as the inferlet's arguments plus what the response needs."""
 
     chat: bool
-    arguments: list[str]
+    arguments: list[str]  # all but --max-tokens, which `fit` adds
     n: int
     stream: bool
     logprobs: int | None
     include_usage: bool
+    max_tokens: int | None = None  # None: the default, fitted to the context
+    prompt: str = ""  # completions
+    messages: list[dict[str, str]] = field(default_factory=list)  # chat
 
 
 @dataclass
@@ -85,28 +98,89 @@ async def _serve(state: ServerState, request: Request, chat: bool):
     try:
         user = _check(state, request)
         try:
-            body = await request.json()
-        except ValueError:
-            raise ApiError(400, "the request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        completion = parse(body, chat, state.model or "")
+            body = _decode(await request.body())
+            if not isinstance(body, dict):
+                raise ApiError(400, "the request body must be a JSON object")
+            completion = parse(body, chat, state.model or "")
+            await fit(state, completion)
+        except ApiError:
+            raise
+        except Exception as e:  # a bug in validation must still answer in OpenAI's shape
+            log.exception("validating a /v1 request failed")
+            raise ApiError(400, f"the request could not be validated ({type(e).__name__})") from None
         events = _launch(state, completion, user)
-        first = await anext(events)  # {"prompt_tokens": n}, or the launch's failure
+        try:
+            first = await anext(events)  # {"prompt_tokens": n}, or the launch's failure
+            prompt_tokens = first["prompt_tokens"]
+        except BaseException:
+            await events.aclose()  # terminates the inferlet if it runs
+            raise
+        meta = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], "created": int(time.time()),
+                "model": state.model}
+        if completion.stream:
+            return StreamingResponse(_sse(completion, meta, prompt_tokens, events), media_type="text/event-stream")
+        choices = [Choice() for _ in range(completion.n)]
+        if not await _collect(request, events, choices):  # the client is gone: nobody reads this
+            return ApiError(499, "the client closed the connection", kind="server_error").response()
+        return JSONResponse(_whole(completion, meta, prompt_tokens, choices))
     except ApiError as e:
         return e.response()
-    meta = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], "created": int(time.time()),
-            "model": state.model}
-    if completion.stream:
-        return StreamingResponse(_sse(completion, meta, first["prompt_tokens"], events),
-                                 media_type="text/event-stream")
-    choices = [Choice() for _ in range(completion.n)]
+    except Exception as e:
+        log.exception("serving a /v1 request failed")
+        return ApiError(500, f"internal error ({type(e).__name__}); see the server log",
+                        kind="server_error").response()
+
+
+def _decode(raw: bytes) -> Any:
+    """The body as JSON, or ApiError: empty, not UTF-8, not JSON, NaN/Infinity, too deep."""
+    if not raw.strip():
+        raise ApiError(400, "the request body is empty; send a JSON object")
     try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ApiError(400, "the request body is not UTF-8") from None
+    try:
+        return json.loads(text, parse_constant=_no_constant)
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, NaN/Infinity, an integer of > 4300 digits
+        raise ApiError(400, f"the request body is not valid JSON: {_short(str(e))}") from None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """`value` for an error message: repr'd, and cut to `limit` characters."""
+    try:
+        text = value if isinstance(value, str) else repr(value)
+    except Exception:  # e.g. an integer too long to print
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+async def _collect(request: Request, events: AsyncIterator[dict[str, Any]], choices: list[Choice]) -> bool:
+    """Collects the inferlet's lines into `choices`; False if the client went away first
+    (its inferlet is terminated then, as for a stream)."""
+    async def collect() -> None:
         async for line in events:
             _apply(choices, line)
-    except ApiError as e:
-        return e.response()
-    return JSONResponse(_whole(completion, meta, first["prompt_tokens"], choices))
+
+    task = asyncio.ensure_future(collect())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                task.result()  # the inferlet's failure, if any
+                return True
+            if await request.is_disconnected():
+                return False
+    finally:
+        if not task.done():
+            task.cancel()  # unwinds _launch, which terminates the inferlet
+            await asyncio.gather(task, return_exceptions=True)
+        await events.aclose()
 
 
 def _check(state: ServerState, request: Request) -> str:
@@ -132,9 +206,10 @@ def parse(body: dict[str, Any], chat: bool, served_model: str) -> Completion:
     if not isinstance(model, str):
         raise ApiError(400, "you must provide a model parameter", "model")
     if model != served_model:
-        raise ApiError(404, f"the model {model!r} does not exist; this server serves {served_model!r}",
+        raise ApiError(404, f"the model {_short(model)!r} does not exist; this server serves {served_model!r}",
                        "model", code="model_not_found")
     args: list[str] = []
+    prompt, chat_messages = "", []
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -144,12 +219,15 @@ def parse(body: dict[str, Any], chat: bool, served_model: str) -> Completion:
                 raise ApiError(400, f"messages[{i}] must be an object with a role", f"messages[{i}]")
             content = m.get("content")
             if isinstance(content, list):  # content parts: text only
-                if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                    raise ApiError(400, "only text content parts are supported", f"messages[{i}].content")
+                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text", ""), str)
+                           for p in content):
+                    raise ApiError(400, "only text content parts ({\"type\": \"text\", \"text\": string}) "
+                                   "are supported", f"messages[{i}].content")
                 content = "".join(p.get("text", "") for p in content)
             if not isinstance(content, str):
                 raise ApiError(400, f"messages[{i}].content must be a string", f"messages[{i}].content")
             args += ["--message", m["role"], content]
+            chat_messages.append({"role": m["role"], "content": content})
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         logprobs = _top_logprobs(body)
     else:
@@ -161,14 +239,13 @@ def parse(body: dict[str, Any], chat: bool, served_model: str) -> Completion:
         if body.get("echo"):
             raise ApiError(400, "echo is not supported", "echo")
         args += ["--prompt", prompt]
-        max_tokens = body.get("max_tokens", 16)
+        max_tokens = body.get("max_tokens")
         logprobs = _number(body, "logprobs", int, 0, 5)
     if max_tokens is not None:
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise ApiError(400, f"max_tokens must be a positive integer, got {max_tokens!r}", "max_tokens")
-        args += ["--max-tokens", str(max_tokens)]
-    else:
-        args += ["--max-tokens", "256"]
+            raise ApiError(400, f"max_tokens must be a positive integer, got {_short(max_tokens)}", "max_tokens")
+        if max_tokens > MAX_TOKENS:
+            raise ApiError(400, f"max_tokens must be at most {MAX_TOKENS}", "max_tokens")
     temperature = _number(body, "temperature", float, 0.0, 2.0)
     top_p = _number(body, "top_p", float, 0.0, 1.0)
     if top_p == 0:
@@ -194,9 +271,88 @@ def parse(body: dict[str, Any], chat: bool, served_model: str) -> Completion:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be a boolean", "stream")
-    options = body.get("stream_options") or {}
-    include_usage = bool(isinstance(options, dict) and options.get("include_usage"))
-    return Completion(chat, args, n, stream, logprobs, include_usage)
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise ApiError(400, "stream_options must be an object", "stream_options")
+    include_usage = bool(options and options.get("include_usage"))
+    for arg in args:
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError:  # JSON's "\ud800" escapes can make them
+            raise ApiError(400, "text must not contain unpaired UTF-16 surrogates") from None
+    return Completion(chat, args, n, stream, logprobs, include_usage, max_tokens, prompt, chat_messages)
+
+
+async def fit(state: ServerState, completion: Completion) -> None:
+    """Counts the prompt's tokens as the inferlet will (the chat template applied), checks
+    that prompt + max_tokens fits the model's context and the whole KV pool, and adds
+    `--max-tokens` (the default, capped at the rest of the context, when none was given).
+    Errors: 400 context_length_exceeded."""
+    controller = state.runtime.controller
+    hs, tokenizer = controller.hs, controller.tokenizer
+    context = hs.context_length or 2**62  # 0: the backend did not say
+    what = "messages" if completion.chat else "prompt"
+    reduce = f"Please reduce the length of the {what} or completion."
+    too_long = (f"This model's maximum context length is {context} tokens. However, ")
+
+    def count() -> int:
+        if completion.chat:
+            try:
+                text = tokenizer.apply_chat_template(completion.messages, True)
+            except Exception as e:  # the template's own checks (roles, order) are the caller's input
+                raise ApiError(400, f"the chat template rejected the messages: {_short(str(e), 200)}",
+                               "messages") from None
+        else:
+            text = completion.prompt
+        size = len(text.encode("utf-8"))
+        if size > 4 * context * _max_token_bytes(tokenizer):  # surely too long: spare the tokenizer
+            raise ApiError(400, too_long + f"your {what} {'are' if completion.chat else 'is'} {size} bytes "
+                           f"long, far more than that many tokens. {reduce}", what, code="context_length_exceeded")
+        return len(tokenizer.encode(text))
+
+    prompt_tokens = await asyncio.to_thread(count)
+    max_tokens = completion.max_tokens
+    if max_tokens is None:
+        if prompt_tokens >= context:
+            raise ApiError(400, too_long + f"your {what} resulted in {prompt_tokens} tokens, leaving no room "
+                           f"for the completion. Please reduce the length of the {what}.", what,
+                           code="context_length_exceeded")
+        max_tokens = min(DEFAULT_MAX_TOKENS[completion.chat], context - prompt_tokens)
+    elif prompt_tokens + max_tokens > context:
+        raise ApiError(400, too_long + f"you requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in "
+                       f"the {what}, {max_tokens} in the completion). {reduce}", what,
+                       code="context_length_exceeded")
+    pages = kv_pages_needed(prompt_tokens, max_tokens, completion.n, hs.page_size)
+    if pages > hs.num_kv_pages:
+        raise ApiError(400, f"This request needs {pages} KV-cache pages ({prompt_tokens} tokens in the {what}, "
+                       f"{max_tokens} in each of {completion.n} completion(s), {hs.page_size} tokens a page), "
+                       f"more than the server's whole KV pool (backend.num_kv_pages = {hs.num_kv_pages}). "
+                       f"Please reduce max_tokens, n or the length of the {what}.", "max_tokens",
+                       code="context_length_exceeded")
+    completion.max_tokens = max_tokens
+    completion.arguments += ["--max-tokens", str(max_tokens)]
+
+
+def kv_pages_needed(prompt_tokens: int, max_tokens: int, n: int, page_size: int) -> int:
+    """The KV pages openai_completion holds at most: the prompt's pages (all but its last
+    token are prefilled), shared by the n choices, plus each choice's own pages (its copy of
+    the shared partial last page, then its tokens; the last sampled token is never run)."""
+    prefilled, total = prompt_tokens - 1, prompt_tokens + max_tokens - 1
+    if n == 1:
+        return math.ceil(total / page_size)
+    own = math.ceil(total / page_size) - prefilled // page_size
+    return math.ceil(prefilled / page_size) + n * own
+
+
+_MAX_TOKEN_BYTES: dict[int, int] = {}
+
+
+def _max_token_bytes(tokenizer: Any) -> int:
+    """The longest token's length in bytes (so a text has at least len / this many tokens)."""
+    key = id(tokenizer)
+    if key not in _MAX_TOKEN_BYTES:
+        _MAX_TOKEN_BYTES[key] = max(map(len, tokenizer.vocabs), default=1) or 1
+    return _MAX_TOKEN_BYTES[key]
 
 
 def _number(body: dict[str, Any], name: str, kind: type, low: float, high: float) -> Any:
@@ -204,9 +360,10 @@ def _number(body: dict[str, Any], name: str, kind: type, low: float, high: float
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-        raise ApiError(400, f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}", name)
+        raise ApiError(400, f"{name} must be {'an integer' if kind is int else 'a number'}, got {_short(value)}",
+                       name)
     if not low <= value <= high:
-        raise ApiError(400, f"{name} must be between {low:g} and {high:g}, got {value!r}", name)
+        raise ApiError(400, f"{name} must be between {low:g} and {high:g}, got {_short(value)}", name)
     return kind(value)
 
 

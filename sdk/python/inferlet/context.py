@@ -7,6 +7,8 @@ forks; a page that may be shared (forked or imported) is copied before it is wri
 
 from __future__ import annotations
 
+import re
+
 from wit_world.imports import allocate, forward, input_text, kvs
 
 from inferlet.errors import Error, host
@@ -168,14 +170,37 @@ class Context:
         return self.forward_pending([len(self.pending) - 1])[0]
 
     def _forward(self, tokens: list[int], indices: list[int]) -> list[int]:
+        """Run `tokens`, in chunks of at most the backend's max_batch_tokens (one pass when
+        they fit); output embeds at `indices` (positions in `tokens`)."""
+        global _chunk_limit
         if not tokens:
             return []
-        q, n, ps = self.queue, len(tokens), self.queue.page_size
-        if len(self._embeds) < n:
-            self._embeds += host(allocate.alloc_emb, q.raw, n - len(self._embeds))
+        q = self.queue
         if len(self._outputs) < len(indices):
             self._outputs += host(allocate.alloc_emb, q.raw, len(indices) - len(self._outputs))
         outputs = self._outputs[: len(indices)]
+        start = 0
+        while start < len(tokens):
+            end = min(len(tokens), start + max(1, _chunk_limit))
+            chunk = [(i - start, out) for i, out in zip(indices, outputs) if start <= i < end]
+            try:
+                self._forward_chunk(tokens[start:end], [i for i, _ in chunk], [out for _, out in chunk])
+            except Error as e:
+                # The host refused the chunk before running anything: learn its limit, retry.
+                size = end - start
+                if size == 1 or e.kind != "invalid-argument" or _LIMIT_NAME not in e.message:
+                    raise
+                told = re.search(_LIMIT_NAME + r"\D*(\d+)", e.message)
+                _chunk_limit = min(size - 1, max(1, int(told.group(1)) if told else size // 2))
+                continue
+            start = end
+        return outputs
+
+    def _forward_chunk(self, tokens: list[int], indices: list[int], outputs: list[int]) -> None:
+        """One forward pass; fails before changing anything if the host refuses the embedding."""
+        q, n, ps = self.queue, len(tokens), self.queue.page_size
+        if len(self._embeds) < n:
+            self._embeds += host(allocate.alloc_emb, q.raw, n - len(self._embeds))
         start = len(self.committed)
         host(input_text.embed_text, q.raw, tokens, list(range(start, start + n)), self._embeds[:n])
         free = ps - self.last_len if self.pages else 0
@@ -194,7 +219,6 @@ class Context:
         if len(self._embeds) > KEPT_EMBEDS:  # a prefill's embeds: not needed for decoding
             host(allocate.dealloc_emb, q.raw, self._embeds[KEPT_EMBEDS:])
             del self._embeds[KEPT_EMBEDS:]
-        return outputs
 
     def _copy_last_page(self) -> None:
         (copy,) = host(allocate.alloc_kvpage, self.queue.raw, 1)
@@ -211,6 +235,13 @@ class Context:
 
 
 KEPT_EMBEDS = 16  # input embeds a context keeps between forwards
+
+# The most tokens a Context runs in one forward pass. The host API does not tell the
+# backend's max_batch_tokens, so this starts at its default (4096: a prompt that fits runs in
+# one pass, exactly as unchunked) and drops to the host's limit the first time the host
+# refuses a pass as too long (its error names the limit). One per instance.
+_chunk_limit = 4096
+_LIMIT_NAME = "max_batch_tokens"
 
 
 def _export_key(name: str) -> str:

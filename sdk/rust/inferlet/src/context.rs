@@ -13,6 +13,7 @@
 
 use std::cell::Cell;
 use std::rc::Rc;
+use std::sync::atomic::{AtomicU32, Ordering};
 
 use crate::bindings::forward::{self, ForwardPass};
 use crate::bindings::types::{Embed, Error, ErrorKind, KvPage};
@@ -337,23 +338,54 @@ impl Context {
         allocate::unexport_kvpage(name)
     }
 
-    /// Enqueues one forward pass over `tokens` (appended to the committed tokens), with an
-    /// output embed at each of `indices`.
+    /// Enqueues the forward passes over `tokens` (appended to the committed tokens), with an
+    /// output embed at each of `indices`: one pass, or, for a prompt longer than the
+    /// backend's max_batch_tokens, one pass per chunk of at most that many tokens (each chunk
+    /// attends to the ones before it through the pages, so the result is the same sequence).
     fn forward(&mut self, tokens: &[u32], indices: &[u32]) -> Result<Vec<Embed>, Error> {
-        let queue = self.queue.clone();
-        let n = tokens.len() as u32;
-        if n == 0 {
+        if tokens.is_empty() {
             return Ok(Vec::new());
         }
+        if self.outputs.len() < indices.len() {
+            let more = allocate::alloc_emb(self.queue.raw(), (indices.len() - self.outputs.len()) as u32)?;
+            self.outputs.extend(more);
+        }
+        let outputs = self.outputs[..indices.len()].to_vec();
+        let mut start = 0;
+        while start < tokens.len() {
+            let size = tokens.len().min(start + chunk_limit() as usize) - start;
+            let end = start + size;
+            let (mut chunk_indices, mut chunk_outputs) = (Vec::new(), Vec::new());
+            for (&index, &output) in indices.iter().zip(&outputs) {
+                if (start..end).contains(&(index as usize)) {
+                    chunk_indices.push(index - start as u32);
+                    chunk_outputs.push(output);
+                }
+            }
+            match self.forward_chunk(&tokens[start..end], &chunk_indices, chunk_outputs) {
+                Ok(()) => start = end,
+                // The host refused the chunk before running anything: learn its limit, retry.
+                Err(e) if size > 1 && e.kind == ErrorKind::InvalidArgument && e.message.contains(LIMIT_NAME) => {
+                    let told = e.message.split(LIMIT_NAME).nth(1)
+                        .map(|rest| rest.trim_start_matches([' ', '=']))
+                        .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next()?.parse::<u32>().ok());
+                    CHUNK_LIMIT.store(told.unwrap_or(size as u32 / 2).clamp(1, size as u32 - 1), Ordering::Relaxed);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(outputs)
+    }
+
+    /// Enqueues one forward pass over `tokens` (at most the backend's max_batch_tokens).
+    /// Fails before changing anything if the host refuses the embedding of `tokens`.
+    fn forward_chunk(&mut self, tokens: &[u32], indices: &[u32], outputs: Vec<Embed>) -> Result<(), Error> {
+        let queue = self.queue.clone();
+        let n = tokens.len() as u32;
         if self.embeds.len() < tokens.len() {
             let more = allocate::alloc_emb(queue.raw(), (tokens.len() - self.embeds.len()) as u32)?;
             self.embeds.extend(more);
         }
-        if self.outputs.len() < indices.len() {
-            let more = allocate::alloc_emb(queue.raw(), (indices.len() - self.outputs.len()) as u32)?;
-            self.outputs.extend(more);
-        }
-        let outputs = self.outputs[..indices.len()].to_vec();
 
         let start = self.committed.len() as u32;
         let positions: Vec<u32> = (start..start + n).collect();
@@ -374,7 +406,7 @@ impl Context {
             input_embeds: embeds,
             output_kv_pages: output_pages,
             output_kv_offset: if free > 0 { self.last_len } else { 0 },
-            output_embeds: outputs.clone(),
+            output_embeds: outputs,
             output_token_indices: indices.to_vec(),
             attention_mask: None,
         })?;
@@ -392,7 +424,7 @@ impl Context {
             let extra = self.embeds.split_off(KEPT_EMBEDS);
             allocate::dealloc_emb(queue.raw(), &extra)?;
         }
-        Ok(outputs)
+        Ok(())
     }
 
     /// Makes sure the page at `index` is written by no one else, copying it if it is
@@ -418,6 +450,19 @@ impl Context {
 
 /// Input embeds a context keeps between forwards (decode steps and short drafts need few).
 const KEPT_EMBEDS: usize = 16;
+
+/// The most tokens `Context` runs in one forward pass. The host API does not tell the
+/// backend's max_batch_tokens, so this starts at its default (4096: every prompt that fits
+/// runs in one pass, exactly as it would unchunked) and drops to the host's limit the first
+/// time the host refuses a pass as too long (its error names the limit). One per instance.
+static CHUNK_LIMIT: AtomicU32 = AtomicU32::new(4096);
+
+/// The name the host's too-many-tokens error gives the limit.
+const LIMIT_NAME: &str = "max_batch_tokens";
+
+fn chunk_limit() -> u32 {
+    CHUNK_LIMIT.load(Ordering::Relaxed).max(1)
+}
 
 fn export_key(name: &str) -> String {
     format!("pie.context-export.{name}")
