@@ -359,6 +359,7 @@ async def test_stats_show_a_user_only_its_own_usage(server, program):
         assert set(stats(server, OTHER)["users"]) == {fingerprint(OTHER)}
         assert {fingerprint(TOKEN), fingerprint(OTHER)} <= set(stats(server, ADMIN)["users"])
         assert stats(server, TOKEN)["instances"] == 1 and stats(server, ADMIN)["instances"] == 2
+        assert server.get("/v1/models", ADMIN)[0] == 200  # an admin is a user everywhere
         for holder in holders:
             await holder.send("done")
             assert await holder.wait() == "finished"

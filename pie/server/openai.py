@@ -186,7 +186,7 @@ async def _collect(request: Request, events: AsyncIterator[dict[str, Any]], choi
 def _check(state: ServerState, request: Request) -> str:
     """The caller's user (see session.authenticate), if it may be served now."""
     given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-    user = authenticate(state.config.auth_tokens, given)
+    user = authenticate(state.config.tokens, given)
     if user is None:
         raise ApiError(401, "invalid or missing API key (Authorization: Bearer ...)",
                        kind="authentication_error", code="invalid_api_key")
