@@ -9,15 +9,19 @@ Conventions of wasmtime-py 50 that this file relies on:
   exactly once (it also ends the borrow);
 - `result<T, error>` is lowered untagged when T is not a record: return the value or an
   error `Record`; with a record T (and inside `option`) a `Variant("ok"/"err", ...)`.
-Every call checks whether the instance is being terminated and re-arms the CPU deadline.
+Every call checks whether the instance is being terminated or is past a budget, and
+restarts its CPU slice.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
@@ -27,6 +31,7 @@ from wasmtime.component import Linker, Record, ResourceAny, ResourceHost, Resour
 from pie.control.controller import Controller, InstanceSession
 from pie.control.errors import ErrorKind, HostError
 from pie.control.future import HostFuture, wait_any
+from pie.runtime.limits import MemoryBudget
 
 log = logging.getLogger("pie.inferlet")
 PACKAGE = "pie:inferlet/{}@0.1.0"
@@ -67,20 +72,111 @@ def record(**fields: Any) -> Record:
     return out
 
 
+@dataclass(frozen=True)
+class Budgets:
+    """What one instance may spend, in seconds (0 = no budget).
+
+    `cpu_s` (quota.instance.cpu_s) is CPU time of the instance's own thread — guest code and
+    the host work its calls do there — in total; `wall_s` (quota.instance.wall_s) is time
+    since launch; `slice_s` (runtime.cpu_slice_ms) the longest stretch of guest code between
+    two host calls. Wasm code is interrupted only at epoch deadlines, so `tick_s` (the
+    engine's epoch period) and `check_s` (how often a computing guest is checked) bound how
+    far past a budget it can get."""
+
+    cpu_s: float = 0.0
+    wall_s: float = 0.0
+    slice_s: float = 5.0
+    tick_s: float = 0.01
+    check_s: float = 0.1
+
+
 class HostState:
-    """One instance's wasm resources and its link to the control layer."""
+    """One instance's wasm resources, its link to the control layer, and its budgets.
+
+    Budgets are enforced at two points, both on the instance's thread: at every host call
+    (`check`, from the `call` wrapper), and, for guest code that makes none, at epoch
+    deadlines (`on_deadline`, wasmtime's deadline callback; `deadline_ticks` arms the next
+    one). A wait blocked in the host is ended from outside through `cancelled` (the runtime
+    terminates an instance whose wall budget runs out)."""
 
     def __init__(self, session: InstanceSession, send: Callable[[str], threading.Event | None],
-                 cpu_ticks: int):
+                 budgets: Budgets, memory: MemoryBudget | None = None):
         self.session = session
         self.send_message = send
-        self.cpu_ticks = cpu_ticks
+        self.budgets = budgets
+        self.memory = memory  # all linear memories together (runtime.memory_limit_mb)
         self.objects: dict[int, tuple[Kind, Any]] = {}
         self.next_rep = 1
         self.cancelled = threading.Event()
         self.store: Store | None = None
         self.calls: Counter[str] = Counter()  # host function name -> calls (benchmarks)
         self.watched: dict[int, tuple[int, HostFuture]] = {}  # pollable rep -> (key, future)
+        self.launched = time.monotonic()  # the wall budget counts from here
+        self.cpu_start: float | None = None  # thread_time() when the thread began (start())
+        self.resumed = self.launched  # when guest code last got control back (CPU slice)
+        self.end_reason: str | None = None  # why a limit ended the instance, once one did
+        self.deadline: Any = None  # the store's DeadlineCallback, kept alive with it
+
+    # --- budgets ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Called first thing on the instance's own thread: its CPU time counts from here."""
+        self.cpu_start = time.thread_time()
+        self.resumed = time.monotonic()
+
+    def cpu_used(self) -> float:
+        """CPU seconds of this instance's thread; only meaningful on that thread."""
+        return 0.0 if self.cpu_start is None else time.thread_time() - self.cpu_start
+
+    def wall_expired(self, now: float) -> bool:
+        return bool(self.budgets.wall_s) and now - self.launched >= self.budgets.wall_s
+
+    def wall_reason(self) -> str:
+        return (f"error: wall-clock budget exhausted: {self.budgets.wall_s:g} s since launch "
+                f"(quota.instance.wall_s)")
+
+    def over_budget(self) -> str | None:
+        """The reason to end the instance now, if a limit says so (on its own thread)."""
+        if self.memory is not None and self.memory.refused:
+            return f"error: {self.memory.refused}"
+        if self.budgets.cpu_s and self.cpu_used() >= self.budgets.cpu_s:
+            return (f"error: CPU budget exhausted: {self.budgets.cpu_s:g} s of CPU time "
+                    f"(quota.instance.cpu_s)")
+        if self.wall_expired(time.monotonic()):
+            return self.wall_reason()
+        return None
+
+    def check(self) -> None:
+        """At every host call: unwind a terminated instance, end one past a limit."""
+        if self.cancelled.is_set():
+            raise Terminated("instance terminated")
+        if (reason := self.over_budget()) is not None:
+            self.end_reason = reason
+            raise LimitExceeded(reason.removeprefix("error: "))
+
+    def on_deadline(self) -> str | None:
+        """wasmtime's epoch-deadline callback, in the middle of guest code: None lets it go
+        on (for `deadline_ticks()` more ticks), a string traps it with that reason."""
+        reason = self.over_budget()
+        if reason is None and self.cancelled.is_set():
+            reason = "terminated"
+        if reason is None and time.monotonic() - self.resumed >= self.budgets.slice_s:
+            reason = (f"trap: CPU limit — ran longer than runtime.cpu_slice_ms = "
+                      f"{round(self.budgets.slice_s * 1e3)} ms without a host call")
+        if reason is not None:
+            self.end_reason = self.end_reason or reason
+        return reason
+
+    def deadline_ticks(self) -> int:
+        """Epoch ticks until guest code is next checked: the check period, or sooner when the
+        CPU slice or CPU budget would run out first (CPU time on this thread cannot advance
+        faster than the clock, so a deadline at the remaining CPU budget is never late)."""
+        b = self.budgets
+        now = time.monotonic()
+        left = min(b.check_s, b.slice_s - (now - self.resumed))
+        if b.cpu_s:
+            left = min(left, b.cpu_s - self.cpu_used())
+        return max(1, math.ceil(left / b.tick_s))
 
     def own(self, kind: Kind, obj: Any) -> ResourceHost:
         rep, self.next_rep = self.next_rep, self.next_rep + 1
@@ -131,11 +227,11 @@ def build_linker(engine: Engine, controller: Controller, lookup: Callable[[Any],
     tok = controller.tokenizer
 
     def call(func: Callable[..., Any], fallible: bool = True) -> Callable[..., Any]:
-        """Wrap a host function: cancellation check, HostError → error record, CPU re-arm."""
+        """Wrap a host function: termination and budget checks (`HostState.check`), HostError
+        → error record, and the restart of the CPU slice when guest code resumes."""
 
         def wrapper(st: HostState, store: Any, *args: Any) -> Any:
-            if st.cancelled.is_set():
-                raise Terminated("instance terminated")
+            st.check()
             try:
                 return func(st, store, *args)
             except HostError as e:
@@ -143,8 +239,7 @@ def build_linker(engine: Engine, controller: Controller, lookup: Callable[[Any],
                     raise
                 return error_record(e)
             finally:
-                if st.store is not None:
-                    st.store.set_epoch_deadline(st.cpu_ticks)
+                st.resumed = time.monotonic()
 
         return wrapper
 
