@@ -90,6 +90,11 @@ FOUR_BIG_MEMORIES = core_only("""
     (memory 3200)
     (func (export "run") (result i32) (i32.const 0))""")
 
+# One memory of 200 MiB at instantiation.
+ONE_BIG_MEMORY = core_only("""
+    (memory (export "memory") 3200)
+    (func (export "run") (result i32) (i32.const 0))""")
+
 # One memory grown past the cap: the growth is refused (-1) and the program traps.
 ONE_MEMORY_PAST_THE_CAP = core_only("""
     (memory (export "memory") 1)
@@ -282,6 +287,8 @@ def test_one_memory_mode_caps_with_wasmtime(make_runtime, tmp_path):
     """With max_memories = 1, wasmtime's cap on each memory is the cap on all of them."""
     rt = make_runtime(memory_limit_mb=64, max_memories=1)
     assert "runtime.max_memories = 1" in run_wat(rt, FOUR_BIG_MEMORIES, tmp_path).wait()
+    reason = run_wat(rt, ONE_BIG_MEMORY, tmp_path).wait()
+    assert reason == "error: the component needs more MiB of linear memory than runtime.memory_limit_mb = 64"
     reason = run_wat(rt, ONE_MEMORY_PAST_THE_CAP, tmp_path).wait()
     assert reason.startswith("trap:") and "runtime.memory_limit_mb = 64" in reason
     assert rt.memories is None  # no host memory creator: copy-on-write images stay on

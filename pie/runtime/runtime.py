@@ -366,6 +366,7 @@ _STORE_LIMIT_MESSAGES = (
     ("table count too high", "max_tables", "tables"),
     ("memory count too high", "max_memories", "linear memories"),
     ("elements exceeds table limits", "max_table_elements", "entries in a table"),
+    ("exceeds memory limits", "memory_limit_mb", "MiB of linear memory"),  # max_memories = 1
 )
 
 
