@@ -198,6 +198,7 @@ class ServerConfig:
     max_user_upload_bytes: int = 128 * 2**20  # uploads in progress of one user, all connections
     max_total_upload_bytes: int = 512 * 2**20  # uploads in progress on the server
     max_message_bytes: int = 2**20
+    max_request_bytes: int = 8 * 2**20  # an HTTP request body (/v1); larger ones get 413
     # Client messages an instance has not read yet; a send beyond is refused (inbox_full).
     # Also: held messages of a detached instance, unread broadcasts of a subscription.
     max_pending_messages: int = 1024
@@ -232,7 +233,8 @@ class ServerConfig:
         if self.drain_timeout_s < 0:
             raise ConfigError(f"server.drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         sizes = ("max_upload_bytes", "max_user_upload_bytes", "max_total_upload_bytes",
-                 "max_message_bytes", "max_pending_messages", "max_pending_bytes", "max_outbox_bytes")
+                 "max_message_bytes", "max_request_bytes", "max_pending_messages", "max_pending_bytes",
+                 "max_outbox_bytes")
         for key in sizes:
             if getattr(self, key) < 1:
                 raise ConfigError(f"server.{key} must be positive, got {getattr(self, key)}")

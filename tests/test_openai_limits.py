@@ -215,6 +215,21 @@ def test_a_megabyte_prompt_gets_400_not_500(server, http):
     assert idle(server)
 
 
+def test_a_body_over_max_request_bytes_gets_413_without_being_read_whole(server, http):
+    limit = 8 * 2**20  # server.max_request_bytes (default)
+    body = b'{"model": "m", "prompt": "' + b"x" * limit + b'"}'
+    error = error_of(http.post("/v1/completions", content=body), 413)
+    assert f"server.max_request_bytes = {limit}" in error["message"]
+
+    def chunks():  # no Content-Length: the server must count what it reads
+        yield b'{"model": "m", "prompt": "'
+        for _ in range(limit // 2**20 + 1):
+            yield b"x" * 2**20
+    error = error_of(http.post("/v1/completions", content=chunks()), 413)
+    assert "exceeds server.max_request_bytes" in error["message"]
+    assert idle(server)
+
+
 def test_a_request_larger_than_the_whole_kv_pool_gets_400(server, http):
     # 16 choices of 2000 tokens: within the context, but 16 x 126 pages > the pool's 1024
     error = error_of(http.post("/v1/completions", json={"model": MODEL, "prompt": "Once upon a time", "n": 16,

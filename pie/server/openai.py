@@ -98,7 +98,7 @@ async def _serve(state: ServerState, request: Request, chat: bool):
     try:
         user = _check(state, request)
         try:
-            body = _decode(await request.body())
+            body = _decode(await _read_body(request, state.config.max_request_bytes))
             if not isinstance(body, dict):
                 raise ApiError(400, "the request body must be a JSON object")
             completion = parse(body, chat, state.model or "")
@@ -129,6 +129,20 @@ async def _serve(state: ServerState, request: Request, chat: bool):
         log.exception("serving a /v1 request failed")
         return ApiError(500, f"internal error ({type(e).__name__}); see the server log",
                         kind="server_error").response()
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, read in pieces up to `limit` bytes (server.max_request_bytes), never more:
+    uvicorn itself sets no bound, so a client could make the server hold any amount."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the request body of {declared} bytes exceeds server.max_request_bytes = {limit}")
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > limit:
+            raise ApiError(413, f"the request body exceeds server.max_request_bytes = {limit}")
+    return bytes(body)
 
 
 def _decode(raw: bytes) -> Any:
