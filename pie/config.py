@@ -121,6 +121,7 @@ class InstanceQuota(HeldQuota):
 
     queues: int = 64
     exports: int = 64
+    subscriptions: int = 64  # topics subscribed at once (each keeps a backlog)
     cpu_s: float = 600.0
     wall_s: float = 86400.0
 
@@ -166,19 +167,29 @@ class QuotaConfig:
 class RuntimeConfig:
     max_instances: int = 256
     # Wasmtime store limits of one instance (the same for Rust and Python inferlets; a
-    # Python component holds several core modules, hence the counts).
-    memory_limit_mb: int = 256  # all linear memories of the instance together
-    max_memories: int = 8  # linear memories
+    # Python component holds several core modules, hence the counts). memory_limit_mb caps
+    # each linear memory, so an instance holds at most max_memories × memory_limit_mb: with
+    # the default of one memory (what Rust and componentize-py emit), memory_limit_mb in
+    # all; a component with a second memory fails to instantiate, naming max_memories.
+    memory_limit_mb: int = 256  # each linear memory
+    max_memories: int = 1  # linear memories
     max_tables: int = 16
     max_table_elements: int = 100_000  # entries of any one table
     max_wasm_instances: int = 64  # core module instances inside the component
+    # Host objects one instance holds at once (futures, pollables, queues, subscriptions,
+    # matchers: each a guest handle); past it the instance is ended.
+    max_handles: int = 65536
+    # Inference calls (forward, embed, sample, ...) enqueued and not yet dispatched, over all
+    # the instance's queues; past it a call fails with out-of-resources until some ran.
+    max_pending_calls: int = 4096
     # Longest stretch of guest computation between two host calls before the instance is
     # stopped (wasmtime epoch deadline): ends infinite loops, not long generations.
     cpu_slice_ms: int = 5000
 
     def __post_init__(self) -> None:
         for key in ("max_instances", "memory_limit_mb", "max_memories", "max_tables",
-                    "max_table_elements", "max_wasm_instances", "cpu_slice_ms"):
+                    "max_table_elements", "max_wasm_instances", "max_handles", "max_pending_calls",
+                    "cpu_slice_ms"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"runtime.{key} must be positive, got {getattr(self, key)}")
 

@@ -261,7 +261,7 @@ def test_user_quota_spans_the_users_instances_and_is_refunded_at_teardown():
     manager.release_instance(a1)
     manager.release_instance(a2)
     assert book.usage()["alice"] == {"kv_pages": 1, "embeds": 0, "queues": 0, "exports": 1,
-                                     "instances": 0}  # the persistent export's page
+                                     "subscriptions": 0, "instances": 0}  # the persistent export's page
     survivor = holder(book, "alice", "a3")
     with pytest.raises(HostError, match="holds 1 kv pages and asks for 5 more"):  # still pinned
         manager.alloc_pages(survivor, 5)
@@ -375,6 +375,44 @@ def test_instance_session_validates_before_enqueueing(tmp_path, model_dir):
         a.close()
         assert controller.resources.pages.available == 8
         assert controller.resources.embeds.available == 100
+    finally:
+        controller.shutdown()
+        backend.close()
+
+
+def test_pending_calls_and_subscriptions_per_instance_are_bounded(tmp_path, model_dir):
+    """runtime.max_pending_calls: an instance cannot queue inference calls without bound
+    (each holds its arguments in the control process); quota.instance.subscriptions: nor
+    hold subscriptions (each keeps a backlog), and dropping one gives its place back."""
+    from pie.config import PieConfig, RuntimeConfig
+    from pie.control.controller import Controller
+
+    endpoint = f"ipc://{tmp_path}/fake.sock"
+    backend = FakeBackend(endpoint)
+    handshake = P.HandshakeReply(
+        protocol_version=P.PROTOCOL_VERSION, model_name="m", traits=[], page_size=16,
+        num_kv_pages=8, num_embeds=100, vocab_size=49152, hidden_size=576, max_batch_tokens=64,
+        tokenizer_json=(model_dir / "tokenizer.json").read_text(), eos_token_ids=[2],
+        bos_token_id=1, chat_template="", dtype="float32", device="cpu")
+    config = PieConfig(runtime=RuntimeConfig(max_pending_calls=3),
+                       quota=QuotaConfig(instance=InstanceQuota(subscriptions=2)))
+    controller = Controller(config, endpoint, handshake)
+    try:
+        a = controller.session("a", [])
+        q = a.create_queue("m")
+        (embed,) = a.alloc_emb(q, 1)
+        with pytest.raises(HostError, match="runtime.max_pending_calls") as e:
+            for _ in range(10):  # the backend never answers: calls pile up
+                a.embed_text(q, [1], [0], [embed])
+        assert e.value.kind == ErrorKind.OUT_OF_RESOURCES and len(q.pending) == 3
+        a.synchronize(q)  # markers (and the frees behind dealloc) are never refused
+        first, second = a.subscribe("t1"), a.subscribe("t2")
+        with pytest.raises(HostError, match="quota.instance.subscriptions = 2"):
+            a.subscribe("t3")
+        a.unsubscribe(first)
+        assert a.subscribe("t3") and set(controller.bus.topics) == {("anonymous", "t2"), ("anonymous", "t3")}
+        a.close()
+        assert controller.bus.topics == {}
     finally:
         controller.shutdown()
         backend.close()

@@ -87,6 +87,8 @@ class InstanceSession:
         self.page_size = controller.hs.page_size
         self.forward_calls = 0
         self.forward_tokens = 0
+        self.queues: list[CommandQueue] = []
+        self.subscriptions: set[Inbox] = set()
 
     def usage(self) -> dict[str, int]:
         """What the instance consumed, reported to its client when it ends."""
@@ -121,7 +123,9 @@ class InstanceSession:
     def create_queue(self, model: str) -> CommandQueue:
         self._check_model(model)
         self.charges.charge("queues")
-        return self.c.scheduler.create_queue(self.instance_id)
+        queue = self.c.scheduler.create_queue(self.instance_id)
+        self.queues.append(queue)
+        return queue
 
     def synchronize(self, q: CommandQueue) -> HostFuture:
         return self._submit(Command(MARKER, q, HostFuture()))
@@ -145,7 +149,17 @@ class InstanceSession:
     def subscribe(self, topic: str) -> Inbox:
         if not topic:
             raise _invalid("topic must not be empty")
-        return self.c.bus.subscribe(self.instance_id, self.user, topic)
+        self.charges.charge("subscriptions")
+        inbox = self.c.bus.subscribe(self.instance_id, self.user, topic)
+        self.subscriptions.add(inbox)
+        return inbox
+
+    def unsubscribe(self, inbox: Inbox) -> None:
+        """The guest dropped the subscription: its backlog goes, its quota comes back."""
+        if inbox in self.subscriptions:
+            self.subscriptions.discard(inbox)
+            self.c.bus.unsubscribe(inbox)
+            self.charges.refund("subscriptions")
 
     def store_get(self, key: str) -> str | None:
         return self.c.kvs.get(self.user, key)
@@ -310,6 +324,11 @@ class InstanceSession:
     def _submit(self, command: Command) -> HostFuture:
         if command.queue.instance_id != self.instance_id:
             raise HostError(ErrorKind.INVALID_HANDLE, "the queue belongs to another instance")
+        limit = self.c.config.runtime.max_pending_calls
+        if command.kind != MARKER and sum(len(q.pending) for q in self.queues) >= limit:
+            raise HostError(ErrorKind.OUT_OF_RESOURCES,
+                            f"{limit} calls of this instance wait for the backend "
+                            f"(runtime.max_pending_calls); await some results before enqueuing more")
         return self.c.scheduler.submit(command)
 
     # --- teardown --------------------------------------------------------------------------

@@ -131,6 +131,15 @@ class MessageBus:
                                 f"an instance may publish on at most {MAX_PUBLIC_TOPICS} public topics")
             instances.add(instance_id)
 
+    def unsubscribe(self, inbox: Inbox) -> None:
+        with self.lock:
+            for key in [k for k, subs in self.topics.items() if any(box is inbox for _, box in subs)]:
+                kept = [(i, box) for i, box in self.topics[key] if box is not inbox]
+                if kept:
+                    self.topics[key] = kept
+                else:
+                    del self.topics[key]
+
     def drop_instance(self, instance_id: str) -> None:
         with self.lock:
             for key in list(self.topics):
