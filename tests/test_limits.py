@@ -1,5 +1,6 @@
-"""Per-instance limits (issue findings 2 and 9): wasmtime store limits, one memory cap for all
-of an instance's linear memories, and total CPU and wall-clock budgets.
+"""Per-instance limits (issue findings 2 and 9): wasmtime store limits — memory_limit_mb on each
+linear memory and max_memories of them (1 by default), so an instance holds at most
+max_memories × memory_limit_mb — and total CPU and wall-clock budgets.
 
 The hostile programs are hand-written components (WAT, turned into binaries by `wasm-tools
 parse`) that import nothing, or only `runtime.now`, and export `run` as the world says
@@ -51,20 +52,23 @@ TABLE_BOMB = core_only("""
       (i32.const 0))""")
 
 
-def touch_growth(memory: str, mib: int) -> str:
+def touch_growth(memory: str, mib: int, on_refusal: str = "") -> str:
     """Grow `memory` 1 MiB at a time up to `mib` MiB, writing to every page (so it is
-    resident); stop quietly when a growth is refused."""
+    resident); when a growth is refused, run `on_refusal` (nothing: stop quietly)."""
     return f"""
-      (block $refused
-        (loop $grow
-          (br_if $refused (i32.eq (memory.grow {memory} (i32.const 16)) (i32.const -1)))
-          (local.set $end (i32.mul (memory.size {memory}) (i32.const 65536)))
-          (local.set $p (i32.sub (local.get $end) (i32.const 1048576)))
-          (loop $touch
-            (i32.store8 {memory} (local.get $p) (i32.const 1))
-            (local.set $p (i32.add (local.get $p) (i32.const 4096)))
-            (br_if $touch (i32.lt_u (local.get $p) (local.get $end))))
-          (br_if $grow (i32.lt_u (memory.size {memory}) (i32.const {mib * 16 + 1})))))"""
+      (block $done
+        (block $refused
+          (loop $grow
+            (br_if $refused (i32.eq (memory.grow {memory} (i32.const 16)) (i32.const -1)))
+            (local.set $end (i32.mul (memory.size {memory}) (i32.const 65536)))
+            (local.set $p (i32.sub (local.get $end) (i32.const 1048576)))
+            (loop $touch
+              (i32.store8 {memory} (local.get $p) (i32.const 1))
+              (local.set $p (i32.add (local.get $p) (i32.const 4096)))
+              (br_if $touch (i32.lt_u (local.get $p) (local.get $end))))
+            (br_if $grow (i32.lt_u (memory.size {memory}) (i32.const {mib * 16 + 1}))))
+          (br $done))
+        {on_refusal})"""
 
 
 # Finding 2: four memories, each grown to 200 MiB and written to (~800 MB before the fix).
@@ -82,6 +86,15 @@ MEMORY_BOMB = core_only(f"""
       {touch_growth("$d", 200)}
       (i32.const 0))""")
 
+# One memory grown to 200 MiB and written to; a refused growth traps, as a program that
+# cannot get its allocation would.
+ONE_MEMORY_BOMB = core_only(f"""
+    (memory $a (export "memory") 1)
+    (func (export "run") (result i32)
+      (local $p i32) (local $end i32)
+      {touch_growth("$a", 200, "unreachable")}
+      (i32.const 0))""")
+
 # Four memories of 200 MiB each at instantiation (nothing written: only the cap is tested).
 FOUR_BIG_MEMORIES = core_only("""
     (memory (export "memory") 3200)
@@ -89,6 +102,28 @@ FOUR_BIG_MEMORIES = core_only("""
     (memory 3200)
     (memory 3200)
     (func (export "run") (result i32) (i32.const 0))""")
+
+
+def grow_to_exactly(memory: str, pages: int) -> str:
+    """Trap unless `memory` (of one page) grows to `pages` pages and not one page more."""
+    return f"""
+      (if (i32.eq (memory.grow {memory} (i32.const {pages - 1})) (i32.const -1)) (then unreachable))
+      (if (i32.ne (memory.grow {memory} (i32.const 1)) (i32.const -1)) (then unreachable))"""
+
+
+# Four memories, each grown to 64 MiB (1024 pages) and refused one page more: finishes
+# only if each is capped at exactly 64 MiB (nothing written: only the cap is tested).
+FOUR_MEMORIES_AT_64_MIB = core_only(f"""
+    (memory $a (export "memory") 1)
+    (memory $b 1)
+    (memory $c 1)
+    (memory $d 1)
+    (func (export "run") (result i32)
+      {grow_to_exactly("$a", 1024)}
+      {grow_to_exactly("$b", 1024)}
+      {grow_to_exactly("$c", 1024)}
+      {grow_to_exactly("$d", 1024)}
+      (i32.const 0))""")
 
 # One memory of 200 MiB at instantiation.
 ONE_BIG_MEMORY = core_only("""
@@ -112,9 +147,9 @@ TOO_MANY_TABLES = core_only(f"""
     (memory (export "memory") 1)
     (func (export "run") (result i32) (i32.const 0))""")
 
-TOO_MANY_MEMORIES = core_only(f"""
+TOO_MANY_MEMORIES = core_only("""
     (memory (export "memory") 1)
-    {many("(memory 0)", 9)}
+    (memory 0)
     (func (export "run") (result i32) (i32.const 0))""")
 
 TABLE_TOO_LARGE = core_only("""
@@ -250,7 +285,7 @@ def test_table_bomb_is_refused_and_named(make_runtime, tmp_path):
 
 @pytest.mark.parametrize("wat, key", [
     (TOO_MANY_TABLES, "runtime.max_tables = 16"),
-    (TOO_MANY_MEMORIES, "runtime.max_memories = 8"),
+    (TOO_MANY_MEMORIES, "runtime.max_memories = 1"),
     (TABLE_TOO_LARGE, "runtime.max_table_elements = 100000"),
     (TOO_MANY_INSTANCES, "runtime.max_wasm_instances = 64"),
 ], ids=["tables", "memories", "table-elements", "core-instances"])
@@ -260,15 +295,29 @@ def test_store_limits_refuse_instantiation(make_runtime, tmp_path, wat, key):
     assert reason.startswith("error: the component needs more") and key in reason, reason
 
 
-def test_memories_share_one_cap(make_runtime, tmp_path):
-    """memory_limit_mb = 256 caps all memories together: four 200 MiB memories do not fit
-    at instantiation, and four memories grown at run time stop at 256 MiB in all."""
-    rt = make_runtime(memory_limit_mb=256)
+def test_memory_is_bounded_by_max_memories_times_the_cap(make_runtime, tmp_path):
+    """An instance holds at most max_memories × memory_limit_mb: by default (one memory) a
+    component with four 200 MiB memories does not instantiate; with max_memories = 4 and
+    memory_limit_mb = 64 each memory grows to 64 MiB and not one page more."""
+    rt = make_runtime()
     reason = run_wat(rt, FOUR_BIG_MEMORIES, tmp_path).wait()
-    assert reason.startswith("error: memory limit reached: runtime.memory_limit_mb = 256"), reason
-    events = run_wat(rt, MEMORY_BOMB, tmp_path)
-    assert events.wait().startswith("error: memory limit reached: runtime.memory_limit_mb = 256")
-    assert rt.memories.live() == 0  # every memory of the ended instances was freed
+    assert reason == "error: the component needs more linear memories than runtime.max_memories = 1"
+    rt = make_runtime(memory_limit_mb=64, max_memories=4)
+    reason = run_wat(rt, FOUR_BIG_MEMORIES, tmp_path).wait()
+    assert reason == "error: the component needs more MiB of linear memory than runtime.memory_limit_mb = 64"
+    assert run_wat(rt, FOUR_MEMORIES_AT_64_MIB, tmp_path).wait() == "finished"
+    assert echo_works(rt)
+
+
+def test_one_memory_is_capped_by_wasmtime(make_runtime, tmp_path):
+    """With one memory (the default), wasmtime's cap on it is the cap on the instance: too
+    large at instantiation, it fails naming memory_limit_mb; grown past it, the growth is
+    refused inside the guest (which traps here, and the reason names the key)."""
+    rt = make_runtime(memory_limit_mb=64)
+    reason = run_wat(rt, ONE_BIG_MEMORY, tmp_path).wait()
+    assert reason == "error: the component needs more MiB of linear memory than runtime.memory_limit_mb = 64"
+    reason = run_wat(rt, ONE_MEMORY_PAST_THE_CAP, tmp_path).wait()
+    assert reason.startswith("trap:") and "runtime.memory_limit_mb = 64" in reason
     assert echo_works(rt)
 
 
@@ -279,20 +328,7 @@ def test_a_rust_allocation_failure_names_the_cap(make_runtime):
     rt.launch("probe", ["membomb"], events)
     reason = events.wait()
     assert reason.startswith("trap: wasm `unreachable`"), reason
-    assert reason.endswith("(memory limit reached: runtime.memory_limit_mb = 64 caps all linear "
-                           "memories of the instance together)")
-
-
-def test_one_memory_mode_caps_with_wasmtime(make_runtime, tmp_path):
-    """With max_memories = 1, wasmtime's cap on each memory is the cap on all of them."""
-    rt = make_runtime(memory_limit_mb=64, max_memories=1)
-    assert "runtime.max_memories = 1" in run_wat(rt, FOUR_BIG_MEMORIES, tmp_path).wait()
-    reason = run_wat(rt, ONE_BIG_MEMORY, tmp_path).wait()
-    assert reason == "error: the component needs more MiB of linear memory than runtime.memory_limit_mb = 64"
-    reason = run_wat(rt, ONE_MEMORY_PAST_THE_CAP, tmp_path).wait()
-    assert reason.startswith("trap:") and "runtime.memory_limit_mb = 64" in reason
-    assert rt.memories is None  # no host memory creator: copy-on-write images stay on
-    assert echo_works(rt)
+    assert "runtime.memory_limit_mb = 64" in reason
 
 
 # --- finding 9: CPU and wall-clock budgets ---------------------------------------------------
@@ -338,10 +374,11 @@ RSS_SLACK_MIB = 64  # allocator and Python noise beyond the instances' own memor
 
 
 def test_bombs_leave_the_server_within_bounds(tmp_path):
-    """The table bomb and the memory bomb through `pie serve` (memory_limit_mb = 64): the
-    control process's peak resident memory (VmHWM) grows by at most memory_limit_mb plus
-    RSS_SLACK_MIB — before the fix it grew by ~381 MB for the table and 4 × 64 MiB for the
-    memories — and a bystander still runs."""
+    """The table bomb and the memory bombs through `pie serve` (memory_limit_mb = 64, one
+    memory per instance): the control process's peak resident memory (VmHWM) grows by at
+    most memory_limit_mb plus RSS_SLACK_MIB — before the fix it grew by ~381 MB for the
+    table and ~800 MB for the four-memory bomb, now refused at instantiation — and a
+    bystander still runs."""
     server = Server(tmp_path)
     try:
         def peak_mib() -> float:
@@ -352,8 +389,10 @@ def test_bombs_leave_the_server_within_bounds(tmp_path):
         before = peak_mib()
         table = run_inferlet(server, component(TABLE_BOMB, tmp_path), [])
         assert "runtime.max_table_elements" in table.reason
-        memory = run_inferlet(server, component(MEMORY_BOMB, tmp_path), [])
-        assert memory.reason.startswith("error: memory limit reached: runtime.memory_limit_mb = 64")
+        memories = run_inferlet(server, component(MEMORY_BOMB, tmp_path), [])
+        assert "runtime.max_memories = 1" in memories.reason, memories.reason
+        memory = run_inferlet(server, component(ONE_MEMORY_BOMB, tmp_path), [])
+        assert memory.reason.startswith("trap:") and "runtime.memory_limit_mb = 64" in memory.reason
         grown = peak_mib() - before
         assert grown <= 64 + RSS_SLACK_MIB, f"peak RSS grew by {grown:.0f} MiB"
         bystander = run_inferlet(server, "hello", ["still here"], ["quit"])

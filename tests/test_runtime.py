@@ -87,3 +87,21 @@ def test_compiled_programs_survive_a_restart(runtime):
     runtime.launch(digest, ["again"], events)
     runtime.send(runtime.list_instances()[0].id, "quit")
     assert events.ended.wait(10) and events.messages == ["again"]
+
+
+def test_an_artifact_of_another_engine_is_compiled_again(runtime, tmp_path):
+    """A cached artifact compiled under another engine configuration (here: copy-on-write
+    memory images off) does not load with this engine: adding its program compiles it again
+    instead of leaving a launch to fail."""
+    from wasmtime import Config, Engine
+    from pie.runtime.programs import ProgramStore
+
+    data = build_inferlet(ROOT / "inferlets" / "hello").read_bytes()
+    other = Config()
+    other.epoch_interruption = True
+    other.memory_init_cow = False
+    digest = ProgramStore(Engine(other), tmp_path / "shared").add(data)
+    store = ProgramStore(runtime.engine, tmp_path / "shared")
+    assert store.add(data) == digest
+    store.loaded.clear()  # load from disk: the artifact now is this engine's
+    assert store.load(digest) is not None

@@ -31,7 +31,6 @@ from wasmtime.component import Linker, Record, ResourceAny, ResourceHost, Resour
 from pie.control.controller import Controller, InstanceSession
 from pie.control.errors import ErrorKind, HostError
 from pie.control.future import HostFuture, wait_any
-from pie.runtime.limits import MemoryBudget
 
 log = logging.getLogger("pie.inferlet")
 PACKAGE = "pie:inferlet/{}@0.1.0"
@@ -100,11 +99,10 @@ class HostState:
     terminates an instance whose wall budget runs out)."""
 
     def __init__(self, session: InstanceSession, send: Callable[[str], threading.Event | None],
-                 budgets: Budgets, memory: MemoryBudget | None = None):
+                 budgets: Budgets):
         self.session = session
         self.send_message = send
         self.budgets = budgets
-        self.memory = memory  # all linear memories together (runtime.memory_limit_mb)
         self.objects: dict[int, tuple[Kind, Any]] = {}
         self.next_rep = 1
         self.cancelled = threading.Event()
@@ -137,8 +135,6 @@ class HostState:
 
     def over_budget(self) -> str | None:
         """The reason to end the instance now, if a limit says so (on its own thread)."""
-        if self.memory is not None and self.memory.refused:
-            return f"error: {self.memory.refused}"
         if self.budgets.cpu_s and self.cpu_used() >= self.budgets.cpu_s:
             return (f"error: CPU budget exhausted: {self.budgets.cpu_s:g} s of CPU time "
                     f"(quota.instance.cpu_s)")

@@ -1,7 +1,9 @@
 """Programs (inferlet components) keyed by the SHA-256 of their bytes, compiled once.
 
 Compiled artifacts are cached on disk (`<cache>/programs/<hash>.cwasm`), so a restart
-deserializes (~3 ms) instead of recompiling; loaded components stay in memory.
+deserializes (~3 ms) instead of recompiling; loaded components stay in memory. An artifact
+that does not load with this engine (compiled by another wasmtime version or engine
+configuration) is compiled again when its program is added.
 
 Every uploaded program has owners: the users who uploaded it. Only they may launch it or
 learn that it exists, unless one of them uploaded it `public` (then every user may launch
@@ -46,7 +48,7 @@ class ProgramStore:
                 self.owners.setdefault(digest, set()).add(owner)
             if public:
                 self.public.add(digest)
-        if self._stored(digest):
+        if self._cached(digest):
             return digest
         try:
             component = Component(self.engine, data)
@@ -80,6 +82,26 @@ class ProgramStore:
 
     def _stored(self, digest: str) -> bool:
         return digest in self.loaded or (self.dir / f"{digest}.cwasm").is_file()
+
+    def _cached(self, digest: str) -> bool:
+        """Whether `digest` is loaded, or its artifact on disk loads with this engine (then
+        it is kept loaded); False means it must be compiled."""
+        with self.lock:
+            if digest in self.loaded:
+                return True
+        artifact = self.dir / f"{digest}.cwasm"
+        if not artifact.is_file():
+            return False
+        try:
+            component = Component.deserialize_file(self.engine, str(artifact))
+        except WasmtimeError as e:
+            cause = str(e).split("Caused by:")[-1].strip().splitlines()
+            log.info("compiling %s again: its cached artifact does not load (%s)", digest[:12],
+                     cause[0].strip() if cause else "")
+            return False
+        with self.lock:
+            self.loaded.setdefault(digest, component)
+        return True
 
     def resolve(self, program: str, user: str) -> str:
         """A built-in name or a hash `user` may launch → the hash, or KeyError."""

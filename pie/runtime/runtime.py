@@ -3,18 +3,18 @@
 An instance runs its component's `run` export on its own thread; host calls block that
 thread only (wasm execution and blocking waits release the GIL), so hundreds of inferlets
 interleave while the scheduler batches their calls. Limits of one instance: wasmtime store
-limits (memories, tables, table elements, core instances: runtime.max_*), one cap on all its
-linear memories together (runtime.memory_limit_mb, through the host memory creator of
-pie/runtime/limits.py), a CPU slice (runtime.cpu_slice_ms: guest code between two host
-calls), and total CPU and wall-clock budgets (quota.instance.cpu_s / wall_s); plus a
-maximum number of live instances. A limit ends only its instance, with a reason naming
-the config key. However an instance ends — normal exit, error, trap or terminate — its
-session releases every page, embed, queue, owned export and subscription it held.
+limits (runtime.memory_limit_mb on each linear memory, runtime.max_memories of them — 1 by
+default, so the cap is on all its memory — and runtime.max_tables, max_table_elements,
+max_wasm_instances), a CPU slice (runtime.cpu_slice_ms: guest code between two host calls),
+and total CPU and wall-clock budgets (quota.instance.cpu_s / wall_s, checked in guest code
+through the epoch-deadline callback of pie/runtime/limits.py); plus a maximum number of
+live instances. A limit ends only its instance, with a reason naming the config key.
+However an instance ends — normal exit, error, trap or terminate — its session releases
+every page, embed, queue, owned export and subscription it held.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import itertools
 import logging
@@ -35,7 +35,7 @@ from pie.control.controller import Controller, InstanceSession
 from pie.control.errors import HostError
 from pie.control.quotas import ANONYMOUS
 from pie.runtime.host import Budgets, HostState, LimitExceeded, Terminated, build_linker
-from pie.runtime.limits import DeadlineCallback, HostMemories, MemoryBudget
+from pie.runtime.limits import DeadlineCallback
 from pie.runtime import wasmtime_compat
 from pie.runtime.programs import InvalidProgram, ProgramStore
 
@@ -99,22 +99,8 @@ class Runtime:
         sys.setswitchinterval(0.0005)
         engine_config = Config()
         engine_config.epoch_interruption = True
-        # runtime.memory_limit_mb caps all linear memories of an instance together. wasmtime
-        # caps each memory separately, so with one memory per instance (max_memories = 1) its
-        # cap is enough; with more, every memory is made by `self.memories`, which charges all
-        # of an instance's memories to one budget. Copy-on-write memory images need
-        # wasmtime's own memories (wasmtime 50 panics on them with a host memory creator), so
-        # then data segments are copied at each launch: measured ~7 ms and ~6 MiB more per
-        # Python inferlet (its 11 MB snapshot), nothing noticeable for a Rust one.
-        cache = config.paths.cache
-        self.memories: HostMemories | None = None
-        if config.runtime.max_memories > 1:
-            self.memories = HostMemories()
-            self.memories.install(engine_config)
-            engine_config.memory_init_cow = False
-            cache = cache / "copied-memory-images"  # compiled code differs: keep it apart
         self.engine = Engine(engine_config)
-        self.programs = ProgramStore(self.engine, cache)
+        self.programs = ProgramStore(self.engine, config.paths.cache)
         self.instances: dict[str, Instance] = {}
         self.by_store: dict[int, HostState] = {}  # store context address -> its instance
         self.linker = build_linker(self.engine, controller, self._host_state)
@@ -177,7 +163,7 @@ class Runtime:
             except HostError as e:  # over quota.user.instances
                 raise LaunchRefused(e.message) from None
             host = HostState(session, lambda message: on_event(instance_id, "message", message, None),
-                             self._budgets(user), self._memory_budget() if self.memories else None)
+                             self._budgets(user))
             instance = self.instances[instance_id] = Instance(info, session, host, on_event,
                                                               next(self.launches))
         instance.thread = threading.Thread(target=self._run, args=(instance, component),
@@ -277,21 +263,18 @@ class Runtime:
         return Budgets(cpu_s=quota.cpu_s, wall_s=quota.wall_s,
                        slice_s=self.config.runtime.cpu_slice_ms / 1e3, tick_s=EPOCH_TICK_S)
 
-    def _memory_budget(self) -> MemoryBudget:
-        limit = self.config.runtime.memory_limit_mb
-        return MemoryBudget(limit * 2**20, f"memory limit reached: runtime.memory_limit_mb = {limit} "
-                                           f"caps all linear memories of the instance together")
-
     def _store(self, host: HostState) -> Store:
-        """A store for one instance, with every limit wasmtime can enforce itself. Counts
-        (memories, tables, core instances) and sizes at instantiation past a limit fail
-        instantiation; a `table.grow` past max_table_elements — or, with one memory, a
-        `memory.grow` past memory_limit_mb — returns -1 to the guest (wasm has no other
-        answer; a guest that cannot go on traps, and its reason names the limits). With
-        several memories their size is left to `self.memories`, which caps them together."""
+        """A store for one instance, with wasmtime's store limits: memory_limit_mb on each
+        linear memory, and counts of memories, tables and core instances. An instance thus
+        holds at most max_memories × memory_limit_mb of linear memory — with the default
+        max_memories = 1, memory_limit_mb in all (the Rust and componentize-py toolchains
+        emit one memory). Counts and sizes at instantiation past a limit fail instantiation
+        (the reason names the key); a `memory.grow` past memory_limit_mb or a `table.grow`
+        past max_table_elements returns -1 to the guest (wasm has no other answer; a guest
+        that cannot go on traps, and its reason names the limits)."""
         limits = self.config.runtime
         store = Store(self.engine)
-        store.set_limits(memory_size=-1 if self.memories else limits.memory_limit_mb * 2**20,
+        store.set_limits(memory_size=limits.memory_limit_mb * 2**20,
                          table_elements=limits.max_table_elements, tables=limits.max_tables,
                          memories=limits.max_memories, instances=limits.max_wasm_instances)
         host.store = store
@@ -306,26 +289,21 @@ class Runtime:
         host.start()
         try:
             store = self._store(host)
-            with self.memories.charging(host.memory) if host.memory else contextlib.nullcontext():
-                wasm = self.linker.instantiate(store, component)
+            wasm = self.linker.instantiate(store, component)
             run = wasm.get_func(store, "run")
             if run is None:
                 raise InvalidProgram("the component exports no `run` function")
             result = run(store)
             run.post_return(store)
-            if host.memory is not None and host.memory.refused:
-                reason = f"error: {host.memory.refused}"  # hitting the cap ends it, even at its end
-            elif result is not None:
+            if result is not None:
                 reason = f"error: {result}"
         except Terminated:
             reason = "terminated"
         except LimitExceeded as e:
             reason = host.end_reason or f"error: {e}"
         except (Trap, WasmtimeError) as e:
-            # A limit that stopped guest code (the deadline callback) said why; a guest that
-            # failed after its memory was refused is told that that was the cause.
-            refused = host.memory.refused if host.memory else None
-            reason = host.end_reason or _failure_summary(str(e), self.config, refused)
+            # A limit that stopped guest code (the deadline callback) said why.
+            reason = host.end_reason or _failure_summary(str(e), self.config)
         except InvalidProgram as e:
             reason = f"error: {e}"
         except Exception as e:  # a host bug must not leak the instance's resources
@@ -337,8 +315,8 @@ class Runtime:
             instance.session.close()
             if host.store is not None:
                 self.by_store.pop(store_key(host.store), None)
-                # Free its memories now, on this thread, rather than whenever the store is
-                # collected (they are charged to this instance's budget until then).
+                # Free its memories now, on this thread, rather than whenever the garbage
+                # collector gets to the store.
                 host.store.close()
                 host.store = None
             with self.lock:
@@ -346,10 +324,8 @@ class Runtime:
                 program = instance.info.name or instance.info.program
                 self.host_calls.setdefault(program, Counter()).update(instance.host.calls)
             instance.info.state = "terminated"
-            memory = f" (peak linear memory {host.memory.peak / 2**20:.1f} MiB)" if host.memory else ""
-            log.info("instance %s (%s, user %s) ended: %s%s", instance.info.id[:8],
-                     instance.info.name or instance.info.program[:12], instance.info.user, reason,
-                     memory)
+            log.info("instance %s (%s, user %s) ended: %s", instance.info.id[:8],
+                     instance.info.name or instance.info.program[:12], instance.info.user, reason)
             usage = {**instance.session.usage(), "host_calls": sum(instance.host.calls.values())}
             instance.on_event(instance.info.id, "terminated", reason, usage)
 
@@ -366,21 +342,16 @@ _STORE_LIMIT_MESSAGES = (
     ("table count too high", "max_tables", "tables"),
     ("memory count too high", "max_memories", "linear memories"),
     ("elements exceeds table limits", "max_table_elements", "entries in a table"),
-    ("exceeds memory limits", "memory_limit_mb", "MiB of linear memory"),  # max_memories = 1
+    ("exceeds memory limits", "memory_limit_mb", "MiB of linear memory"),  # in one memory
 )
 
 
-def _failure_summary(text: str, config: PieConfig, refused: str | None = None) -> str:
+def _failure_summary(text: str, config: PieConfig) -> str:
     """One line for the client out of wasmtime's multi-line error (backtrace elided); a
-    store limit or a likely cause is named by its config key. `refused`: the memory cap
-    refused the instance memory before it failed (MemoryBudget.refused)."""
+    store limit or a likely cause is named by its config key."""
     cause = text.split("Caused by:")[-1].strip().splitlines()
     line = cause[0].strip() if cause else text.strip()
     limits = config.runtime
-    if refused:
-        if line.startswith("wasm trap:"):
-            return f"trap: {line.removeprefix('wasm trap: ')} ({refused})"
-        return f"error: {refused}"
     for message, key, what in _STORE_LIMIT_MESSAGES:
         if message in text:
             return f"error: the component needs more {what} than runtime.{key} = {getattr(limits, key)}"
