@@ -331,6 +331,29 @@ def test_a_rust_allocation_failure_names_the_cap(make_runtime):
     assert "runtime.memory_limit_mb = 64" in reason
 
 
+def test_handles_an_instance_never_drops_are_bounded(make_runtime):
+    """Each future the guest holds is host memory: an instance that makes them without end
+    is ended at runtime.max_handles (before, 10 M `receive` calls held 10 M futures)."""
+    rt = make_runtime(max_handles=1000)
+    events = Events()
+    rt.launch("probe", ["leak", "999"], events)  # + its queue: 1000
+    assert events.wait() == "finished" and events.messages == ["leaked 999"]
+    events = Events()
+    rt.launch("probe", ["leak", "5000"], events)
+    reason = events.wait()
+    assert reason.startswith("error: the instance holds 1000 handles") and "runtime.max_handles = 1000" in reason
+
+
+def test_dropping_a_subscription_gives_its_place_back(make_runtime):
+    """quota.instance.subscriptions bounds the subscriptions held at once (each keeps a
+    backlog); a dropped one is unsubscribed, as the WIT says."""
+    rt = make_runtime(quota=QuotaConfig(instance=InstanceQuota(subscriptions=4)))
+    events = Events()
+    rt.launch("probe", ["resubscribe", "100"], events)
+    assert events.wait() == "finished" and events.messages == ["resubscribed 100"]
+    assert rt.controller.bus.topics == {}
+
+
 # --- finding 9: CPU and wall-clock budgets ---------------------------------------------------
 
 

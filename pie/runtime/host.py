@@ -87,6 +87,7 @@ class Budgets:
     slice_s: float = 5.0
     tick_s: float = 0.01
     check_s: float = 0.1
+    handles: int = 65536  # runtime.max_handles: host objects held at once
 
 
 class HostState:
@@ -175,6 +176,11 @@ class HostState:
         return max(1, math.ceil(left / b.tick_s))
 
     def own(self, kind: Kind, obj: Any) -> ResourceHost:
+        """A new guest handle for `obj`. Each one is host memory until the guest drops it, so
+        an instance that holds runtime.max_handles is ended rather than let grow."""
+        if len(self.objects) >= self.budgets.handles:
+            raise LimitExceeded(f"the instance holds {len(self.objects)} handles (futures, pollables, "
+                                f"...) it never dropped: runtime.max_handles = {self.budgets.handles}")
         rep, self.next_rep = self.next_rep, self.next_rep + 1
         self.objects[rep] = (kind, obj)
         return ResourceHost.own(rep, kind)
@@ -187,8 +193,10 @@ class HostState:
         return held[1]
 
     def drop(self, store: Any, rep: int) -> None:
-        self.objects.pop(rep, None)
+        kind, obj = self.objects.pop(rep, (None, None))
         self.watched.pop(rep, None)
+        if kind == Kind.SUBSCRIPTION:  # dropping a subscription unsubscribes (the WIT)
+            self.session.unsubscribe(obj)
 
     def wait_for(self, event: threading.Event) -> None:
         """Block until `event` is set, or unwind if the instance is terminated meanwhile."""

@@ -261,7 +261,8 @@ class Runtime:
         """The CPU slice and the user's instance budgets (quota.users overrides apply)."""
         quota, _ = self.config.quota.for_user(user)
         return Budgets(cpu_s=quota.cpu_s, wall_s=quota.wall_s,
-                       slice_s=self.config.runtime.cpu_slice_ms / 1e3, tick_s=EPOCH_TICK_S)
+                       slice_s=self.config.runtime.cpu_slice_ms / 1e3, tick_s=EPOCH_TICK_S,
+                       handles=self.config.runtime.max_handles)
 
     def _store(self, host: HostState) -> Store:
         """A store for one instance, with wasmtime's store limits: memory_limit_mb on each

@@ -22,6 +22,9 @@
 //! - `spam N [TOPIC]`: sends `m0` … `m{N-1}` as fast as it may (rate and backpressure
 //!   tests); with TOPIC, first subscribes, sends `waiting` and waits for a broadcast on it.
 //! - `flood N BYTES`: sends N messages of BYTES bytes each (slow-reader tests).
+//! - `leak N`: makes N `receive` futures and never drops them; sends `leaked N`.
+//! - `resubscribe N`: subscribes N times, dropping each subscription before the next; sends
+//!   `resubscribed N` or the error.
 //! - `unexport NAME`: removes the export NAME; sends `unexport: ok` or the error.
 //! - `persist NAME N`: allocates N pages, exports them persistently as NAME, frees its own
 //!   ids and sends `persisted N` (or the error); the export outlives the instance.
@@ -163,6 +166,25 @@ async fn main() -> Result<(), String> {
             for _ in 0..n {
                 inferlet::send(&message);
             }
+            Ok(())
+        }
+        Some("leak") => {
+            let n: u32 = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(1);
+            for _ in 0..n {
+                std::mem::forget(messaging::receive());
+            }
+            inferlet::send(&format!("leaked {n}"));
+            Ok(())
+        }
+        Some("resubscribe") => {
+            let n: u32 = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(1);
+            for i in 0..n {
+                if let Err(e) = messaging::subscribe("again") {
+                    inferlet::send(&format!("after {i}: {:?}: {}", e.kind, e.message));
+                    return Ok(());
+                }
+            }
+            inferlet::send(&format!("resubscribed {n}"));
             Ok(())
         }
         Some("unexport") => {
