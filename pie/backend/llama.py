@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 
 from pie.backend.attention import AttentionPlan, PagedAttention
 from pie.backend.kv_cache import KvCache
 from pie.backend.linear import Linear
+from pie.backend.weights import ModelFormatError, Tensors, load_checkpoint
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,8 @@ class LlamaConfig:
     bos_token_id: int
     eos_token_ids: tuple[int, ...]
     max_position_embeddings: int
+    attention_bias: bool = False  # q/k/v/o projections carry a bias (HF's config.attention_bias)
+    mlp_bias: bool = False  # gate/up/down projections carry a bias (HF's config.mlp_bias)
 
     @classmethod
     def from_json(cls, path: Path) -> "LlamaConfig":
@@ -63,6 +65,8 @@ class LlamaConfig:
             bos_token_id=raw.get("bos_token_id", 1),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,),
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            mlp_bias=bool(raw.get("mlp_bias", False)),
         )
 
 
@@ -110,9 +114,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def project(linear: Linear, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """x @ W.T (+ bias, for checkpoints with attention_bias / mlp_bias)."""
+    y = linear(x)
+    return y if bias is None else y + bias
+
+
 class LlamaLayer:
-    def __init__(self, weights: dict[str, torch.Tensor], prefix: str, config: LlamaConfig):
-        w = lambda name: weights.pop(f"{prefix}.{name}")  # noqa: E731
+    def __init__(self, weights: Tensors, prefix: str, config: LlamaConfig):
+        w = lambda name: weights.take(f"{prefix}.{name}")  # noqa: E731
+
+        def biases(names: list[str], flag: str) -> torch.Tensor | None:
+            if not getattr(config, flag):
+                return None
+            why = f" (config.json sets {flag}: true)"
+            return torch.cat([weights.take(f"{prefix}.{n}.bias", why) for n in names])
+
         self.input_norm = w("input_layernorm.weight")
         self.post_norm = w("post_attention_layernorm.weight")
         # Fused projections: one matmul for q/k/v and one for gate/up.
@@ -123,6 +140,11 @@ class LlamaLayer:
         self.o = Linear(w("self_attn.o_proj.weight"))
         self.gate_up = Linear(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]))
         self.down = Linear(w("mlp.down_proj.weight"))
+        attn, mlp = "self_attn.", "mlp."
+        self.qkv_bias = biases([attn + "q_proj", attn + "k_proj", attn + "v_proj"], "attention_bias")
+        self.o_bias = biases([attn + "o_proj"], "attention_bias")
+        self.gate_up_bias = biases([mlp + "gate_proj", mlp + "up_proj"], "mlp_bias")
+        self.down_bias = biases([mlp + "down_proj"], "mlp_bias")
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.intermediate = config.intermediate_size
@@ -134,19 +156,25 @@ class Llama:
     def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device):
         self.config = LlamaConfig.from_json(model_dir / "config.json")
         self.dtype, self.device = dtype, device
-        weights = load_safetensors(model_dir, dtype, device)
+        weights = load_checkpoint(model_dir, dtype, device)
         cfg = self.config
-        self.embed_tokens = weights.pop("model.embed_tokens.weight")
+        self.embed_tokens = weights.take("model.embed_tokens.weight")
         lm_head = weights.pop("lm_head.weight", None)
         if lm_head is None or cfg.tie_word_embeddings:
             lm_head = self.embed_tokens
         self.lm_head = Linear(lm_head)
-        self.norm = weights.pop("model.norm.weight")
+        self.norm = weights.take("model.norm.weight")
         self.layers = [LlamaLayer(weights, f"model.layers.{i}", cfg) for i in range(cfg.num_layers)]
         weights.pop("lm_head.weight", None)
-        unused = [k for k in weights if "rotary_emb" not in k]
+        unused = sorted(k for k in weights if "rotary_emb" not in k)
         if unused:
-            raise ValueError(f"unexpected tensors in checkpoint: {unused[:5]}")
+            flags = sorted({"attention_bias" if ".self_attn." in k else "mlp_bias"
+                            for k in unused if k.endswith("_proj.bias")})
+            why = f" (config.json sets {' and '.join(flags)} false)" if flags else ""
+            raise ModelFormatError(
+                f"{weights.source} holds {len(unused)} tensors a Llama with this config.json "
+                f"does not use{why}: {', '.join(unused[:5])}"
+            )
         self.inv_freq = rope_inv_freq(cfg).to(device)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -177,7 +205,7 @@ class Llama:
         tokens = x.shape[0]
         for index, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-            qkv = layer.qkv(h)
+            qkv = project(layer.qkv, layer.qkv_bias, h)
             # RoPE on q and k heads together: one set of elementwise ops instead of two.
             qk = apply_rope(qkv[:, : layer.q_size + layer.kv_size].view(tokens, -1, cfg.head_dim),
                             cos, sin)
@@ -185,24 +213,14 @@ class Llama:
             v = qkv[:, layer.q_size + layer.kv_size :].view(tokens, cfg.num_kv_heads, cfg.head_dim)
             kv.write(index, write_slots, k, v)
             attn = attention.run(q, kv, index, plan)
-            x = x + layer.o(attn.reshape(tokens, layer.q_size))
+            x = x + project(layer.o, layer.o_bias, attn.reshape(tokens, layer.q_size))
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-            gate_up = layer.gate_up(h)
-            x = x + layer.down(F.silu(gate_up[:, : layer.intermediate]) * gate_up[:, layer.intermediate :])
+            gate_up = project(layer.gate_up, layer.gate_up_bias, h)
+            act = F.silu(gate_up[:, : layer.intermediate]) * gate_up[:, layer.intermediate :]
+            x = x + project(layer.down, layer.down_bias, act)
         return rms_norm(x[out_rows], self.norm, cfg.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of final-normed hidden states (computed in the model dtype, as HF does)."""
         return self.lm_head(hidden.to(self.dtype)).float()
 
-
-def load_safetensors(model_dir: Path, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
-    weights: dict[str, torch.Tensor] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                weights[name] = f.get_tensor(name).to(device=device, dtype=dtype)
-    return weights
