@@ -20,7 +20,8 @@
 //!   (quota and pool tests).
 //! - `queues N`: creates N more queues; sends `queues: ok` or the first error.
 //! - `spam N [TOPIC]`: sends `m0` … `m{N-1}` as fast as it may (rate and backpressure
-//!   tests); with TOPIC, first subscribes, sends `waiting` and waits for a broadcast on it.
+//!   tests); with TOPIC, first subscribes, sends `waiting` and waits for a broadcast on it,
+//!   then keeps the subscription unread while it sends.
 //! - `flood N BYTES`: sends N messages of BYTES bytes each (slow-reader tests).
 //! - `leak N`: makes N `receive` futures and never drops them; sends `leaked N`.
 //! - `resubscribe N`: subscribes N times, dropping each subscription before the next; sends
@@ -149,10 +150,13 @@ async fn main() -> Result<(), String> {
         }
         Some("spam") => {
             let n: u32 = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(1);
+            // Kept (and never read again) while it spams: its backlog is what tests watch.
+            let mut _kept = None;
             if let Some(topic) = args.get(2) {
                 let subscription = messaging::subscribe(topic)?;
                 inferlet::send("waiting");
                 subscription.next().await;
+                _kept = Some(subscription);
             }
             for i in 0..n {
                 inferlet::send(&format!("m{i}"));
