@@ -1,27 +1,37 @@
-"""Pie's inference layer vs HF transformers eager, same weights and dtype, in one run.
+"""Pie's inference layer vs HF transformers, same weights and dtype, in one run.
 
 Measures prefill tokens/s (one 512-token prompt) and the decode step time at batch 1, 8 and
 32 with contexts of 128 and 512 tokens. Pie is measured through a real `pie backend`
 process over ZeroMQ (embed_text + forward + sample per step, as the control layer issues
-them); HF runs in this process with its own KV cache (forward + argmax per step). The two
-alternate round by round because this machine is noisy; medians and ratios go to
-benchmarks/results/backend.json.
+them); HF runs in this process with its own KV cache (forward + argmax per step) and its
+default attention implementation (SDPA where torch has it; the one used is recorded). Each
+measurement warms both up untimed, then alternates them round by round (Pie first in even
+rounds, HF first in odd ones) because this machine is noisy; medians, every round's
+samples and the settings (rounds, order, dtype, CPU model and flags, torch version, HF's
+attention implementation) go to benchmarks/results/backend.json (`--out` elsewhere).
 
-    python benchmarks/backend.py [--dtype bfloat16] [--rounds 5] [--steps 8] [--quick]
+    python benchmarks/backend.py [--dtype bfloat16] [--rounds 5] [--steps 8] [--quick] [--out FILE]
+
+`--quick` (batch 1 and 2 at context 32, a 64-token prefill, 2 rounds of 2 steps) is the
+smoke run tests/test_bench_scripts.py makes; it writes every field the full run does.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script: the `benchmarks` package is in the repository root
+
+from benchmarks.soak import command_line, machine_settings, rotated
 from pie import protocol as P
 from pie.backend.weights import resolve_model_dir
 from pie.config import load_config
@@ -29,6 +39,7 @@ from pie.control.backend_link import BackendLink, BackendProcess
 from pie.control.direct import DirectBatch
 
 RESULTS = Path(__file__).parent / "results"
+ROUNDS, QUICK_ROUNDS = 5, 2  # alternating rounds per measurement: full run, --quick
 
 
 class PieSide:
@@ -40,11 +51,13 @@ class PieSide:
 
     def prepare(self, batch: int, context: int) -> None:
         prompts = [[100 + (b + i) % 1000 for i in range(context)] for b in range(batch)]
+        self.batch_size = batch
         self.batch = DirectBatch(self.link, self.hs, prompts, self.steps)
         self.batch.prefill()
 
-    def decode_step(self) -> None:
-        self.batch.step()
+    def decode_step(self) -> int:
+        """One step; the tokens it produced (one per sequence)."""
+        return len(self.batch.step())
 
     def prefill(self, n: int) -> None:
         batch = DirectBatch(self.link, self.hs, [[100 + i % 1000 for i in range(n)]], 1)
@@ -56,8 +69,9 @@ class HfSide:
     def __init__(self, model_dir: Path, dtype: torch.dtype):
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(
-            str(model_dir), dtype=dtype, attn_implementation="eager").eval()
+        # HF's default attention (no attn_implementation): what an HF user gets.
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+        self.attn_implementation = self.model.config._attn_implementation
 
     @torch.inference_mode()
     def prepare(self, batch: int, context: int) -> None:
@@ -66,9 +80,10 @@ class HfSide:
         self.cache, self.next = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
 
     @torch.inference_mode()
-    def decode_step(self) -> None:
+    def decode_step(self) -> int:
         out = self.model(self.next, past_key_values=self.cache, use_cache=True)
         self.cache, self.next = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        return self.next.shape[0]
 
     @torch.inference_mode()
     def prefill(self, n: int) -> None:
@@ -85,46 +100,62 @@ def timed(fn, *args) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per config")
-    parser.add_argument("--steps", type=int, default=8, help="decode steps timed per round")
-    parser.add_argument("--quick", action="store_true", help="batch 1 and 8 at context 128 only")
-    parser.add_argument("--out", default=str(RESULTS / "backend.json"))
+    parser.add_argument("--rounds", type=int, default=None, help=f"alternating rounds per config (default {ROUNDS}; quick {QUICK_ROUNDS})")
+    parser.add_argument("--steps", type=int, default=None, help="decode steps timed per round (default 8; quick 2)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run")
+    parser.add_argument("--out", default=str(RESULTS / "backend.json"), help="where the JSON goes")
     args = parser.parse_args()
+    rounds = args.rounds or (QUICK_ROUNDS if args.quick else ROUNDS)
+    steps = args.steps or (2 if args.quick else 8)
+    prefill_tokens = 64 if args.quick else 512
 
     config = load_config()
     model_dir = resolve_model_dir(config.model.path, config.paths.cache)
-    torch.set_num_threads(torch.get_num_threads())
-    configs = [(1, 128), (8, 128)] if args.quick else [
-        (b, l) for b in (1, 8, 32) for l in (128, 512)]
+    configs = [(1, 32), (2, 32)] if args.quick else [(b, l) for b in (1, 8, 32) for l in (128, 512)]
+    order = [rotated(["pie", "hf"], r) for r in range(rounds)]
     process = BackendProcess(model_dir, extra_args=["--dtype", args.dtype])
     try:
         link, hs = process.connect()
-        pie = PieSide(link, hs, steps=args.rounds * args.steps + 2)
+        pie = PieSide(link, hs, steps=rounds * steps + 2)
         hf = HfSide(model_dir, getattr(torch, args.dtype))
-        results = {"prefill": {}, "decode": []}
+        sides = {"pie": pie, "hf": hf}
+        results: dict = {"prefill": {}, "decode": []}
 
-        pie_times, hf_times = [], []
-        for _ in range(args.rounds):
-            pie_times.append(timed(pie.prefill, 512))
-            hf_times.append(timed(hf.prefill, 512))
-        pie_tps, hf_tps = 512 / statistics.median(pie_times), 512 / statistics.median(hf_times)
-        results["prefill"] = {"tokens": 512, "pie_tokens_per_s": pie_tps,
-                              "hf_tokens_per_s": hf_tps, "pie_over_hf": pie_tps / hf_tps}
-        print(f"prefill 512: pie {pie_tps:7.0f} tok/s   hf {hf_tps:7.0f} tok/s   "
+        for side in sides.values():  # warm-up, untimed
+            side.prefill(prefill_tokens)
+        times: dict[str, list[float]] = {"pie": [], "hf": []}
+        for names in order:
+            for name in names:
+                times[name].append(timed(sides[name].prefill, prefill_tokens))
+        pie_tps = prefill_tokens / statistics.median(times["pie"])
+        hf_tps = prefill_tokens / statistics.median(times["hf"])
+        results["prefill"] = {"tokens": prefill_tokens, "pie_tokens_per_s": pie_tps,
+                              "hf_tokens_per_s": hf_tps, "pie_over_hf": pie_tps / hf_tps,
+                              "pie_round_s": times["pie"], "hf_round_s": times["hf"]}
+        print(f"prefill {prefill_tokens}: pie {pie_tps:7.0f} tok/s   hf {hf_tps:7.0f} tok/s   "
               f"ratio {pie_tps / hf_tps:.2f}x", flush=True)
 
         for batch, context in configs:
             pie.prepare(batch, context)
             hf.prepare(batch, context)
-            pie.decode_step(), hf.decode_step()  # warm-up
-            pie_steps, hf_steps = [], []
-            for _ in range(args.rounds):
-                pie_steps += [timed(pie.decode_step) for _ in range(args.steps)]
-                hf_steps += [timed(hf.decode_step) for _ in range(args.steps)]
-            pie_ms, hf_ms = 1e3 * statistics.median(pie_steps), 1e3 * statistics.median(hf_steps)
-            row = {"batch": batch, "context": context, "pie_step_ms": pie_ms, "hf_step_ms": hf_ms,
+            for side in sides.values():  # warm-up, untimed
+                side.decode_step()
+            step_s: dict[str, list[float]] = {"pie": [], "hf": []}
+            tokens = {"pie": 0, "hf": 0}
+            for names in order:
+                for name in names:
+                    for _ in range(steps):
+                        started = time.perf_counter()
+                        tokens[name] += sides[name].decode_step()
+                        step_s[name].append(time.perf_counter() - started)
+            pie_ms, hf_ms = 1e3 * statistics.median(step_s["pie"]), 1e3 * statistics.median(step_s["hf"])
+            row = {"batch": batch, "context": context, "steps": len(step_s["pie"]),
+                   "pie_tokens": tokens["pie"], "hf_tokens": tokens["hf"],
+                   "pie_step_ms": pie_ms, "hf_step_ms": hf_ms,
                    "pie_tokens_per_s": 1e3 * batch / pie_ms, "hf_tokens_per_s": 1e3 * batch / hf_ms,
-                   "hf_over_pie_time": hf_ms / pie_ms}
+                   "hf_over_pie_time": hf_ms / pie_ms,
+                   "pie_step_ms_all": [round(1e3 * s, 3) for s in step_s["pie"]],
+                   "hf_step_ms_all": [round(1e3 * s, 3) for s in step_s["hf"]]}
             results["decode"].append(row)
             print(f"decode B={batch:2d} L={context:3d}: pie {pie_ms:7.2f} ms/step "
                   f"({row['pie_tokens_per_s']:6.0f} tok/s)   hf {hf_ms:7.2f} ms/step "
@@ -136,10 +167,13 @@ def main() -> None:
 
     results["meta"] = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "model": model_dir.name, "dtype": args.dtype, "threads": torch.get_num_threads(),
-        "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
-        "rounds": args.rounds, "steps_per_round": args.steps,
-        "method": "medians over alternating rounds; Pie through a real backend process over ZeroMQ",
+        "command": command_line(), "quick": args.quick, "rounds": rounds, "order": order,
+        "steps_per_round": steps, "model": model_dir.name, "dtype": args.dtype,
+        "pie_dtype": hs.dtype, "hf_dtype": str(next(hf.model.parameters()).dtype).removeprefix("torch."),
+        "hf_attn_implementation": hf.attn_implementation, "threads": torch.get_num_threads(),
+        **machine_settings(),
+        "method": "medians over alternating rounds after an untimed warm-up of each side; "
+                  "Pie through a real backend process over ZeroMQ, HF in this process",
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")

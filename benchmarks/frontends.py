@@ -3,15 +3,21 @@
 - Launch latency: launch → first message of `hello` (Rust) and `hello.py` (Python).
   Cold: a program the server has never seen (a unique custom section changes its hash), so
   the time includes upload and compilation to machine code. Warm: the same program again
-  (compiled code cached by hash).
-- Time per output token, greedy, same prompt and length, alternating the variants:
-  `text_completion` launched natively (WebSocket RPC), the same request through
-  `POST /v1/chat/completions`, and the Python `text_completion.py`.
+  (compiled code cached by hash). Rust and Python alternate round by round.
+- Time per output token, greedy, same prompt and length: `text_completion` launched
+  natively (WebSocket RPC), the same request through `POST /v1/chat/completions`, and the
+  Python `text_completion.py`. Each path runs once untimed first (warm-up), then the rounds
+  rotate which path goes first; the tokens each run generated are counted from the
+  server's host-call statistics (one `sample` call per token), not assumed.
 
 A private `pie serve` (fp32 by default, so every variant produces the same tokens) serves
-everything. Results: benchmarks/results/frontends.json.
+everything. Results: benchmarks/results/frontends.json (`--out` elsewhere), with the
+settings: rounds, the order of each round, dtype, CPU model and flags, torch version.
 
-    python benchmarks/frontends.py [--quick] [--dtype bfloat16]
+    python benchmarks/frontends.py [--quick] [--rounds 5] [--dtype bfloat16] [--out FILE]
+
+`--quick` (8 tokens, 2 rounds, one cold launch per language) is the smoke run
+tests/test_bench_scripts.py makes; it writes every field the full run does.
 """
 
 from __future__ import annotations
@@ -20,20 +26,30 @@ import argparse
 import asyncio
 import json
 import statistics
+import sys
 import time
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script: the `benchmarks` package is in the repository root
+
+from benchmarks.soak import command_line, machine_settings, rotated
 from pie.client import PieClient, http_url
+from pie.config import load_config
 from pie.python_build import build_python_inferlet
 from pie.server.local import LocalServer
+from pie.server.openai import INFERLET as OPENAI_INFERLET
 from pie.toolchain import build_inferlet
 
-ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PROMPT = "Write a short story about a robot learning to paint."
+LANGUAGES = ["rust", "python"]
+PATHS = ["native", "openai", "python"]
+ROUNDS, QUICK_ROUNDS = 5, 2  # rounds of the time per token: full run, --quick
 
 
 def with_custom_section(component: bytes, payload: bytes) -> bytes:
@@ -49,6 +65,15 @@ def with_custom_section(component: bytes, payload: bytes) -> bytes:
     return component + b"\x00" + bytes(leb) + body
 
 
+def forget(digests: list[str]) -> None:
+    """Delete the compiled artifacts of the one-off programs the cold launches made (35 MB
+    each for Python): no one will launch them again. The server loads the default config,
+    so its program cache is ours."""
+    programs = load_config().paths.cache / "programs"
+    for digest in digests:
+        (programs / f"{digest}.cwasm").unlink(missing_ok=True)
+
+
 async def first_message(client: PieClient, program: str) -> float:
     start = time.perf_counter()
     instance = await client.launch(program, ["hi"])
@@ -59,79 +84,127 @@ async def first_message(client: PieClient, program: str) -> float:
     return elapsed
 
 
-async def launch_latency(client: PieClient, component: bytes, cold_runs: int, warm_runs: int) -> dict:
-    cold = []
-    for i in range(cold_runs):
+async def launch_latency(client: PieClient, components: dict[str, bytes], rounds: int,
+                         warm_per_round: int, made: list[str]) -> tuple[dict, list[list[str]]]:
+    """Per round and language (alternating which goes first): one cold launch of a program
+    never seen, then `warm_per_round` launches of it again. The hashes of the programs made
+    for it are appended to `made`."""
+    cold: dict[str, list[float]] = {name: [] for name in components}
+    warm: dict[str, list[float]] = {name: [] for name in components}
+    order = []
+    for r in range(rounds):
+        order.append(rotated(list(components), r))
+        for name in order[-1]:
+            start = time.perf_counter()
+            digest = await client.upload(with_custom_section(components[name], f"{time.time()}-{r}".encode()))
+            made.append(digest)
+            cold[name].append(time.perf_counter() - start + await first_message(client, digest))
+            warm[name] += [await first_message(client, digest) for _ in range(warm_per_round)]
+    return {name: {"cold_ms": 1000 * statistics.median(cold[name]), "warm_ms": 1000 * statistics.median(warm[name]),
+                   "cold_runs": len(cold[name]), "warm_runs": len(warm[name]),
+                   "size_mb": len(components[name]) / 2**20} for name in components}, order
+
+
+class Paths:
+    """The three ways to run the same completion; each call returns (seconds, characters,
+    tokens generated), the tokens counted as the `sample` calls the run added to /stats."""
+
+    def __init__(self, client: PieClient, http: httpx.AsyncClient, base: str, model: str,
+                 python_digest: str, max_tokens: int):
+        self.client, self.http, self.base, self.model = client, http, base, model
+        self.programs = {"native": "text_completion", "openai": OPENAI_INFERLET, "python": python_digest}
+        self.max_tokens = max_tokens
+
+    async def samples(self, program: str) -> int:
+        response = await self.http.get(f"{self.base}/stats", timeout=60)
+        response.raise_for_status()
+        return response.json()["host_calls"].get(program, {}).get("sample", 0)
+
+    async def run(self, path: str) -> tuple[float, int, int]:
+        call: Callable[[], Awaitable[int]] = self.openai if path == "openai" else (
+            lambda: self.native(self.programs[path]))
+        before = await self.samples(self.programs[path])
         start = time.perf_counter()
-        digest = await client.upload(with_custom_section(component, f"{time.time()}-{i}".encode()))
-        cold.append(time.perf_counter() - start + await first_message(client, digest))
-    warm = [await first_message(client, digest) for _ in range(warm_runs)]
-    return {"cold_ms": 1000 * statistics.median(cold), "warm_ms": 1000 * statistics.median(warm),
-            "size_mb": len(component) / 2**20}
+        chars = await call()
+        elapsed = time.perf_counter() - start
+        return elapsed, chars, await self.samples(self.programs[path]) - before
 
+    async def native(self, program: str) -> int:
+        instance = await self.client.launch(program, ["--prompt", PROMPT, "--max-tokens", str(self.max_tokens)])
+        [text] = [m async for m in instance]
+        assert await instance.wait() == "finished"
+        return len(text)
 
-async def native(client: PieClient, program: str, max_tokens: int) -> tuple[float, int]:
-    start = time.perf_counter()
-    instance = await client.launch(program, ["--prompt", PROMPT, "--max-tokens", str(max_tokens)])
-    [text] = [m async for m in instance]
-    assert await instance.wait() == "finished"
-    return time.perf_counter() - start, len(text)
-
-
-async def openai_chat(http: httpx.AsyncClient, url: str, max_tokens: int) -> tuple[float, int]:
-    start = time.perf_counter()
-    response = await http.post(f"{url}/v1/chat/completions",
-                               json={"model": "smollm2-135m-instruct", "max_tokens": max_tokens, "temperature": 0,
-                                     "messages": [{"role": "user", "content": PROMPT}]}, timeout=600)
-    response.raise_for_status()
-    body = response.json()
-    assert body["usage"]["completion_tokens"] == max_tokens, body["usage"]
-    return time.perf_counter() - start, len(body["choices"][0]["message"]["content"])
+    async def openai(self) -> int:
+        response = await self.http.post(
+            f"{self.base}/v1/chat/completions", timeout=600,
+            json={"model": self.model, "max_tokens": self.max_tokens, "temperature": 0,
+                  "messages": [{"role": "user", "content": PROMPT}]})
+        response.raise_for_status()
+        body = response.json()
+        assert body["usage"]["completion_tokens"] == self.max_tokens, body["usage"]
+        return len(body["choices"][0]["message"]["content"])
 
 
 async def run(args: argparse.Namespace) -> dict:
-    rust_hello = build_inferlet(ROOT / "inferlets" / "hello").read_bytes()
-    python_hello = build_python_inferlet(ROOT / "inferlets" / "python" / "hello.py").read_bytes()
+    components = {"rust": build_inferlet(ROOT / "inferlets" / "hello").read_bytes(),
+                  "python": build_python_inferlet(ROOT / "inferlets" / "python" / "hello.py").read_bytes()}
     python_tc = build_python_inferlet(ROOT / "inferlets" / "python" / "text_completion.py").read_bytes()
-    cold_runs, warm_runs, rounds = (1, 3, 2) if args.quick else (3, 20, 5)
-    max_tokens = 16 if args.quick else 64
+    rounds = args.rounds or (QUICK_ROUNDS if args.quick else ROUNDS)
+    launch_rounds, warm_per_round = (1, 2) if args.quick else (3, 7)
+    max_tokens = 8 if args.quick else 64
+    made: list[str] = []
     async with LocalServer(["--dtype", args.dtype]) as url:
         base = http_url(url)
         async with PieClient(url) as client, httpx.AsyncClient() as http:
-            launch = {"rust": await launch_latency(client, rust_hello, cold_runs, warm_runs),
-                      "python": await launch_latency(client, python_hello, cold_runs, warm_runs)}
-            python_digest = await client.upload(python_tc)
-            await native(client, "text_completion", 4)  # warm-up: compile, first forward
-            await native(client, python_digest, 4)
-            times: dict[str, list[float]] = {"native": [], "openai": [], "python": []}
-            lengths: dict[str, set[int]] = {k: set() for k in times}
-            for _ in range(rounds):  # alternate, so noise hits every variant alike
-                for name, call in (("native", lambda: native(client, "text_completion", max_tokens)),
-                                   ("openai", lambda: openai_chat(http, base, max_tokens)),
-                                   ("python", lambda: native(client, python_digest, max_tokens))):
-                    elapsed, chars = await call()
-                    times[name].append(1000 * elapsed / max_tokens)
-                    lengths[name].add(chars)
+            model = (await http.get(f"{base}/health", timeout=60)).json()["model"]
+            await first_message(client, "hello")  # warm-up: the server's first launch
+            try:
+                launch, launch_order = await launch_latency(client, components, launch_rounds, warm_per_round, made)
+            finally:
+                forget(made)
+            paths = Paths(client, http, base, model, await client.upload(python_tc), max_tokens)
+            for path in PATHS:  # warm-up: compile, first forwards at this length, the HTTP path
+                await paths.run(path)
+            times: dict[str, list[float]] = {k: [] for k in PATHS}
+            tokens: dict[str, list[int]] = {k: [] for k in PATHS}
+            lengths: dict[str, set[int]] = {k: set() for k in PATHS}
+            order = []
+            for r in range(rounds):  # rotate, so noise and warm caches favour no path
+                order.append(rotated(PATHS, r))
+                for path in order[-1]:
+                    elapsed, chars, generated = await paths.run(path)
+                    times[path].append(1000 * elapsed / max(1, generated))
+                    tokens[path].append(generated)
+                    lengths[path].add(chars)
     per_token = {name: statistics.median(t) for name, t in times.items()}
     return {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "dtype": args.dtype, "max_tokens": max_tokens, "rounds": rounds,
+        "max_tokens": max_tokens,
         "launch": launch,
         "launch_ratio_python_vs_rust": {k: launch["python"][k] / launch["rust"][k] for k in ("cold_ms", "warm_ms")},
         "ms_per_token": per_token,
+        "ms_per_token_rounds": times,
+        "tokens": tokens,
         "ratio_vs_native": {name: per_token[name] / per_token["native"] for name in per_token},
         "same_output_lengths": len(set().union(*lengths.values())) == 1,
+        "meta": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                 "command": command_line(), "quick": args.quick, "rounds": rounds,
+                 "order": {"launch": launch_order, "ms_per_token": order},
+                 "warmup": "a first launch of hello; one untimed run of every path before the timed rounds",
+                 "dtype": args.dtype, "model": model, **machine_settings()},
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run (fewer, shorter rounds)")
+    parser.add_argument("--rounds", type=int, default=None, help=f"rounds of the time per token (default {ROUNDS}; quick {QUICK_ROUNDS})")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--out", default=str(RESULTS / "frontends.json"), help="where the JSON goes")
     args = parser.parse_args()
     result = asyncio.run(run(args))
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / "frontends.json"
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     print(f"wrote {out}")

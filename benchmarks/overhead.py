@@ -2,30 +2,45 @@
 
 - API call latency (Fig. 10): mean round trip of control-layer calls (answered in the
   control process) vs inference-layer calls (batched to the backend), timed inside an
-  inferlet (`probe calls N`).
-- API calls per generated token (Fig. 11): host calls `text_completion` makes per token.
-- Launch latency (Fig. 9): launch → first message of `hello`, cold (component deserialized
-  from the on-disk cache) and warm (in memory), 1-256 concurrent launches.
+  inferlet (`probe calls N`); the median over rounds.
+- API calls per generated token (Fig. 11): host calls `text_completion` makes per token,
+  by WIT function name (the runtime counts each host function under its WIT name).
+- Launch latency (Fig. 9): launch → first message of `hello`, cold (the in-memory component
+  forgotten, so the wave's first launch deserializes the on-disk artifact) and warm (in
+  memory), 1-256 concurrent launches; cold and warm alternate round by round.
 - Time per output token (Tables 3-4): `text_completion` inferlets vs the backend driven
-  directly by a Python loop (pie.control.direct) at the same batch size and tokens.
+  directly by a Python loop (pie.control.direct) at the same batch size and tokens; the two
+  alternate (Pie first in even rounds, the direct driver first in odd ones), each warmed up
+  once before the timed rounds; tokens are counted (the `sample` calls made, the tokens the
+  driver returned), not assumed.
 
 The runtime and control layer run in this process against a real `pie backend` process
 (the WebSocket server is left out: it adds one message per event, not per token).
-Results: benchmarks/results/overhead.json.
+Results: benchmarks/results/overhead.json (`--out` elsewhere), with the settings: rounds,
+the order of each round, dtype, CPU model and flags, torch version.
 
-    python benchmarks/overhead.py [--quick]
+    python benchmarks/overhead.py [--rounds 3] [--dtype bfloat16] [--quick] [--out FILE]
+
+`--quick` (a few tokens, batch 1 and 2, 1 and 4 launches, 2 rounds) is the smoke run
+tests/test_bench_scripts.py makes; it writes every field the full run does.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
+import sys
 import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script: the `benchmarks` package is in the repository root
+
+from benchmarks.soak import command_line, machine_settings, rotated
 from pie.backend.weights import resolve_model_dir
 from pie.config import load_config
 from pie.control.backend_link import BackendProcess
@@ -35,19 +50,20 @@ from pie.control.tokenizer import TextTokenizer
 from pie.runtime.runtime import Runtime, start_runtime
 from pie.toolchain import build_inferlet
 
-ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PROMPTS = ["Write a short story about a robot learning to paint.",
            "Explain how a rainbow forms, step by step.",
            "List ten fruits and describe each in one sentence.",
            "Describe the water cycle to a ten-year-old."]
+TIMEOUT_S = 300.0  # for one inferlet or one wave: a run that takes longer fails loudly
+ROUNDS, QUICK_ROUNDS = 3, 2  # rounds per measurement: full run, --quick
 
 
-def run_to_end(runtime: Runtime, program: str, args: list[str], timeout: float = 300) -> list[str]:
+def run_to_end(runtime: Runtime, program: str, args: list[str], timeout: float = TIMEOUT_S) -> list[str]:
     """Launch, wait for termination, return the messages (raises if it did not finish)."""
     done, messages, reason = threading.Event(), [], []
 
-    def on_event(_: str, kind: str, data: str, usage: dict | None = None) -> None:
+    def on_event(_: str, kind: str, data: str, usage: dict | None) -> None:  # runtime.EventSink
         (messages if kind == "message" else reason).append(data)
         if kind == "terminated":
             done.set()
@@ -58,36 +74,54 @@ def run_to_end(runtime: Runtime, program: str, args: list[str], timeout: float =
     return messages
 
 
-def api_latency(runtime: Runtime, n: int) -> dict[str, float]:
-    return json.loads(run_to_end(runtime, "probe", ["calls", str(n)])[0])
+def host_calls(runtime: Runtime, program: str) -> dict[str, int]:
+    """Host calls of every ended instance of `program`, by WIT function name."""
+    return dict(runtime.stats()["host_calls"].get(program, {}))
 
 
-def calls_per_token(runtime: Runtime, tokens: int) -> dict[str, float]:
-    before = dict(runtime.stats()["host_calls"].get("text_completion", {}))
+def api_latency(runtime: Runtime, n: int, rounds: int) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """Median over `rounds` runs of `probe calls n` (after one untimed warm-up run), and
+    every round's figures."""
+    run_to_end(runtime, "probe", ["calls", str(max(1, n // 10))])  # warm-up
+    samples: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for name, us in json.loads(run_to_end(runtime, "probe", ["calls", str(n)])[0]).items():
+            samples.setdefault(name, []).append(us)
+    return {name: round(statistics.median(v), 2) for name, v in samples.items()}, samples
+
+
+def calls_per_token(runtime: Runtime, tokens: int) -> dict:
+    before = host_calls(runtime, "text_completion")
     run_to_end(runtime, "text_completion", ["--prompt", PROMPTS[0], "--max-tokens", str(tokens)])
-    after = runtime.stats()["host_calls"]["text_completion"]
-    delta = {name: after[name] - before.get(name, 0) for name in after}
-    generated = delta.get("sample", 1)
-    return {"tokens": generated, "calls": sum(delta.values()),
+    after = host_calls(runtime, "text_completion")
+    delta = {name: after[name] - before.get(name, 0) for name in after if after[name] > before.get(name, 0)}
+    generated = delta.get("sample", 0)  # one `sample` call per generated token
+    if not generated:
+        raise RuntimeError(f"text_completion made no `sample` call: {delta}")
+    return {"tokens_asked": tokens, "tokens": generated, "calls": sum(delta.values()),
             "calls_per_token": sum(delta.values()) / generated,
+            "by_function": dict(sorted(delta.items())),
             "by_function_per_token": {k: round(v / generated, 2) for k, v in sorted(delta.items())}}
 
 
 def launch_latency(runtime: Runtime, concurrency: int, cold: bool) -> list[float]:
+    """Launch → first message of `concurrency` concurrent `hello`s, in seconds."""
     digest = runtime.programs.builtins["hello"]
     if cold:  # forget the in-memory component: the launch deserializes the cached artifact
         with runtime.programs.lock:
             runtime.programs.loaded.pop(digest, None)
     latencies: list[float] = []
+    reasons: list[str] = []
     lock, done = threading.Lock(), threading.Semaphore(0)
     started: dict[str, float] = {}
 
-    def on_event(instance_id: str, kind: str, _: str, usage: dict | None = None) -> None:
+    def on_event(instance_id: str, kind: str, data: str, usage: dict | None) -> None:  # runtime.EventSink
         if kind == "message":
             with lock:
                 latencies.append(time.perf_counter() - started[instance_id])
             runtime.send(instance_id, "quit")
         elif kind == "terminated":
+            reasons.append(data)
             done.release()
 
     for _ in range(concurrency):
@@ -96,45 +130,106 @@ def launch_latency(runtime: Runtime, concurrency: int, cold: bool) -> list[float
             info = runtime.launch("hello", ["hi"], on_event)
             started[info.id] = t0
     for _ in range(concurrency):
-        done.acquire(timeout=120)
+        if not done.acquire(timeout=TIMEOUT_S):
+            raise RuntimeError(f"{concurrency} launches of hello: not all ended in {TIMEOUT_S:.0f} s")
+    if len(latencies) != concurrency or set(reasons) != {"finished"}:
+        raise RuntimeError(f"{concurrency} launches of hello: {len(latencies)} first messages, ends {reasons}")
     return latencies
 
 
+def p99(values: list[float]) -> float:
+    """Nearest-rank 99th percentile."""
+    return sorted(values)[max(0, math.ceil(0.99 * len(values)) - 1)]
+
+
+def launches(runtime: Runtime, levels: list[int], rounds: int) -> list[dict]:
+    rows = []
+    for concurrency in levels:
+        launch_latency(runtime, concurrency, cold=False)  # warm-up: threads, pools at this level
+        samples: dict[bool, list[list[float]]] = {True: [], False: []}
+        for r in range(rounds):
+            for cold in rotated([True, False], r):
+                samples[cold].append(launch_latency(runtime, concurrency, cold))
+        for cold in (True, False):
+            every = [x for one in samples[cold] for x in one]
+            row = {"concurrency": concurrency, "cold": cold, "launches": len(every),
+                   "median_ms": 1e3 * statistics.median(every), "p99_ms": 1e3 * p99(every),
+                   "round_medians_ms": [round(1e3 * statistics.median(one), 3) for one in samples[cold]]}
+            rows.append(row)
+            print(f"launch {'cold' if cold else 'warm'} x{concurrency}: "
+                  f"median {row['median_ms']:.1f} ms, p99 {row['p99_ms']:.1f} ms", flush=True)
+    return rows
+
+
 def per_token(runtime: Runtime, driver: DirectDriver, tokenizer: TextTokenizer, template: str,
-              batch: int, tokens: int, rounds: int) -> dict[str, float]:
+              batch: int, tokens: int, rounds: int) -> dict:
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
     ids = [tokenizer.encode(chat_prompt(template, p)) for p in prompts]
-    pie_s, direct_s = [], []
-    for _ in range(rounds):
-        done = threading.Semaphore(0)
+    eos = tuple(tokenizer.eos_token_ids)
+
+    def pie() -> tuple[float, int]:
+        """`batch` text_completion inferlets at once: seconds, and tokens sampled."""
+        done, reasons = threading.Semaphore(0), []
+
+        def on_event(_: str, kind: str, data: str, usage: dict | None) -> None:  # runtime.EventSink
+            if kind == "terminated":
+                reasons.append(data)
+                done.release()
+
+        before = host_calls(runtime, "text_completion").get("sample", 0)
         t0 = time.perf_counter()
         for p in prompts:
-            runtime.launch("text_completion", ["--prompt", p, "--max-tokens", str(tokens)],
-                           lambda _i, kind, _d: kind == "terminated" and done.release())
+            runtime.launch("text_completion", ["--prompt", p, "--max-tokens", str(tokens)], on_event)
         for _ in prompts:
-            done.acquire(timeout=600)
-        pie_s.append(time.perf_counter() - t0)
+            if not done.acquire(timeout=TIMEOUT_S):
+                raise RuntimeError(f"text_completion x{batch}: not all ended in {TIMEOUT_S:.0f} s")
+        elapsed = time.perf_counter() - t0
+        if reasons != ["finished"] * batch:
+            raise RuntimeError(f"text_completion x{batch}: {reasons}")
+        return elapsed, host_calls(runtime, "text_completion").get("sample", 0) - before
+
+    def direct() -> tuple[float, int]:
         t0 = time.perf_counter()
-        driver.generate(ids, tokens, stop_token_ids=tuple(tokenizer.eos_token_ids))
-        direct_s.append(time.perf_counter() - t0)
-    pie_ms = 1e3 * statistics.median(pie_s) / tokens
-    direct_ms = 1e3 * statistics.median(direct_s) / tokens
-    return {"batch": batch, "tokens": tokens, "pie_ms_per_token": pie_ms,
-            "direct_ms_per_token": direct_ms, "overhead": pie_ms / direct_ms - 1}
+        outputs = driver.generate(ids, tokens, stop_token_ids=eos)
+        return time.perf_counter() - t0, sum(map(len, outputs))
+
+    paths = {"pie": pie, "direct": direct}
+    for run in paths.values():  # warm-up: first forwards at this batch size, caches, threads
+        run()
+    seconds: dict[str, list[float]] = {name: [] for name in paths}
+    generated: dict[str, list[int]] = {name: [] for name in paths}
+    for r in range(rounds):
+        for name in rotated(list(paths), r):
+            elapsed, count = paths[name]()
+            seconds[name].append(elapsed)
+            generated[name].append(count)
+    # Per token of one sequence: the round's time over the steps it took (tokens / batch);
+    # equal to time / `tokens` when no sequence stopped early at EOS.
+    ms = {name: statistics.median(1e3 * s * batch / max(1, n) for s, n in zip(seconds[name], generated[name]))
+          for name in paths}
+    return {"batch": batch, "tokens": tokens, "pie_ms_per_token": ms["pie"],
+            "direct_ms_per_token": ms["direct"], "overhead": ms["pie"] / ms["direct"] - 1,
+            "pie_tokens": generated["pie"], "direct_tokens": generated["direct"],
+            "pie_round_s": [round(s, 4) for s in seconds["pie"]],
+            "direct_round_s": [round(s, 4) for s in seconds["direct"]]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small counts, for a smoke run")
-    parser.add_argument("--out", default=str(RESULTS / "overhead.json"))
+    parser.add_argument("--quick", action="store_true", help="tiny sizes and 2 rounds, for a smoke run")
+    parser.add_argument("--rounds", type=int, default=None, help=f"rounds per measurement (default {ROUNDS}; quick {QUICK_ROUNDS})")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--out", default=str(RESULTS / "overhead.json"), help="where the JSON goes")
     args = parser.parse_args()
+    rounds = args.rounds or (QUICK_ROUNDS if args.quick else ROUNDS)
 
     config = load_config()
     config.runtime.max_instances = 512
+    config.backend.dtype = args.dtype
     model_dir = resolve_model_dir(config.model.path, config.paths.cache)
     builtins = {name: build_inferlet(ROOT / "inferlets" / name)
                 for name in ("hello", "text_completion", "probe")}
-    backend = BackendProcess(model_dir)
+    backend = BackendProcess(model_dir, extra_args=["--dtype", args.dtype])
     try:
         link, hs = backend.connect()
         runtime = start_runtime(config, backend.endpoint, hs, builtins)
@@ -142,27 +237,18 @@ def main() -> None:
         tokenizer = TextTokenizer(hs)
         results: dict = {}
 
-        results["api_latency_us"] = api_latency(runtime, 20 if args.quick else 200)
+        results["api_latency_us"], results["api_latency_rounds_us"] = api_latency(
+            runtime, 10 if args.quick else 200, rounds)
         print("API call latency (µs):", results["api_latency_us"], flush=True)
-        results["calls_per_token"] = calls_per_token(runtime, 8 if args.quick else 32)
+        results["calls_per_token"] = calls_per_token(runtime, 4 if args.quick else 32)
         print("host calls per token:", results["calls_per_token"], flush=True)
 
-        launches = []
-        for concurrency in ([1, 8] if args.quick else [1, 4, 16, 64, 256]):
-            for cold in (True, False):
-                lat = launch_latency(runtime, concurrency, cold)
-                row = {"concurrency": concurrency, "cold": cold,
-                       "median_ms": 1e3 * statistics.median(lat),
-                       "p99_ms": 1e3 * sorted(lat)[max(0, int(len(lat) * 0.99) - 1)]}
-                launches.append(row)
-                print(f"launch {'cold' if cold else 'warm'} x{concurrency}: "
-                      f"median {row['median_ms']:.1f} ms, p99 {row['p99_ms']:.1f} ms", flush=True)
-        results["launch"] = launches
+        results["launch"] = launches(runtime, [1, 4] if args.quick else [1, 4, 16, 64, 256], rounds)
 
         results["per_token"] = []
-        for batch in ([1] if args.quick else [1, 8]):
+        for batch in ([1, 2] if args.quick else [1, 8]):
             row = per_token(runtime, driver, tokenizer, hs.chat_template, batch,
-                            8 if args.quick else 32, 1 if args.quick else 3)
+                            4 if args.quick else 32, rounds)
             results["per_token"].append(row)
             print(f"per token, batch {batch}: pie {row['pie_ms_per_token']:.1f} ms, direct "
                   f"{row['direct_ms_per_token']:.1f} ms, overhead {100 * row['overhead']:+.1f}%",
@@ -172,9 +258,16 @@ def main() -> None:
         link.close()
     finally:
         backend.stop()
-    results["meta"] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                       "model": model_dir.name, "dtype": config.backend.dtype,
-                       "quick": args.quick}
+    results["meta"] = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": command_line(), "quick": args.quick, "rounds": rounds,
+        # The same rotation for every level of a measurement (the API latency has one path).
+        "order": {"api_latency": [["probe"] for _ in range(rounds)],
+                  "launch": [["cold" if cold else "warm" for cold in rotated([True, False], r)]
+                             for r in range(rounds)],
+                  "per_token": [rotated(["pie", "direct"], r) for r in range(rounds)]},
+        "warmup": "one untimed run of every path (and launch level) before its timed rounds",
+        "model": model_dir.name, "dtype": hs.dtype, **machine_settings()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {args.out}")

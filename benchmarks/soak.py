@@ -1,19 +1,25 @@
 """Load and soak: many concurrent inferlets with mixed workloads for a bounded time.
 
-Each of `--instances` slots runs one workload (the warm-up round), then, once every instance
-has ended, workloads back to back until `--minutes` pass:
+Each of `--instances` slots runs one workload (the warm-up round: the workloads dealt out in
+turn), then, once every instance has ended, workloads drawn at random back to back until
+`--minutes` pass:
 - `echo`: `hello`, then 5 messages that must come back in order (a lost or reordered
   message is counted);
 - `complete`: `text_completion`, 8 greedy tokens of one of a few prompts (the answer must
   equal the first answer seen for that prompt);
 - `fork`: `parallel_generation`, 2 seeded continuations of a shared prompt.
-It reports per-workload p50/p99 latency, errors, lost messages, whether every KV page and
-embed is back in the pool at the end, and whether the server leaked threads or file
-descriptors: counted after the warm-up round and again after the soak. Loopback only (it
+It reports per-workload p50/p99 latency (of the soak, not the warm-up), errors, lost
+messages, whether every KV page and embed is back in the pool at the end, and whether the
+server leaked threads or file descriptors: counted after the warm-up round and again after
+the soak. Loopback only (it
 starts its own `pie serve` unless given `--server`; the leak check needs that private
-server's pid). Results: benchmarks/results/soak.json.
+server's pid). Results: benchmarks/results/soak.json (`--out` elsewhere).
 
-    python benchmarks/soak.py [--instances 256] [--minutes 10]
+    python benchmarks/soak.py [--instances 256] [--minutes 10] [--quick] [--out FILE]
+
+`--quick` (6 instances for 3 seconds) is the smoke run tests/test_bench_scripts.py makes.
+This module also holds what every script under benchmarks/ records about the machine
+(`machine_settings`) and how they order the systems they compare (`rotated`).
 """
 
 from __future__ import annotations
@@ -22,12 +28,15 @@ import argparse
 import asyncio
 import json
 import os
+import platform
 import random
 import statistics
+import sys
 import time
 import urllib.parse
 import urllib.request
 from datetime import datetime, timezone
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from pie.client import PieClient, http_url
@@ -45,6 +54,50 @@ PROMPTS = ["What is the capital of France?", "Name a color.", "Say hi.", "What i
 # the thousands of workloads of a soak, far past this.
 LEAK_TOLERANCE = 8
 SETTLE_S = 30.0  # bound on the waits for the last instances' teardown and exiting threads
+# The /proc/cpuinfo flags that decide which kernels torch (oneDNN) runs: bf16 matmuls are
+# emulated without avx512_bf16 or AMX, so a figure means little without them.
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def machine_settings() -> dict:
+    """CPU model, which of CPU_FLAGS it has, cores, torch and Python versions, and the load
+    averages (1, 5, 15 min) when the run ended — others' work on a shared machine skews every
+    figure: what every benchmark script records next to its figures."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+
+    def field(name: str) -> str:
+        return next((line.split(":", 1)[1].strip() for line in lines
+                     if line.split(":", 1)[0].strip() == name), "")
+
+    flags = set(field("flags").split())
+    try:
+        torch_version = version("torch")
+    except PackageNotFoundError:
+        torch_version = None
+    return {"cpu": field("model name") or platform.processor() or platform.machine(),
+            "cpu_flags": {flag: flag in flags for flag in CPU_FLAGS}, "cores": os.cpu_count(),
+            "torch": torch_version, "python": platform.python_version(),
+            "load_average": [round(x, 2) for x in os.getloadavg()]}
+
+
+def rotated(items: list, round_: int) -> list:
+    """`items` in the order round `round_` measures them: each round starts one further on,
+    so no system is always first (warm caches, the turbo budget, a neighbour's burst)."""
+    shift = round_ % len(items)
+    return list(items[shift:]) + list(items[:shift])
+
+
+def command_line() -> str:
+    return " ".join(["python", *sys.argv])
+
+
+def served_model(url: str) -> str | None:
+    """The model a running server serves (its /health), None if it does not say."""
+    with urllib.request.urlopen(f"{http_url(url)}/health", timeout=10) as response:
+        return json.loads(response.read()).get("model")
 
 
 class Tally:
@@ -149,28 +202,34 @@ async def soak(url: str, token: str | None, instances: int, seconds: float, seed
             build_inferlet(ROOT / "inferlets" / "parallel_generation").read_bytes())}
     rngs = [random.Random(seed * 100003 + index) for index in range(instances)]
 
-    async def slot(rng: random.Random, deadline: float) -> None:
+    async def slot(index: int, rng: random.Random, deadline: float | None) -> None:
         async with PieClient(url, token) as client:
-            while True:  # at least one workload: the warm-up round is one per slot
-                name = rng.choice(list(WORKLOADS))
+            while True:  # at least one workload: the warm-up round (deadline None) is one per slot
+                # The warm-up deals the workloads out in turn, so every one has run (and grown
+                # what it grows) before threads and fds are counted; then each slot draws.
+                name = list(WORKLOADS)[index % len(WORKLOADS)] if deadline is None else rng.choice(list(WORKLOADS))
                 start = time.perf_counter()
                 try:
                     await asyncio.wait_for(WORKLOADS[name](client, rng, tally, programs), 600)
                     tally.record(name, time.perf_counter() - start)
                 except Exception as e:  # counted, not fatal: the report says what failed
                     tally.error(name, f"{type(e).__name__}: {e}")
-                if time.monotonic() >= deadline:
+                if deadline is None or time.monotonic() >= deadline:
                     return
 
     started = time.monotonic()
     # Warm-up at full concurrency, so thread pools have grown and lazily created threads and
     # sockets exist before counting.
-    await asyncio.gather(*(slot(rng, 0.0) for rng in rngs))
+    await asyncio.gather(*(slot(i, rng, None) for i, rng in enumerate(rngs)))
+    # Latencies are the soak's alone (the warm-up's first launches compile and grow pools);
+    # its errors, lost messages and wrong answers still count.
+    warmup = {k: len(v) for k, v in tally.latency.items()}
+    tally.latency.clear()
     await drained(http, token)
     if pid is not None:
         threads_before, fds_before = threads(pid), open_fds(pid)
     deadline = time.monotonic() + seconds
-    await asyncio.gather(*(slot(rng, deadline) for rng in rngs))
+    await asyncio.gather(*(slot(i, rng, deadline) for i, rng in enumerate(rngs)))
     elapsed = time.monotonic() - started
     stats = await drained(http, token)
     leaks = ("not measured (external server)" if pid is None
@@ -181,6 +240,7 @@ async def soak(url: str, token: str | None, instances: int, seconds: float, seed
 
     return {
         "instances": instances, "seconds": round(elapsed, 1),
+        "warmup_completed": warmup,
         "completed": {k: len(v) for k, v in tally.latency.items()},
         "p50_ms": {k: round(ms(v, 50), 1) for k, v in tally.latency.items()},
         "p99_ms": {k: round(ms(v, 99), 1) for k, v in tally.latency.items()},
@@ -195,32 +255,47 @@ async def soak(url: str, token: str | None, instances: int, seconds: float, seed
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--instances", type=int, default=256)
-    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--instances", type=int, default=None, help="concurrent slots (default 256; quick 6)")
+    parser.add_argument("--minutes", type=float, default=None, help="soak length (default 10; quick 3 s)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds every slot's choice of workloads")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 6 instances for 3 seconds")
+    parser.add_argument("--out", default=str(RESULTS / "soak.json"), help="where the JSON goes")
     parser.add_argument("--server", help="a running server's URL (loopback) instead of a private one")
     parser.add_argument("--token")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="a private server's dtype; fp32 (default) makes greedy answers "
                              "independent of batch composition, so they can be checked")
     args = parser.parse_args()
-    seconds = args.minutes * 60
+    instances = args.instances or (6 if args.quick else 256)
+    seconds = 60 * (args.minutes if args.minutes is not None else 3 / 60 if args.quick else 10.0)
 
     async def run() -> dict:
         if args.server:
             host = urllib.parse.urlparse(args.server).hostname or ""
             if not is_loopback(host):
                 raise SystemExit(f"soak runs against loopback servers only, not {host!r}")
-            return await soak(args.server, args.token, args.instances, seconds)
+            return {**await soak(args.server, args.token, instances, seconds, seed=args.seed),
+                    "model": served_model(args.server)}
         server = LocalServer(["--dtype", args.dtype])
         async with server as url:
             assert server.process is not None
-            return await soak(url, None, args.instances, seconds, pid=server.process.pid)
+            return {**await soak(url, None, instances, seconds, seed=args.seed, pid=server.process.pid),
+                    "model": served_model(url)}
 
-    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "dtype": None if args.server else args.dtype, **asyncio.run(run())}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "soak.json").write_text(json.dumps(report, indent=2) + "\n")
+    report = asyncio.run(run())
+    model = report.pop("model")
+    # One round: the workloads are not compared with each other, each slot draws its next
+    # one at random (seeded), so their order is a mix rather than a rotation.
+    report["meta"] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                      "command": command_line(), "quick": args.quick, "rounds": 1,
+                      "order": [f"random per slot (seed {args.seed})"],
+                      "dtype": None if args.server else args.dtype, "model": model,
+                      "seed": args.seed, **machine_settings()}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,222 @@
+"""Pie's own benchmark scripts (`make bench`, soak, drain) in their `--quick` mode, so that
+they cannot rot: each runs as a subprocess against the real layers and writes its JSON to a
+temporary file (never over benchmarks/results/). Figures are not checked (never wall-clock
+in tests); the work done, every field, the settings recorded and the internal consistency
+of the numbers are: tokens counted equal tokens asked, times are positive, ratios follow
+from the figures, host calls carry real WIT function names, the rounds rotate the systems."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.soak import CPU_FLAGS, WORKLOADS, machine_settings, rotated
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 600  # one script's quick run; ~15-60 s each here, more on a busy machine
+
+META = {"date", "command", "quick", "rounds", "order", "dtype", "model", "cpu", "cpu_flags", "cores",
+        "torch", "python", "load_average"}
+
+
+def run_quick(script: str, out: Path, *extra: str) -> dict:
+    done = subprocess.run([sys.executable, f"benchmarks/{script}.py", "--quick", "--out", str(out), *extra],
+                          cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-4000:])
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """Each script's quick JSON, run on first use (once per module)."""
+    out, cache = tmp_path_factory.mktemp("bench-scripts"), {}
+
+    def get(script: str) -> dict:
+        if script not in cache:
+            cache[script] = run_quick(script, out / f"{script}.json")
+        return cache[script]
+    return get
+
+
+def wit_function_names() -> set[str]:
+    """Every host function under the name the runtime counts its calls by: `name` for a
+    function, `[method]resource.name` for a resource's method."""
+    names: set[str] = set()
+    for path in (ROOT / "sdk" / "wit").glob("*.wit"):
+        depth, resource, resource_depth = 0, None, 0
+        for line in path.read_text().splitlines():
+            code = line.split("//")[0].strip()
+            if match := re.match(r"resource\s+([\w-]+)\s*\{", code):
+                resource, resource_depth = match.group(1), depth
+            elif match := re.match(r"([\w-]+)\s*:\s*func\b", code):
+                names.add(f"[method]{resource}.{match.group(1)}" if resource else match.group(1))
+            depth += code.count("{") - code.count("}")
+            if resource and depth <= resource_depth:
+                resource = None
+    return names
+
+
+def check_meta(meta: dict, systems: list[str] | None = None) -> None:
+    """The settings every script records; with `systems`, that the rounds rotate them."""
+    assert META <= set(meta), META - set(meta)
+    assert meta["quick"] is True and meta["rounds"] >= 1
+    assert meta["dtype"] in ("bfloat16", "float32") and meta["model"]
+    assert meta["cpu"] and meta["cores"] >= 1 and meta["torch"] and meta["python"]
+    assert set(meta["cpu_flags"]) == set(CPU_FLAGS) and all(isinstance(v, bool) for v in meta["cpu_flags"].values())
+    assert len(meta["load_average"]) == 3
+    if systems is not None:
+        order = meta["order"]
+        assert len(order) == meta["rounds"] >= 2
+        assert all(sorted(names) == sorted(systems) for names in order), order
+        assert len({names[0] for names in order}) > 1, f"the same system first in every round: {order}"
+
+
+def test_wit_names_are_the_ones_the_runtime_counts():
+    names = wit_function_names()
+    assert {"sample", "forward", "embed-text", "wait", "[method]pollable.ready",
+            "[method]future-token.get", "[method]matcher.sample"} <= names
+    assert "poll" not in names and len(names) > 42
+
+
+def test_rotation_and_machine_settings():
+    assert [rotated(["pie", "hf"], r) for r in range(3)] == [["pie", "hf"], ["hf", "pie"], ["pie", "hf"]]
+    assert [rotated(["a", "b", "c"], r)[0] for r in range(3)] == ["a", "b", "c"]
+    settings = machine_settings()
+    assert settings["cores"] >= 1 and set(settings["cpu_flags"]) == set(CPU_FLAGS)
+
+
+def test_full_runs_take_at_least_three_rounds():
+    from benchmarks import backend, frontends, overhead
+
+    assert min(backend.ROUNDS, frontends.ROUNDS, overhead.ROUNDS) >= 3
+
+
+def test_overhead_quick(results):
+    data = results("overhead")
+    meta = data["meta"]
+    check_meta({**meta, "order": meta["order"]["per_token"]}, ["pie", "direct"])
+    check_meta({**meta, "order": meta["order"]["launch"]}, ["cold", "warm"])
+    rounds = meta["rounds"]
+
+    latency = data["api_latency_us"]
+    assert latency and all(v > 0 for v in latency.values())
+    assert {k for k in latency if k.startswith("inference:")} and {k for k in latency if k.startswith("control:")}
+    assert all(len(data["api_latency_rounds_us"][k]) == rounds for k in latency)
+
+    calls = data["calls_per_token"]
+    assert calls["tokens"] == calls["tokens_asked"] == calls["by_function"]["sample"]
+    assert calls["calls"] == sum(calls["by_function"].values())
+    assert calls["calls_per_token"] == pytest.approx(calls["calls"] / calls["tokens"])
+    unknown = (set(calls["by_function"]) | set(calls["by_function_per_token"])) - wit_function_names()
+    assert not unknown, f"host-call names that are no WIT function: {unknown}"
+    assert calls["by_function"]["forward"] >= calls["tokens"] - 1
+
+    levels = sorted({row["concurrency"] for row in data["launch"]})
+    assert len(levels) >= 1 and len(data["launch"]) == 2 * len(levels)
+    for row in data["launch"]:
+        assert row["launches"] == row["concurrency"] * rounds and len(row["round_medians_ms"]) == rounds
+        assert 0 < row["median_ms"] <= row["p99_ms"]
+
+    assert [row["batch"] for row in data["per_token"]] == [1, 2]
+    for row in data["per_token"]:
+        asked = row["batch"] * row["tokens"]
+        assert row["pie_tokens"] == row["direct_tokens"] == [asked] * rounds, row
+        assert len(row["pie_round_s"]) == len(row["direct_round_s"]) == rounds
+        assert row["pie_ms_per_token"] > 0 and row["direct_ms_per_token"] > 0
+        assert row["overhead"] == pytest.approx(row["pie_ms_per_token"] / row["direct_ms_per_token"] - 1)
+    assert data["scheduler"]["batches"]["forward"] > 0
+
+
+def test_backend_quick(results):
+    data = results("backend")
+    meta = data["meta"]
+    check_meta(meta, ["pie", "hf"])
+    assert meta["pie_dtype"] == meta["hf_dtype"] == meta["dtype"]
+    assert meta["hf_attn_implementation"] and meta["hf_attn_implementation"] != "eager", \
+        "HF is measured with its default attention (SDPA), not pinned to eager"
+    rounds, steps = meta["rounds"], meta["steps_per_round"]
+
+    prefill = data["prefill"]
+    assert prefill["tokens"] > 0 and prefill["pie_tokens_per_s"] > 0 and prefill["hf_tokens_per_s"] > 0
+    assert len(prefill["pie_round_s"]) == len(prefill["hf_round_s"]) == rounds
+    assert prefill["pie_over_hf"] == pytest.approx(prefill["pie_tokens_per_s"] / prefill["hf_tokens_per_s"])
+
+    assert [row["batch"] for row in data["decode"]] == [1, 2]
+    for row in data["decode"]:
+        assert row["steps"] == rounds * steps == len(row["pie_step_ms_all"]) == len(row["hf_step_ms_all"])
+        assert row["pie_tokens"] == row["hf_tokens"] == row["batch"] * row["steps"], row
+        assert row["pie_step_ms"] > 0 and row["hf_step_ms"] > 0
+        assert row["pie_tokens_per_s"] == pytest.approx(1e3 * row["batch"] / row["pie_step_ms"])
+        assert row["hf_over_pie_time"] == pytest.approx(row["hf_step_ms"] / row["pie_step_ms"])
+
+
+def test_frontends_quick(results):
+    data = results("frontends")
+    meta = data["meta"]
+    check_meta({**meta, "order": meta["order"]["ms_per_token"]}, ["native", "openai", "python"])
+    assert all(sorted(names) == ["python", "rust"] for names in meta["order"]["launch"])
+
+    for language in ("rust", "python"):
+        launch = data["launch"][language]
+        assert launch["cold_ms"] > 0 and launch["warm_ms"] > 0 and launch["size_mb"] > 0
+        assert launch["cold_runs"] == len(meta["order"]["launch"]) and launch["warm_runs"] >= 1
+    for key in ("cold_ms", "warm_ms"):
+        assert data["launch_ratio_python_vs_rust"][key] == pytest.approx(
+            data["launch"]["python"][key] / data["launch"]["rust"][key])
+
+    paths = ["native", "openai", "python"]
+    assert sorted(data["ms_per_token"]) == sorted(paths)
+    for path in paths:
+        assert data["tokens"][path] == [data["max_tokens"]] * meta["rounds"], (path, data["tokens"])
+        assert len(data["ms_per_token_rounds"][path]) == meta["rounds"]
+        assert data["ms_per_token"][path] > 0
+        assert data["ratio_vs_native"][path] == pytest.approx(data["ms_per_token"][path] / data["ms_per_token"]["native"])
+    assert data["same_output_lengths"], "fp32 greedy: every path generates the same text"
+
+
+def test_soak_quick(results):
+    data = results("soak")
+    check_meta(data["meta"])
+    assert data["instances"] == 6 and data["seconds"] > 0
+    assert data["errors"] == {}, data["error_examples"]
+    assert data["lost_messages"] == 0 and data["wrong_answers"] == 0
+    assert data["warmup_completed"] == {w: sum(1 for i in range(data["instances"]) if i % len(WORKLOADS) == n)
+                                        for n, w in enumerate(WORKLOADS)}, "the warm-up deals every workload out"
+    assert set(data["completed"]) == set(WORKLOADS) and sum(data["completed"].values()) >= data["instances"]
+    for workload in WORKLOADS:
+        assert 0 < data["p50_ms"][workload] <= data["p99_ms"][workload]
+    assert data["pools_reclaimed"]
+    leaks = data["leak_check"]
+    assert not leaks["leaked"] and leaks["threads_before"] > 0 and leaks["fds_before"] > 0, leaks
+
+
+def test_drain_quick(results):
+    data = results("drain")
+    meta = data["meta"]
+    check_meta(meta)
+    assert meta["order"] == [["finish", "cut"]]
+    for name, reason in (("finish", "finished"), ("cut", "server shutting down")):
+        run = data[name]
+        n = run["instances"]
+        assert run["reasons"] == {reason: n}, run
+        assert len(run["output_chars"]) == n
+        assert run["health_while_draining"] == "draining" and run["launch_refused_while_draining"]
+        assert run["exit_code"] == 0 and run["signal_to_exit_s"] > 0
+    assert data["finish"]["running_at_signal"] >= 1, "the signal came after every instance had ended"
+    assert data["cut"]["running_at_signal"] == data["cut"]["instances"]
+    assert all(chars > 0 for chars in data["finish"]["output_chars"]), "drained to the end: whole outputs"
+    assert data["cut"]["drain_timeout_s"] < data["finish"]["drain_timeout_s"]
+
+
+def test_every_script_takes_quick_and_out():
+    """Each script offers `--quick` and `--out` (without `--out` a test would write over the
+    committed benchmarks/results/)."""
+    for script in ("overhead", "backend", "frontends", "soak", "drain"):
+        done = subprocess.run([sys.executable, f"benchmarks/{script}.py", "--help"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120, check=False)
+        assert done.returncode == 0 and "--out" in done.stdout and "--quick" in done.stdout, script
