@@ -31,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: the `benchmarks` package is in the repository root
 
-from benchmarks.soak import command_line, machine_settings, rotated
+from benchmarks.run_info import command_line, machine_settings, rotated
 from pie import protocol as P
 from pie.backend.weights import resolve_model_dir
 from pie.config import load_config

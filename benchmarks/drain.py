@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: the `benchmarks` package is in the repository root
 
-from benchmarks.soak import command_line, machine_settings, served_model
+from benchmarks.run_info import command_line, machine_settings, served_model
 from pie.client import PieClient, http_url
 from pie.server.local import LocalServer
 from pie.server.rpc import RpcError

@@ -37,7 +37,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: the `benchmarks` package is in the repository root
 
-from benchmarks.soak import command_line, machine_settings, rotated
+from benchmarks.run_info import command_line, machine_settings, rotated
 from pie.client import PieClient, http_url
 from pie.config import load_config
 from pie.python_build import build_python_inferlet

@@ -18,8 +18,6 @@ server's pid). Results: benchmarks/results/soak.json (`--out` elsewhere).
     python benchmarks/soak.py [--instances 256] [--minutes 10] [--quick] [--out FILE]
 
 `--quick` (6 instances for 3 seconds) is the smoke run tests/test_bench_scripts.py makes.
-This module also holds what every script under benchmarks/ records about the machine
-(`machine_settings`) and how they order the systems they compare (`rotated`).
 """
 
 from __future__ import annotations
@@ -28,7 +26,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -36,7 +33,6 @@ import time
 import urllib.parse
 import urllib.request
 from datetime import datetime, timezone
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from pie.client import PieClient, http_url
@@ -45,6 +41,10 @@ from pie.server.local import LocalServer
 from pie.toolchain import build_inferlet
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script: the `benchmarks` package is in the repository root
+
+from benchmarks.run_info import command_line, machine_settings, served_model  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results"
 PROMPTS = ["What is the capital of France?", "Name a color.", "Say hi.", "What is 2 + 2?"]
 # Threads or fds the server may gain over the soak without leaking: pools grow lazily up to a
@@ -54,52 +54,6 @@ PROMPTS = ["What is the capital of France?", "Name a color.", "Say hi.", "What i
 # the thousands of workloads of a soak, far past this.
 LEAK_TOLERANCE = 8
 SETTLE_S = 30.0  # bound on the waits for the last instances' teardown and exiting threads
-# The /proc/cpuinfo flags that decide which kernels torch (oneDNN) runs: bf16 matmuls are
-# emulated without avx512_bf16 or AMX, so a figure means little without them.
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
-
-
-def machine_settings() -> dict:
-    """CPU model, which of CPU_FLAGS it has, cores, torch and Python versions, and the load
-    averages (1, 5, 15 min) when the run ended — others' work on a shared machine skews every
-    figure: what every benchmark script records next to its figures."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-
-    def field(name: str) -> str:
-        return next((line.split(":", 1)[1].strip() for line in lines
-                     if line.split(":", 1)[0].strip() == name), "")
-
-    flags = set(field("flags").split())
-    try:
-        torch_version = version("torch")
-    except PackageNotFoundError:
-        torch_version = None
-    return {"cpu": field("model name") or platform.processor() or platform.machine(),
-            "cpu_flags": {flag: flag in flags for flag in CPU_FLAGS}, "cores": os.cpu_count(),
-            "torch": torch_version, "python": platform.python_version(),
-            "load_average": [round(x, 2) for x in os.getloadavg()]}
-
-
-def rotated(items: list, round_: int) -> list:
-    """`items` in the order round `round_` measures them: each round starts one further on,
-    so no system is always first (warm caches, the turbo budget, a neighbour's burst)."""
-    shift = round_ % len(items)
-    return list(items[shift:]) + list(items[:shift])
-
-
-def command_line() -> str:
-    return " ".join(["python", *sys.argv])
-
-
-def served_model(url: str) -> str | None:
-    """The model a running server serves (its /health), None if it does not say."""
-    with urllib.request.urlopen(f"{http_url(url)}/health", timeout=10) as response:
-        return json.loads(response.read()).get("model")
-
-
 class Tally:
     def __init__(self) -> None:
         self.latency: dict[str, list[float]] = {}

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.soak import CPU_FLAGS, WORKLOADS, machine_settings, rotated
+from benchmarks.run_info import CPU_FLAGS, machine_settings, rotated
+from benchmarks.soak import WORKLOADS
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 600  # one script's quick run; ~15-60 s each here, more on a busy machine

@@ -406,7 +406,8 @@ def test_pending_calls_and_subscriptions_per_instance_are_bounded(tmp_path, mode
                 a.embed_text(q, [1], [0], [embed])
         assert e.value.kind == ErrorKind.OUT_OF_RESOURCES and len(q.pending) == 3
         a.synchronize(q)  # markers (and the frees behind dealloc) are never refused
-        first, second = a.subscribe("t1"), a.subscribe("t2")
+        first = a.subscribe("t1")
+        a.subscribe("t2")
         with pytest.raises(HostError, match="quota.instance.subscriptions = 2"):
             a.subscribe("t3")
         a.unsubscribe(first)

@@ -1,0 +1,60 @@
+"""What every benchmark script records about its run next to its figures: the machine (CPU
+model and the flags that decide which kernels run, cores, versions, load), the command, and
+the order in which systems were measured in each round (rotated, so none is always first)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import urllib.request
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from pie.client import http_url
+
+# The /proc/cpuinfo flags that decide which kernels torch (oneDNN) runs: bf16 matmuls are
+# emulated without avx512_bf16 or AMX, so a figure means little without them.
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def machine_settings() -> dict:
+    """CPU model, which of CPU_FLAGS it has, cores, torch and Python versions, and the load
+    averages (1, 5, 15 min) when the run ended — others' work on a shared machine skews every
+    figure: what every benchmark script records next to its figures."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+
+    def field(name: str) -> str:
+        return next((line.split(":", 1)[1].strip() for line in lines
+                     if line.split(":", 1)[0].strip() == name), "")
+
+    flags = set(field("flags").split())
+    try:
+        torch_version = version("torch")
+    except PackageNotFoundError:
+        torch_version = None
+    return {"cpu": field("model name") or platform.processor() or platform.machine(),
+            "cpu_flags": {flag: flag in flags for flag in CPU_FLAGS}, "cores": os.cpu_count(),
+            "torch": torch_version, "python": platform.python_version(),
+            "load_average": [round(x, 2) for x in os.getloadavg()]}
+
+
+def rotated(items: list, round_: int) -> list:
+    """`items` in the order round `round_` measures them: each round starts one further on,
+    so no system is always first (warm caches, the turbo budget, a neighbour's burst)."""
+    shift = round_ % len(items)
+    return list(items[shift:]) + list(items[:shift])
+
+
+def command_line() -> str:
+    return " ".join(["python", *sys.argv])
+
+
+def served_model(url: str) -> str | None:
+    """The model a running server serves (its /health), None if it does not say."""
+    with urllib.request.urlopen(f"{http_url(url)}/health", timeout=10) as response:
+        return json.loads(response.read()).get("model")
