@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
@@ -57,13 +58,23 @@ class FakeBackend:
 
 @pytest.fixture
 def setup(tmp_path):
+    """The adaptive scheduler on a fake backend that looks busy until the test has queued
+    every call (`busy_until_queued`): the first decision sees all of them, however slowly
+    the test thread runs — no timing window to miss on a loaded machine."""
     endpoint = f"ipc://{tmp_path}/fake.sock"
     backend = FakeBackend(endpoint)
-    # Policy t with a long window: everything submitted within it forms one decision.
-    scheduler = Scheduler(endpoint, ControlConfig(scheduler="t", batch_t_ms=300), max_batch_tokens=64)
+    scheduler = Scheduler(endpoint, ControlConfig(scheduler="adaptive"), max_batch_tokens=64)
+    scheduler.backend_idle = False
     yield scheduler, backend
     scheduler.stop()
     backend.close()
+
+
+def busy_until_queued(scheduler: Scheduler) -> None:
+    """The backend says it is idle (as its Idle message would): the scheduler decides now."""
+    with scheduler.lock:
+        scheduler.backend_idle = True
+    os.write(scheduler.wake_write, b"x")
 
 
 def forward(queue, reads=(), writes=(), tokens=1) -> Command:
@@ -84,6 +95,7 @@ def test_horizontal_and_vertical_batching(setup):
     futures = [scheduler.submit(forward(q)) for q in queues]  # horizontal: 3 queues
     futures.append(scheduler.submit(forward(queues[0])))  # vertical: 2nd in queue 0
     futures += [scheduler.submit(sample(q)) for q in queues]
+    busy_until_queued(scheduler)
     for f in futures:
         assert _wait(f)
     assert backend.batches == [("forward", 4), ("sample", 3)]
@@ -112,6 +124,7 @@ def test_conflicting_commands_are_not_batched_vertically(setup):
     q = scheduler.create_queue("i")
     first = scheduler.submit(forward(q, writes={("e", 5)}))
     second = scheduler.submit(forward(q, reads={("e", 5)}))  # reads what the first writes
+    busy_until_queued(scheduler)
     assert _wait(first) and _wait(second)
     assert backend.batches == [("forward", 1), ("forward", 1)]
 
@@ -120,6 +133,7 @@ def test_token_budget_cuts_the_batch(setup):
     scheduler, backend = setup
     queues = [scheduler.create_queue(f"i{n}") for n in range(3)]
     futures = [scheduler.submit(forward(q, tokens=30)) for q in queues]  # budget 64
+    busy_until_queued(scheduler)
     for f in futures:
         assert _wait(f)
     assert backend.batches == [("forward", 2), ("forward", 1)]
@@ -131,6 +145,7 @@ def test_markers_complete_in_queue_order_and_release(setup):
     released = []
     f1 = scheduler.submit(forward(q))
     marker = scheduler.submit(Command(MARKER, q, HostFuture(), on_head=lambda: released.append(1)))
+    busy_until_queued(scheduler)
     assert _wait(marker) and f1.done() and released == [1]
 
 
