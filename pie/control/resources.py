@@ -133,12 +133,14 @@ class ResourceManager:
         self.evict = evict
 
     def alloc_pages(self, inst: InstanceResources, count: int) -> list[int]:
-        physical = self._alloc(inst, self.pages, count, "kv_pages")
-        self._user_hold(inst.user, physical)
-        return inst.pages.add(physical)
+        with self.lock:  # re-entrant: _alloc's wait releases it
+            physical = self._alloc(inst, self.pages, count, "kv_pages")
+            self._user_hold(inst.user, physical)
+            return inst.pages.add(physical)
 
     def alloc_embeds(self, inst: InstanceResources, count: int) -> list[int]:
-        return inst.embeds.add(self._alloc(inst, self.embeds, count, "embeds"))
+        with self.lock:
+            return inst.embeds.add(self._alloc(inst, self.embeds, count, "embeds"))
 
     def _alloc(self, inst: InstanceResources, pool: PhysicalPool, count: int, what: str) -> list[int]:
         with self.lock:
