@@ -352,9 +352,9 @@ def test_freed_handle_is_invalid():
         manager.take_embeds(inst, [1, 1])
 
 
-def test_instance_session_validates_before_enqueueing(tmp_path, model_dir):
-    """Bad handles and arguments fail at the call, with the WIT error kind, not later."""
-    from pie.config import PieConfig
+def controller_on_fake_backend(config, tmp_path, model_dir):
+    """A Controller for a model "m" (8 KV pages, 100 embeds, 64 tokens per batch) whose
+    backend is a FakeBackend; both must be shut down by the caller."""
     from pie.control.controller import Controller
 
     endpoint = f"ipc://{tmp_path}/fake.sock"
@@ -364,7 +364,14 @@ def test_instance_session_validates_before_enqueueing(tmp_path, model_dir):
         num_kv_pages=8, num_embeds=100, vocab_size=49152, hidden_size=576, max_batch_tokens=64,
         tokenizer_json=(model_dir / "tokenizer.json").read_text(), eos_token_ids=[2],
         bos_token_id=1, chat_template="", dtype="float32", device="cpu")
-    controller = Controller(PieConfig(), endpoint, handshake)
+    return Controller(config, endpoint, handshake), backend
+
+
+def test_instance_session_validates_before_enqueueing(tmp_path, model_dir):
+    """Bad handles and arguments fail at the call, with the WIT error kind, not later."""
+    from pie.config import PieConfig
+
+    controller, backend = controller_on_fake_backend(PieConfig(), tmp_path, model_dir)
     try:
         a, b = controller.session("a", []), controller.session("b", [])
         qa = a.create_queue("m")
@@ -400,18 +407,10 @@ def test_pending_calls_and_subscriptions_per_instance_are_bounded(tmp_path, mode
     (each holds its arguments in the control process); quota.instance.subscriptions: nor
     hold subscriptions (each keeps a backlog), and dropping one gives its place back."""
     from pie.config import PieConfig, RuntimeConfig
-    from pie.control.controller import Controller
 
-    endpoint = f"ipc://{tmp_path}/fake.sock"
-    backend = FakeBackend(endpoint)
-    handshake = P.HandshakeReply(
-        protocol_version=P.PROTOCOL_VERSION, model_name="m", traits=[], page_size=16,
-        num_kv_pages=8, num_embeds=100, vocab_size=49152, hidden_size=576, max_batch_tokens=64,
-        tokenizer_json=(model_dir / "tokenizer.json").read_text(), eos_token_ids=[2],
-        bos_token_id=1, chat_template="", dtype="float32", device="cpu")
     config = PieConfig(runtime=RuntimeConfig(max_pending_calls=3),
                        quota=QuotaConfig(instance=InstanceQuota(subscriptions=2)))
-    controller = Controller(config, endpoint, handshake)
+    controller, backend = controller_on_fake_backend(config, tmp_path, model_dir)
     try:
         a = controller.session("a", [])
         q = a.create_queue("m")

@@ -13,12 +13,12 @@ resident memory.
 from __future__ import annotations
 
 import subprocess
-import threading
 import time
 from pathlib import Path
 
 import pytest
 from pie_server import Server, run_inferlet
+from test_runtime import Events
 
 from pie import protocol as P
 from pie.config import InstanceQuota, PieConfig, QuotaConfig
@@ -206,24 +206,6 @@ def component(wat: str, tmp_path: Path) -> bytes:
 
 
 # --- an in-process runtime ------------------------------------------------------------------
-
-
-class Events:
-    def __init__(self) -> None:
-        self.messages: list[str] = []
-        self.reason: str | None = None
-        self.ended = threading.Event()
-
-    def __call__(self, _id: str, kind: str, data: str, usage: dict | None = None) -> None:
-        if kind == "message":
-            self.messages.append(data)
-        else:
-            self.reason = data
-            self.ended.set()
-
-    def wait(self, timeout: float = 60) -> str:
-        assert self.ended.wait(timeout), f"the instance did not end within {timeout} s"
-        return self.reason
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,11 @@ class Events:
             self.reason = data
             self.ended.set()
 
+    def wait(self, timeout: float = 60) -> str:
+        """The end reason, once the instance has ended."""
+        assert self.ended.wait(timeout), f"the instance did not end within {timeout} s"
+        return self.reason
+
 
 @pytest.fixture
 def runtime(tmp_path, model_dir):
