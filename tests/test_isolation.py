@@ -197,3 +197,20 @@ def test_pie_token_makes_a_usable_token():
     token = out.split("token:")[1].split()[0]
     assert ServerConfig(host="0.0.0.0", auth_tokens=[token])
     assert f"fingerprint: {fingerprint(token)}" in out
+
+
+def test_serve_warns_when_users_share_a_server_without_fair_share_quotas():
+    from pie import cli
+    from pie.config import PieConfig, UserQuota
+
+    def warning(**quota) -> str:
+        config = PieConfig()
+        config.server = ServerConfig(auth_tokens=["a" * 16, "b" * 16])
+        config.quota.user = UserQuota(**quota)
+        with cli.console.capture() as captured:
+            cli._warn_shared_without_quotas(config)
+        return captured.get()
+
+    assert "quota.user.kv_pages or quota.user.instances" in warning()
+    assert "quota.user.instances" in warning(kv_pages=512) and "kv_pages" not in warning(kv_pages=512)
+    assert warning(kv_pages=512, instances=64) == ""
