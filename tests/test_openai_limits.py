@@ -240,7 +240,7 @@ def test_a_request_larger_than_the_whole_kv_pool_gets_400(server, http):
 
 
 def fake_state(prompt_tokens: int, context: int = 100, pages: int = 1000):
-    tokenizer = SimpleNamespace(encode=lambda text: [0] * prompt_tokens, vocabs=[b"abcd"],
+    tokenizer = SimpleNamespace(encode=lambda text: [0] * prompt_tokens, vocabs=[b"abcd"], max_token_bytes=4,
                                 apply_chat_template=lambda messages, generation: "x")
     hs = SimpleNamespace(context_length=context, page_size=16, num_kv_pages=pages)
     return SimpleNamespace(runtime=SimpleNamespace(controller=SimpleNamespace(hs=hs, tokenizer=tokenizer)))

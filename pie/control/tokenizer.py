@@ -50,5 +50,10 @@ class TextTokenizer:
                 out[index] = token.encode()
         return out
 
+    @cached_property
+    def max_token_bytes(self) -> int:
+        """The longest token in bytes: a text of n bytes has at least n / this many tokens."""
+        return max(map(len, self.vocabs), default=1) or 1
+
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
         return render_chat(self.chat_template, messages, add_generation_prompt)

@@ -73,7 +73,7 @@ def record(**fields: Any) -> Record:
 
 @dataclass(frozen=True)
 class Budgets:
-    """What one instance may spend, in seconds (0 = no budget).
+    """What one instance may spend: times in seconds (0 = no budget), and host objects.
 
     `cpu_s` (quota.instance.cpu_s) is CPU time of the instance's own thread — guest code and
     the host work its calls do there — in total; `wall_s` (quota.instance.wall_s) is time

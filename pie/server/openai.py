@@ -319,7 +319,7 @@ async def fit(state: ServerState, completion: Completion) -> None:
         else:
             text = completion.prompt
         size = len(text.encode("utf-8"))
-        if size > 4 * context * _max_token_bytes(tokenizer):  # surely too long: spare the tokenizer
+        if size > 4 * context * tokenizer.max_token_bytes:  # surely too long: spare the tokenizer
             raise ApiError(400, too_long + f"your {what} {'are' if completion.chat else 'is'} {size} bytes "
                            f"long, far more than that many tokens. {reduce}", what, code="context_length_exceeded")
         return len(tokenizer.encode(text))
@@ -356,17 +356,6 @@ def kv_pages_needed(prompt_tokens: int, max_tokens: int, n: int, page_size: int)
         return math.ceil(total / page_size)
     own = math.ceil(total / page_size) - prefilled // page_size
     return math.ceil(prefilled / page_size) + n * own
-
-
-_MAX_TOKEN_BYTES: dict[int, int] = {}
-
-
-def _max_token_bytes(tokenizer: Any) -> int:
-    """The longest token's length in bytes (so a text has at least len / this many tokens)."""
-    key = id(tokenizer)
-    if key not in _MAX_TOKEN_BYTES:
-        _MAX_TOKEN_BYTES[key] = max(map(len, tokenizer.vocabs), default=1) or 1
-    return _MAX_TOKEN_BYTES[key]
 
 
 def _number(body: dict[str, Any], name: str, kind: type, low: float, high: float) -> Any:

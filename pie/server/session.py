@@ -84,17 +84,20 @@ def authenticate(tokens: list[str], given: str) -> str | None:
     token. Compared in constant time against every token (no early exit to time)."""
     if not tokens:
         return ANONYMOUS
-    matched = False
-    for token in tokens:
-        matched |= hmac.compare_digest(given.encode(), token.encode())
-    return fingerprint(given) if matched else None
+    return fingerprint(given) if _one_of(tokens, given) else None
 
 
 def is_admin(config: ServerConfig, given: str) -> bool:
     """Whether `given` is one of server.admin_tokens (who may see every user's usage in
-    /stats); compared in constant time against each."""
+    /stats)."""
+    return _one_of(config.admin_tokens, given)
+
+
+def _one_of(tokens: list[str], given: str) -> bool:
+    """Whether `given` is in `tokens`, compared in constant time against every one (no early
+    exit to time)."""
     matched = False
-    for token in config.admin_tokens:
+    for token in tokens:
         matched |= hmac.compare_digest(given.encode(), token.encode())
     return matched
 
