@@ -1,13 +1,17 @@
-"""`python -m benchmarks`: Pie against vLLM, llama.cpp and SGLang, every figure in one run.
+"""`python -m benchmarks`: every committed figure in one run — Pie's own measurements, then
+Pie against vLLM, llama.cpp and SGLang.
 
-Starts the tool server and every available system (same weights, same dtype, loopback),
-waits until each answers, runs the chosen workloads with the systems alternating round by
-round, stops everything, and writes benchmarks/results/<workload>.json + .png and
-benchmarks/RESULTS.md. A system that cannot run here is reported "not run" with the reason.
+First Pie's own scripts, one after another with nothing else running (backend vs HF,
+control-layer overhead, front ends, drain, soak; each starts its own server). Then the
+harness starts the tool server and every available system (same weights, same dtype,
+loopback), waits until each answers, runs the comparison workloads with the systems
+alternating round by round, stops everything, and writes benchmarks/results/<name>.json
+(+ .png), results/run.json (what ran, how long) and benchmarks/RESULTS.md. A system that
+cannot run here is reported "not run" with the reason.
 
-    python -m benchmarks                          # everything (about an hour here)
+    python -m benchmarks                          # everything (about 1.5 h here)
     python -m benchmarks --workloads completion --systems pie,llamacpp
-    python -m benchmarks --quick --systems pie    # smoke run (seconds of model work)
+    python -m benchmarks --quick --systems pie    # smoke run (a few minutes)
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
+import json
 import re
 import signal
 import subprocess
@@ -22,11 +27,12 @@ import sys
 import tempfile
 import time
 import traceback
+from datetime import datetime, timezone
 from pathlib import Path
 
 from rich.console import Console
 
-from benchmarks import report
+from benchmarks import report, script_tables
 from benchmarks.systems import Pie, System, all_systems
 from benchmarks.workloads import Bench, Result
 from pie.backend.weights import DEFAULT_MODEL_NAME
@@ -34,6 +40,9 @@ from pie.backend.weights import DEFAULT_MODEL_NAME
 HERE = Path(__file__).resolve().parent
 # Batching last: it restarts Pie with other policies, and nothing after it needs the default back.
 WORKLOADS = ("completion", "agents", "optimized_agent", "techniques", "models", "batching")
+# Pie's own scripts (benchmarks/<name>.py), run before any system starts: each brings up its
+# own server, and a baseline idling beside it would skew its figures.
+SCRIPTS = tuple(script_tables.SCRIPTS)
 
 
 class ToolServer:
@@ -59,8 +68,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                      epilog="\n".join(__doc__.splitlines()[2:]))
     parser.add_argument("--systems", default="pie,vllm,llamacpp,sglang",
                         help="comma-separated: pie, vllm, llamacpp, sglang (default: all)")
-    parser.add_argument("--workloads", default=",".join(WORKLOADS),
-                        help=f"comma-separated, from: {', '.join(WORKLOADS)} (default: all)")
+    parser.add_argument("--workloads", default=",".join(SCRIPTS + WORKLOADS),
+                        help=f"comma-separated, from: {', '.join(SCRIPTS + WORKLOADS)} (default: all)")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, one round")
     parser.add_argument("--rounds", type=int, help="alternating rounds per measurement (default 3; quick 1)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
@@ -77,13 +86,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if name not in known:
             parser.error(f"unknown system {name!r}; choose from {', '.join(known)}")
     for name in args.workloads:
-        if name not in WORKLOADS:
-            parser.error(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+        if name not in SCRIPTS + WORKLOADS:
+            parser.error(f"unknown workload {name!r}; choose from {', '.join(SCRIPTS + WORKLOADS)}")
     if args.rounds is not None and args.rounds < 1:
         parser.error("--rounds must be at least 1")
     args.rounds = args.rounds or (1 if args.quick else 3)
     args.out = args.out or HERE / "results" / ("quick" if args.quick else "")
     return args
+
+
+async def run_script(name: str, args: argparse.Namespace, console: Console) -> bool:
+    """`benchmarks/<name>.py` (quick when the run is), its JSON into the results folder."""
+    argv = [sys.executable, str(HERE / f"{name}.py"), "--out", str(args.out / f"{name}.json")]
+    argv += ["--quick"] if args.quick else []
+    console.print(f"[dim]$ {' '.join(argv[1:])}[/]")
+    process = await asyncio.create_subprocess_exec(*argv, cwd=HERE.parent, start_new_session=True)
+    try:
+        code = await process.wait()
+    except asyncio.CancelledError:  # Ctrl-C: the script's own cleanup stops its server
+        process.send_signal(signal.SIGINT)
+        await process.wait()
+        raise
+    if code != 0:
+        console.print(f"[red]✗ {name} exited with {code}[/]")
+    return code == 0
 
 
 async def main_async(args: argparse.Namespace, console: Console) -> int:
@@ -93,6 +119,12 @@ async def main_async(args: argparse.Namespace, console: Console) -> int:
     assert main_task is not None
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, main_task.cancel)
+    started_at, clock = datetime.now(timezone.utc), time.monotonic()
+    args.out.mkdir(parents=True, exist_ok=True)
+    failures = 0
+    for name in (w for w in args.workloads if w in SCRIPTS):
+        console.rule(name)
+        failures += not await run_script(name, args, console)
     systems = all_systems()
     chosen = {name: systems[name] for name in args.systems}
     not_run = {s.label: reason for s in chosen.values() if (reason := s.unavailable())}
@@ -102,8 +134,6 @@ async def main_async(args: argparse.Namespace, console: Console) -> int:
     endpoints = {}
     log_dir = Path(tempfile.mkdtemp(prefix="pie-bench-"))
     tools = ToolServer()
-    failures = 0
-    clock = time.monotonic()
     try:
         for name, system in chosen.items():
             if system.label in not_run:
@@ -130,8 +160,9 @@ async def main_async(args: argparse.Namespace, console: Console) -> int:
                 bench.programs.clear()
             bench.restart_pie = restart_pie
         info = report.run_info(args.quick, args.rounds, args.dtype, DEFAULT_MODEL_NAME,
-                               {s.label: s.version() for s in started.values()}, not_run)
-        for workload in args.workloads:
+                               {s.label: s.version() for s in started.values()}, not_run,
+                               {s.label: s.settings(args.dtype) for s in started.values()})
+        for workload in (w for w in args.workloads if w in WORKLOADS):
             console.rule(workload)
             if isinstance(pie, Pie) and pie.config:  # an earlier workload changed Pie's config
                 with console.status("restarting Pie with the default configuration …"):
@@ -151,6 +182,12 @@ async def main_async(args: argparse.Namespace, console: Console) -> int:
             for system in started.values():
                 await system.stop()
             tools.stop()
+    finished_at = datetime.now(timezone.utc)
+    (args.out / report.RUN).write_text(json.dumps({
+        "command": " ".join(["python -m benchmarks", *sys.argv[1:]]), "workloads": args.workloads,
+        "systems": args.systems, "started": started_at.isoformat(timespec="seconds"),
+        "finished": finished_at.isoformat(timespec="seconds"),
+        "duration_s": round(time.monotonic() - clock), "failures": failures}, indent=2) + "\n")
     # The checked-in RESULTS.md belongs to the default results folder; any other gets its own.
     results_md = HERE / "RESULTS.md" if args.out.resolve() == (HERE / "results").resolve() else args.out / "RESULTS.md"
     report.render(args.out, results_md, WORKLOADS)

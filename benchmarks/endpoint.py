@@ -62,6 +62,8 @@ class Endpoint:
             body.update(self._json_schema_field(json_schema))
         if grammar is not None:
             body.update(self._grammar_field(grammar))
+        if self.engine == "llamacpp":
+            body["cache_prompt"] = True  # llama-server's prompt cache, stated rather than left to its default
         if beam_search:
             if self.engine != "vllm":
                 raise ValueError(f"{self.engine}: its OpenAI API has no beam search")

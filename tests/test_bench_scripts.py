@@ -41,6 +41,7 @@ def results(tmp_path_factory):
         if script not in cache:
             cache[script] = run_quick(script, out / f"{script}.json")
         return cache[script]
+    get.out = out
     return get
 
 
@@ -221,3 +222,22 @@ def test_every_script_takes_quick_and_out():
         done = subprocess.run([sys.executable, f"benchmarks/{script}.py", "--help"], cwd=ROOT,
                               capture_output=True, text=True, timeout=120, check=False)
         assert done.returncode == 0 and "--out" in done.stdout and "--quick" in done.stdout, script
+
+
+def test_results_md_has_a_section_per_script(results):
+    """RESULTS.md renders every script's JSON next to the engine comparisons: its title, the
+    command that made it, and the figure it exists for, taken from the file."""
+    from benchmarks import report
+    from benchmarks.__main__ import SCRIPTS, WORKLOADS
+
+    data = {script: results(script) for script in SCRIPTS}
+    text = report.render(results.out, results.out / "RESULTS.md", WORKLOADS)
+    for script, (title, _) in report.SCRIPTS.items():
+        assert f"## {title}" in text and f"`{script}.json`" in text, script
+    assert f"Host calls per generated token: {data['overhead']['calls_per_token']['calls_per_token']:.2f}" in text
+    for row in data["overhead"]["per_token"]:
+        assert f"| {row['batch']} | " in text and f"{100 * row['overhead']:+.0f} %" in text
+    assert f"{data['backend']['prefill']['pie_over_hf']:.2f}×" in text
+    assert f"{data['soak']['lost_messages']} lost messages" in text
+    for path, ratio in data["frontends"]["ratio_vs_native"].items():
+        assert f"| {path} | " in text and f"{ratio:.3f}×" in text

@@ -20,7 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    done = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--systems", "pie,sglang", "--out", str(out)],
+    # The comparison workloads only: the scripts' quick modes run in tests/test_bench_scripts.py.
+    done = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--systems", "pie,sglang", "--out", str(out),
+                           "--workloads", ",".join(WORKLOADS)],
                           cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     return out, done.stderr

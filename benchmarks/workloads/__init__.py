@@ -44,6 +44,9 @@ class Result:
     rows: list[Row] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # shown under the table (what was not run, and why)
     settings: dict[str, Any] = field(default_factory=dict)
+    # Keys of Row.extra tabulated under the metrics, per case and system: the work each system
+    # did (generated tokens, tool calls, ...), so that "equal work" can be read off the table.
+    counts: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -119,6 +119,10 @@ QUICK = Settings(agents=1, concurrency=1, steps=2, react_tokens=6, codeact_token
 
 
 METRICS = [Metric("latency_s", "s", False), Metric("agents_per_s", "agents/s", True)]
+# The work behind each row, tabulated in RESULTS.md: the same tool calls and (nearly) the same
+# final context on every system; tokens as each engine counts them (Pie: forwarded).
+COUNTS = ["tool_calls_per_agent", "scripted_steps_per_agent", "chars_per_agent", "generated_tokens_per_agent",
+          "forward_tokens_per_agent"]
 
 
 @dataclass
@@ -399,7 +403,18 @@ class Samples:
 
 
 async def compare(bench: Bench, tools: Tools, cases: list[Case]) -> list[Row]:
-    """Every round runs every case on every system, in an order rotated by the round."""
+    """Every round runs every case on every system, in an order rotated by the round.
+
+    Full runs first warm every (case, system) up untimed with one wave of `concurrency`
+    agents: a system's first requests pay for compiling paths and growing pools (vLLM's
+    first batch of a new shape, Pie's first launch of an inferlet), which is not the
+    steady state the figure is about."""
+    if not bench.quick:
+        for case in cases:
+            for name, agent in case.systems.items():
+                await bench.settle()
+                _, wall = await batch(agent, case.concurrency, case.concurrency)
+                bench.log(f"{case.name} on {name}: warm-up, {case.concurrency} agents in {wall:.2f} s")
     samples = {(case.name, name): Samples() for case in cases for name in case.systems}
     for round_ in range(bench.rounds):
         for case in cases:
@@ -449,5 +464,7 @@ async def run(bench: Bench) -> Result:
             ("extra: tool calls as counted by the tool server; chars = final context (Swarm: answers) "
              "in characters; forward / prompt / generated tokens = what the engine processed."),
         ],
-        settings={"quick": bench.quick, "rounds": bench.rounds, **vars(s)},
+        settings={"quick": bench.quick, "rounds": bench.rounds, "warmup_agents": 0 if bench.quick else "concurrency",
+                  **vars(s)},
+        counts=COUNTS,
     )

@@ -33,6 +33,7 @@ import httpx
 
 from benchmarks.workloads import Bench, Result
 from benchmarks.workloads.agents import (
+    COUNTS,
     METRICS,
     Agent,
     Case,
@@ -172,5 +173,7 @@ async def run(bench: Bench) -> Result:
             "The docs export is made by one untimed launch before the first round (later launches import it).",
             f"Every API call answers after {s.api_latency_ms} ms (a remote API's latency), on every system.",
         ],
-        settings={"quick": bench.quick, "rounds": bench.rounds, "export_name": EXPORT, **vars(s)},
+        settings={"quick": bench.quick, "rounds": bench.rounds, "export_name": EXPORT,
+                  "warmup_agents": 0 if bench.quick else "concurrency", **vars(s)},
+        counts=COUNTS,
     )

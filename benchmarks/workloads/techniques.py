@@ -507,14 +507,25 @@ async def run(bench: Bench) -> Result:
     rows = []
     for (case, system), runs in samples.items():
         last = runs[-1][1]
-        tokens = {"generated_tokens": [w.tokens for _, w in runs]} if last.tokens is not None else {}
-        rows.append(Row(case, system, {"latency_s": statistics.median(t for t, _ in runs)},
+        values = {"latency_s": statistics.median(t for t, _ in runs)}
+        tokens = {}
+        if last.tokens is not None:
+            tokens = {"generated_tokens": [w.tokens for _, w in runs]}
+            if all(w.tokens for _, w in runs):
+                values["ms_per_token"] = statistics.median(1e3 * t / w.tokens for t, w in runs)
+        rows.append(Row(case, system, values,
                         {"samples_s": [round(t, 3) for t, _ in runs], **tokens, "requests": last.requests,
                          **last.detail}))
     notes += [f"{case} on {system}: not run ({error})." for (case, system), error in failed.items()]
     notes += [f"{case.name} — endpoints: {case.how}." for case in CASES]
     notes.append("Pie runs each technique as its inferlet (inferlets/<name>); 'pie (client-side)' runs the "
                  "endpoints' script against Pie's own /v1.")
-    return Result(workload="techniques", title="Fig. 8 — techniques", metrics=[Metric("latency_s", "s", False)],
+    notes.append("Sampled thoughts end at EOS, so the systems generate different token counts for the same task "
+                 "(see generated_tokens): ms_per_token = task latency / tokens generated normalises that; it is "
+                 "blank where a system does not report its tokens (Pie's RoT, prefix caching and constrained "
+                 "decoding inferlets count forwarded tokens instead).")
+    return Result(workload="techniques", title="Fig. 8 — techniques",
+                  metrics=[Metric("latency_s", "s", False), Metric("ms_per_token", "ms", False)],
                   rows=rows, notes=notes,
-                  settings={"rounds": bench.rounds, "warmup_rounds": warmup, "quick": bench.quick, **asdict(s)})
+                  settings={"rounds": bench.rounds, "warmup_rounds": warmup, "quick": bench.quick, **asdict(s)},
+                  counts=["generated_tokens", "requests", "forward_tokens"])

@@ -1,0 +1,110 @@
+"""RESULTS.md sections for Pie's own benchmark scripts (backend, overhead, frontends, soak,
+drain): each writes its JSON in its own shape, so each gets a small table here.
+
+Why a table per script rather than one generic dump: those files carry every sample; the
+reader of RESULTS.md needs the medians and the ratio that each script exists to measure
+(Pie's backend vs HF transformers, Pie vs its own backend driven directly, the Python SDK
+vs Rust, the soak's zero-error claim), side by side with the engine comparisons of the
+same run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+Json = dict[str, Any]
+
+
+def _f(value: float) -> str:
+    return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+
+
+def _header(data: Json, name: str) -> list[str]:
+    meta = data.get("meta", data)
+    rounds = meta.get("rounds")
+    return [f"`{name}.json`, {meta.get('date', '?')}" + (f", rounds {rounds}" if rounds else "")
+            + (", quick" if meta.get("quick") else "") + f"; `{meta.get('command', f'benchmarks/{name}.py')}`.", ""]
+
+
+def backend(data: Json) -> list[str]:
+    meta, prefill = data["meta"], data["prefill"]
+    lines = [f"Pie's backend vs HF transformers ({meta.get('hf_attn_implementation', '?')} attention), "
+             f"same weights, {meta.get('dtype')}, {meta.get('threads', '?')} threads; ratio = HF time / Pie time.", "",
+             "| step | Pie | HF | ratio |", "|---|---|---|---|",
+             f"| prefill, {prefill['tokens']} tokens | {_f(prefill['pie_tokens_per_s'])} tok/s | "
+             f"{_f(prefill['hf_tokens_per_s'])} tok/s | {prefill['pie_over_hf']:.2f}× |"]
+    for row in data["decode"]:
+        lines.append(f"| decode, batch {row['batch']}, context {row['context']} | {_f(row['pie_step_ms'])} ms "
+                     f"({_f(row['pie_tokens_per_s'])} tok/s) | {_f(row['hf_step_ms'])} ms "
+                     f"({_f(row['hf_tokens_per_s'])} tok/s) | {row['hf_over_pie_time']:.2f}× |")
+    return lines
+
+
+def overhead(data: Json) -> list[str]:
+    calls = data["calls_per_token"]
+    lines = ["Pie end to end (inferlets through the control layer) vs the same backend driven directly "
+             "in one process; overhead = Pie / direct − 1.", "",
+             "| batch | Pie ms/token | direct ms/token | overhead |", "|---|---|---|---|"]
+    lines += [f"| {row['batch']} | {_f(row['pie_ms_per_token'])} | {_f(row['direct_ms_per_token'])} | "
+              f"{100 * row['overhead']:+.0f} % |" for row in data["per_token"]]
+    busiest = sorted(calls["by_function_per_token"].items(), key=lambda kv: -kv[1])[:6]
+    lines += ["", f"Host calls per generated token: {calls['calls_per_token']:.2f} "
+              f"({', '.join(f'{k} {v}' for k, v in busiest)}).", "",
+              "| launch → first message | median | p99 |", "|---|---|---|"]
+    lines += [f"| {'cold' if row['cold'] else 'warm'}, {row['concurrency']} at once | {_f(row['median_ms'])} ms | "
+              f"{_f(row['p99_ms'])} ms |" for row in data["launch"]]
+    return lines
+
+
+def frontends(data: Json) -> list[str]:
+    lines = [f"The same generation ({data['max_tokens']} tokens, greedy, {data.get('dtype')}) through each front end; "
+             "ratio = time per token / native's.", "",
+             "| path | ms/token | vs native |", "|---|---|---|"]
+    lines += [f"| {path} | {_f(ms)} | {data['ratio_vs_native'][path]:.3f}× |" for path, ms in data["ms_per_token"].items()]
+    lines += ["", "| launch | Rust | Python | Python / Rust |", "|---|---|---|---|"]
+    launch, ratio = data["launch"], data["launch_ratio_python_vs_rust"]
+    lines += [f"| {kind.removesuffix('_ms')} | {_f(launch['rust'][kind])} ms | {_f(launch['python'][kind])} ms | "
+              f"{ratio[kind]:.1f}× |" for kind in ("cold_ms", "warm_ms")]
+    return lines
+
+
+def soak(data: Json) -> list[str]:
+    leaks = data.get("leak_check", {})
+    lines = [f"{data['instances']} concurrent instances for {data['seconds']} s ({data.get('dtype')}): "
+             f"{sum(data['completed'].values())} workloads, {sum(data['errors'].values())} errors, "
+             f"{data['lost_messages']} lost messages, {data['wrong_answers']} wrong answers, pools reclaimed: "
+             f"{data['pools_reclaimed']}, threads {leaks.get('threads_before')} → {leaks.get('threads_after')}, "
+             f"fds {leaks.get('fds_before')} → {leaks.get('fds_after')}.", "",
+             "| workload | completed | p50 | p99 |", "|---|---|---|---|"]
+    lines += [f"| {w} | {n} | {_f(data['p50_ms'][w])} ms | {_f(data['p99_ms'][w])} ms |"
+              for w, n in data["completed"].items()]
+    return lines
+
+
+def drain(data: Json) -> list[str]:
+    lines = ["| run | drain timeout | running at SIGTERM | ended as | signal → exit |", "|---|---|---|---|---|"]
+    for name in ("finish", "cut"):
+        run = data[name]
+        lines.append(f"| {name} | {run['drain_timeout_s']} s | {run['running_at_signal']} | "
+                     f"{', '.join(f'{n} × {r}' for r, n in run['reasons'].items())} | {_f(run['signal_to_exit_s'])} s |")
+    return lines
+
+
+SCRIPTS: dict[str, tuple[str, Callable[[Json], list[str]]]] = {
+    "backend": ("Backend step vs HF transformers", backend),
+    "overhead": ("Control-layer overhead, host calls and launch latency", overhead),
+    "frontends": ("Front ends: native, OpenAI /v1, Python SDK", frontends),
+    "soak": ("Soak", soak),
+    "drain": ("Graceful drain", drain),
+}
+
+
+def section(name: str, data: Json) -> list[str]:
+    title, render = SCRIPTS[name]
+    try:
+        body = render(data)
+    except KeyError as e:  # a file an older version of the script wrote
+        body = [f"Not shown: `{name}.json` lacks {e}, it predates the current script; "
+                f"run `python -m benchmarks --workloads {name}`."]
+    return [f"## {title}", "", *_header(data, name), *body, ""]
