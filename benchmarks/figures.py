@@ -15,8 +15,9 @@ JSON files (after a benchmark run). `tests/test_figures.py` runs both checks.
 
 Marker: `<!--fig EXPR [:FORMAT]-->TEXT<!--/fig-->`, on one line.
 
-- EXPR is `OPERAND [/ OPERAND | * OPERAND]...`, evaluated left to right: a ratio such as
-  "vLLM / Pie" is `completion.json rows[…].values.ms_per_token / rows[…].values.ms_per_token`.
+- EXPR is `OPERAND [OP OPERAND]...` with OP one of `/ * - +`, evaluated left to right: a
+  ratio such as "vLLM / Pie" is `completion.json rows[…].values.ms_per_token / rows[…].values.ms_per_token`,
+  "t beats adaptive by 18%" is `batching.json rows[case=t]… / rows[case=adaptive]… - 1 :.0%`.
 - OPERAND is `[FILE.json] PATH` or a number. FILE is relative to `benchmarks/results/`; an
   operand without one reads the marker's first file.
 - PATH: segments joined by `.`: a key (`values`), a quoted key (`"control:tokenize"`, for
@@ -36,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import operator
 import re
 import sys
 from dataclasses import dataclass
@@ -45,6 +47,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 OPT_OUT = "<!--not-a-figure-->"
+OPS = {"/": operator.truediv, "*": operator.mul, "-": operator.sub, "+": operator.add}
 
 MARKER = re.compile(r"<!--fig\s+(?P<spec>.*?)\s*-->(?P<text>.*?)<!--/fig-->")
 _NUM = r"\d[\d,]*(?:\.\d+)?"
@@ -233,8 +236,8 @@ def parse_spec(spec: str) -> tuple[list[tuple[str, str | None, str | float]], st
     i = 0
     while i < len(tokens):
         if operands or op:
-            if tokens[i] not in ("/", "*"):
-                raise FigureError(f"expected '/' or '*' before {tokens[i]!r} in {spec!r}")
+            if tokens[i] not in OPS:
+                raise FigureError(f"expected one of {' '.join(OPS)} before {tokens[i]!r} in {spec!r}")
             op, i = tokens[i], i + 1
             if i == len(tokens):
                 raise FigureError(f"nothing after {op!r} in {spec!r}")
@@ -279,12 +282,12 @@ def evaluate(spec: str, results: Path | None = None, cache: dict[Path, Any] | No
             raise FigureError(f"{path}: {operand!r} is not a number")
         if op in ("", "="):
             value = operand
-        elif op == "*":
-            value = value * operand
-        else:
+        elif op == "/":
             if operand == 0:
                 raise FigureError(f"{path} is 0: cannot divide")
             value = value / operand
+        else:
+            value = OPS[op](value, operand)
     return value, fmt
 
 
@@ -355,7 +358,12 @@ def check(files: list[Path], results: Path | None = None, write: bool = False) -
     for file in files:
         lines = file.read_text().splitlines(keepends=True)
         fixes: list[tuple[Figure, str]] = []
+        starts = set()
         for fig in markers(file):
+            if lines[fig.line - 1].lstrip().startswith("<!--fig") and fig.line not in starts:
+                starts.add(fig.line)
+                problems.append(f"{fig.where}: a marker starts the line, which makes the line an HTML block in "
+                                "markdown (shown raw): put a word before it")
             if not fig.spec:
                 problems.append(f"{fig.where}: '<!--fig' without a closing '-->TEXT<!--/fig-->' on the same line")
                 continue

@@ -106,6 +106,8 @@ def test_evaluate(results):
     assert evaluate("c.json overhead * 100 :+.0f", results) == (-7.75, "+.0f")
     assert evaluate(f"c.json {pie} / d.json x", results)[0] == 29.742 / 4  # a second file
     assert evaluate("c.json api_latency_us.\"a.b\" / 1000 * 8", results)[0] == 0.008
+    assert evaluate("c.json launch[1].median_ms / launch[0].median_ms - 1 :.0%", results)[0] == 6.6 / 6.5 - 1
+    assert evaluate("2 + c.json launch[0].median_ms", results)[0] == 8.5  # a number first
 
 
 @pytest.mark.parametrize("spec, says", [
@@ -113,7 +115,7 @@ def test_evaluate(results):
     ("rows[0].case", "no result file (FILE.json) before"),
     ("c.json date / 2", "'2026-11-22' is not a number"),
     ("c.json overhead / 0", "cannot divide"),
-    ("c.json overhead overhead", "expected '/' or '*'"),
+    ("c.json overhead overhead", "expected one of / * - + before 'overhead'"),
     ("c.json overhead /", "nothing after"),
     ("c.json", "no path after"),
 ])
@@ -147,16 +149,19 @@ def test_check_reports_then_write_fixes(results, tmp_path):
     doc = tmp_path / "doc.md"
     pie = "c.json rows[case=concurrency 1,system=pie].values.ms_per_token"
     doc.write_text(f"intro\n| Pie | <!--fig {pie} :.1f-->31.0<!--/fig--> ms | <!--fig c.json nope-->1<!--/fig--> |\n"
-                   f"ok <!--fig {pie} :.2f-->29.74<!--/fig--> and <!--fig {pie}\n")
+                   f"ok <!--fig {pie} :.2f-->29.74<!--/fig--> and <!--fig {pie}\n"
+                   f"<!--fig {pie} :.2f-->29.74<!--/fig--> starts a line\n")
     problems = figures.check([doc], results)
     assert problems[0] == f"{doc}:2: {pie} :.1f: the JSON gives '29.7', the text says '31.0'"
     assert problems[1].startswith(f"{doc}:2: c.json nope: does not resolve: top: no key 'nope'")
     assert problems[2] == f"{doc}:3: '<!--fig' without a closing '-->TEXT<!--/fig-->' on the same line"
-    assert len(problems) == 3
+    assert problems[3] == (f"{doc}:4: a marker starts the line, which makes the line an HTML block in markdown "
+                           "(shown raw): put a word before it")
+    assert len(problems) == 4
     figures.check([doc], results, write=True)
     assert doc.read_text().splitlines()[1] == (
         f"| Pie | <!--fig {pie} :.1f-->29.7<!--/fig--> ms | <!--fig c.json nope-->1<!--/fig--> |")
-    assert len(figures.check([doc], results)) == 2
+    assert len(figures.check([doc], results)) == 3
 
 
 def test_unmarked_finds_measured_figures_only(tmp_path):
@@ -180,7 +185,7 @@ def test_unmarked_finds_measured_figures_only(tmp_path):
 def test_main_exit_codes(results, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(figures, "RESULTS", results)
     good, bad = tmp_path / "good.md", tmp_path / "bad.md"
-    good.write_text("<!--fig c.json rows[0].values.ms_per_token :.1f-->29.7<!--/fig--> ms\n")
+    good.write_text("took <!--fig c.json rows[0].values.ms_per_token :.1f-->29.7<!--/fig--> ms\n")
     bad.write_text("took 3 s\n")
     assert figures.main([str(good)]) == 0
     assert figures.main([str(bad)]) == 1
