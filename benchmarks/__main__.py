@@ -1,5 +1,4 @@
-"""`python -m benchmarks`: every committed figure in one run — Pie's own measurements, then
-Pie against vLLM, llama.cpp and SGLang.
+"""`python -m benchmarks`: every committed figure in one run, Pie's own and Pie vs the engines.
 
 First Pie's own scripts, one after another with nothing else running (backend vs HF,
 control-layer overhead, front ends, drain, soak; each starts its own server). Then the
@@ -71,7 +70,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workloads", default=",".join(SCRIPTS + WORKLOADS),
                         help=f"comma-separated, from: {', '.join(SCRIPTS + WORKLOADS)} (default: all)")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, one round")
-    parser.add_argument("--rounds", type=int, help="alternating rounds per measurement (default 3; quick 1)")
+    parser.add_argument("--rounds", type=int, help="alternating rounds per comparison measurement (default 3; quick 1; "
+                        "each script keeps its own, at least 3)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                         help="the dtype every system computes in (default bfloat16)")
     parser.add_argument("--out", type=Path, help="results folder (default benchmarks/results; "
@@ -125,6 +125,24 @@ async def main_async(args: argparse.Namespace, console: Console) -> int:
     for name in (w for w in args.workloads if w in SCRIPTS):
         console.rule(name)
         failures += not await run_script(name, args, console)
+    if any(w in WORKLOADS for w in args.workloads):
+        failures += await compare(args, console, clock)
+    finished_at = datetime.now(timezone.utc)
+    (args.out / report.RUN).write_text(json.dumps({
+        "command": " ".join(["python -m benchmarks", *sys.argv[1:]]), "workloads": args.workloads,
+        "systems": args.systems, "started": started_at.isoformat(timespec="seconds"),
+        "finished": finished_at.isoformat(timespec="seconds"),
+        "duration_s": round(time.monotonic() - clock), "failures": failures}, indent=2) + "\n")
+    # The checked-in RESULTS.md belongs to the default results folder; any other gets its own.
+    results_md = HERE / "RESULTS.md" if args.out.resolve() == (HERE / "results").resolve() else args.out / "RESULTS.md"
+    report.render(args.out, results_md, WORKLOADS)
+    console.print(f"wrote {results_md}")
+    return 1 if failures else 0
+
+
+async def compare(args: argparse.Namespace, console: Console, clock: float) -> int:
+    """The comparison workloads on every chosen system; how many workloads failed."""
+    failures = 0
     systems = all_systems()
     chosen = {name: systems[name] for name in args.systems}
     not_run = {s.label: reason for s in chosen.values() if (reason := s.unavailable())}
@@ -182,17 +200,7 @@ async def main_async(args: argparse.Namespace, console: Console) -> int:
             for system in started.values():
                 await system.stop()
             tools.stop()
-    finished_at = datetime.now(timezone.utc)
-    (args.out / report.RUN).write_text(json.dumps({
-        "command": " ".join(["python -m benchmarks", *sys.argv[1:]]), "workloads": args.workloads,
-        "systems": args.systems, "started": started_at.isoformat(timespec="seconds"),
-        "finished": finished_at.isoformat(timespec="seconds"),
-        "duration_s": round(time.monotonic() - clock), "failures": failures}, indent=2) + "\n")
-    # The checked-in RESULTS.md belongs to the default results folder; any other gets its own.
-    results_md = HERE / "RESULTS.md" if args.out.resolve() == (HERE / "results").resolve() else args.out / "RESULTS.md"
-    report.render(args.out, results_md, WORKLOADS)
-    console.print(f"wrote {results_md}")
-    return 1 if failures else 0
+    return failures
 
 
 def main(argv: list[str] | None = None) -> int:
