@@ -26,8 +26,9 @@ Marker: `<!--fig EXPR [:FORMAT]-->TEXT<!--/fig-->`, on one line.
 - FORMAT: a Python format spec (`:.1f`, `:.0%`, `:+.0%`, `:,.0f`); without one, numbers
   show 3 significant digits (never an exponent: 1626, 242, 29.7, 0.469).
 
-Opting out: a line ending in `<!--not-a-figure-->` is not scanned for unmarked figures;
-use it for configuration values, limits, defaults and illustrative numbers. Numbers in
+Opting out: a line holding `<!--not-a-figure-->` (at its end; in a table row, in its last
+cell) is not scanned for unmarked figures: for configuration values, limits, defaults,
+figures quoted from the paper and illustrative numbers, never for a measurement. Numbers in
 fenced code blocks and in `inline code`, and bounds written with ≤ or ≥ (targets), are
 not scanned either.
 """
@@ -51,9 +52,10 @@ OPS = {"/": operator.truediv, "*": operator.mul, "-": operator.sub, "+": operato
 
 MARKER = re.compile(r"<!--fig\s+(?P<spec>.*?)\s*-->(?P<text>.*?)<!--/fig-->")
 _NUM = r"\d[\d,]*(?:\.\d+)?"
-_UNIT = r"(?:\s?(?:µs|us|ms|s|min|tok/s|tokens/s|agents/s|[KMG]B/s|%)|[×x])(?!\w)"
+_UNIT = r"(?:\s?(?:µs|us|ms|s|min|h|tok/s|tokens/s|agents/s|[KMG]B/s|%)|[×x])(?!\w)"
 # A number (or a range of two) followed by a measurement unit, not part of a word or a version.
 FIGURE = re.compile(rf"(?<![\w.]){_NUM}(?:\s?[–-]\s?{_NUM})?{_UNIT}")
+_CODE = re.compile(r"(`+).*?\1")
 _BOUND = re.compile(rf"[≤≥]\s?~?{_NUM}")
 
 
@@ -328,12 +330,14 @@ def _lines_outside_fences(text: str):
 
 
 def markers(file: Path) -> list[Figure]:
-    """Every marker in a markdown file (fenced code blocks included: a marker is a marker)."""
+    """Every marker in a markdown file, but those in code (fenced or `inline`): examples."""
     found = []
-    for number, line in enumerate(file.read_text().splitlines(), 1):
+    for number, line in _lines_outside_fences(file.read_text()):
+        code = [m.span() for m in _CODE.finditer(line)]
         for m in MARKER.finditer(line):
-            found.append(Figure(file, number, m.group("spec"), m.group("text"), m.span("text")))
-        if "<!--fig" in MARKER.sub("", line):
+            if not any(a <= m.start() < b for a, b in code):
+                found.append(Figure(file, number, m.group("spec"), m.group("text"), m.span("text")))
+        if "<!--fig" in _CODE.sub("", MARKER.sub("", line)):
             found.append(Figure(file, number, "", "", (0, 0)))  # unclosed: reported by check
     return found
 
@@ -342,11 +346,11 @@ def unmarked(file: Path) -> list[tuple[int, str]]:
     """(line, figure) for every measured-looking number outside a marker, code and opt-outs."""
     hits = []
     for number, line in _lines_outside_fences(file.read_text()):
-        if line.rstrip().endswith(OPT_OUT):
+        if OPT_OUT in line:
             continue
         text = MARKER.sub(" ", line)
         text = re.sub(r"<!--.*?-->", " ", text)
-        text = re.sub(r"(`+).*?\1", " ", text)
+        text = _CODE.sub(" ", text)
         text = _BOUND.sub(" ", text)
         hits += [(number, m.group()) for m in FIGURE.finditer(text)]
     return hits
@@ -402,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         for number, figure in unmarked(file):
             fig.line = number
             problems.append(f"{fig.where}: {figure!r} is not cited: wrap it in <!--fig FILE.json PATH-->…<!--/fig-->, "
-                            f"or end the line with {OPT_OUT} if it is not a measurement")
+                            f"or put {OPT_OUT} at the end of the line if it is not a measurement")
     for problem in problems:
         print(problem)
     count = sum(len(markers(f)) for f in files)

@@ -37,7 +37,7 @@ def test_no_measured_figure_outside_a_marker():
     found = [f"{file.relative_to(figures.ROOT)}:{line}: {figure!r}"
              for file in figures.docs_files() for line, figure in figures.unmarked(file)]
     assert not found, ("measured figures without a result file behind them (cite with <!--fig FILE.json PATH-->…"
-                       "<!--/fig-->, or end the line with <!--not-a-figure--> if not a measurement):\n" + "\n".join(found))
+                       "<!--/fig-->, or put <!--not-a-figure--> at the end of the line if it is not a measurement):\n" + "\n".join(found))
 
 
 def test_the_docs_cite_figures_at_all():
@@ -150,7 +150,8 @@ def test_check_reports_then_write_fixes(results, tmp_path):
     pie = "c.json rows[case=concurrency 1,system=pie].values.ms_per_token"
     doc.write_text(f"intro\n| Pie | <!--fig {pie} :.1f-->31.0<!--/fig--> ms | <!--fig c.json nope-->1<!--/fig--> |\n"
                    f"ok <!--fig {pie} :.2f-->29.74<!--/fig--> and <!--fig {pie}\n"
-                   f"<!--fig {pie} :.2f-->29.74<!--/fig--> starts a line\n")
+                   f"<!--fig {pie} :.2f-->29.74<!--/fig--> starts a line\n"
+                   f"an example: `<!--fig c.json nope-->1<!--/fig-->`\n```\n<!--fig c.json nope-->1<!--/fig-->\n```\n")
     problems = figures.check([doc], results)
     assert problems[0] == f"{doc}:2: {pie} :.1f: the JSON gives '29.7', the text says '31.0'"
     assert problems[1].startswith(f"{doc}:2: c.json nope: does not resolve: top: no key 'nope'")
