@@ -13,7 +13,9 @@ the JSON gives and what the text says) and lists measured figures written outsid
 `python -m benchmarks.figures --write` rewrites the text between the markers from the
 JSON files (after a benchmark run). `tests/test_figures.py` runs both checks.
 
-Marker: `<!--fig EXPR [:FORMAT]-->TEXT<!--/fig-->`, on one line.
+Marker: `<!--fig EXPR [:FORMAT]-->TEXT<!--/fig-->`, on one line, not at its start (a line
+starting with `<!--` is an HTML block: markdown would show it raw). Markers in code (fenced
+or `inline`) are examples and are not checked.
 
 - EXPR is `OPERAND [OP OPERAND]...` with OP one of `/ * - +`, evaluated left to right: a
   ratio such as "vLLM / Pie" is `completion.json rows[…].values.ms_per_token / rows[…].values.ms_per_token`,
