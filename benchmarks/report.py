@@ -120,8 +120,8 @@ def table(result: Result, metric: Metric) -> list[str]:
 
 
 def counts_table(result: Result) -> list[str]:
-    """The work behind the figures (Result.counts), per case and system: one value where every
-    round did the same, else the range."""
+    """The work behind the figures (Result.counts) in one table, a row per case and quantity:
+    one value where every round did the same, else the range."""
     systems = systems_of(result)
     extra = {(row.case, row.system): row.extra for row in result.rows}
 
@@ -133,16 +133,17 @@ def counts_table(result: Result) -> list[str]:
             return _fmt(low) if low == high else f"{_fmt(low)}–{_fmt(high)}"
         return _fmt(value)
 
-    lines = []
-    for key in result.counts:
-        if not any(key in e for e in extra.values()):
-            continue
-        lines += [f"*{key}* (the work done; not a figure of merit)", "",
-                  "| case | " + " | ".join(systems) + " |", "|" + "---|" * (len(systems) + 1)]
-        for case in dict.fromkeys(row.case for row in result.rows):
-            lines.append("| " + " | ".join([case, *(cell(extra.get((case, s), {}).get(key)) for s in systems)]) + " |")
-        lines.append("")
-    return lines
+    keys = [key for key in result.counts if any(key in e for e in extra.values())]
+    if not keys:
+        return []
+    lines = ["**work done** (what each system was asked and did; not a figure of merit)", "",
+             "| case | quantity | " + " | ".join(systems) + " |", "|" + "---|" * (len(systems) + 2)]
+    for case in dict.fromkeys(row.case for row in result.rows):
+        for key in keys:
+            cells = [cell(extra.get((case, s), {}).get(key)) for s in systems]
+            if any(c != "—" for c in cells):
+                lines.append("| " + " | ".join([case, key.replace("_", " "), *cells]) + " |")
+    return lines + [""]
 
 
 def machine_lines(newest: dict[str, Any], run: dict[str, Any] | None) -> list[str]:

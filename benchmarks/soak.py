@@ -35,13 +35,13 @@ import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
 
-from pie.client import PieClient, http_url
-from pie.config import is_loopback
-from pie.server.local import LocalServer
-from pie.toolchain import build_inferlet
-
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run as a script: the `benchmarks` package is in the repository root
+sys.path.insert(0, str(ROOT))  # run as a script: `pie` and `benchmarks` are in the repository root
+
+from pie.client import PieClient, http_url  # noqa: E402
+from pie.config import is_loopback  # noqa: E402
+from pie.server.local import LocalServer  # noqa: E402
+from pie.toolchain import build_inferlet  # noqa: E402
 
 from benchmarks.run_info import command_line, machine_settings, served_model  # noqa: E402
 
