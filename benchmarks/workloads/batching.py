@@ -12,6 +12,7 @@ import asyncio
 import statistics
 import time
 
+from benchmarks.run_info import rotated
 from benchmarks.workloads import Bench, Metric, Result, Row
 from benchmarks.workloads.completion import PROMPT
 
@@ -41,7 +42,7 @@ async def run(bench: Bench) -> Result:
     policies = POLICIES[:2] if bench.quick else POLICIES  # each policy costs a server restart
     samples: dict[str, list[tuple[float, float]]] = {p: [] for p in policies}
     for r in range(bench.rounds):
-        for policy in policies:
+        for policy in rotated(list(policies), r):  # no policy always first
             bench.log(f"batching: round {r + 1}/{bench.rounds}, policy {policy}")
             await bench.restart_pie("" if policy == "adaptive" else  # adaptive is the default
                                     f'[control]\nscheduler = "{policy}"\nbatch_k = {BATCH_K}\nbatch_t_ms = {BATCH_T_MS}\n')

@@ -12,6 +12,7 @@ import asyncio
 import statistics
 import time
 
+from benchmarks.run_info import rotated
 from benchmarks.workloads import Bench, Metric, Result, Row
 
 PROMPT = "Write a short story about a robot learning to paint.\n"
@@ -36,14 +37,20 @@ async def run(bench: Bench) -> Result:
     result = Result("completion", "Text completion — time per output token and throughput",
                     [Metric("ms_per_token", "ms", False), Metric("tokens_per_s", "tok/s", True)],
                     settings={"levels": list(levels), "max_tokens": max_tokens, "prompt": PROMPT,
-                              "rounds": bench.rounds, "ignore_eos": True})
-    for endpoint in bench.endpoints.values():  # warm-up: compile paths, first forward
-        await endpoint.complete(PROMPT, 4, ignore_eos=True)
+                              "rounds": bench.rounds, "ignore_eos": True,
+                              "warmup": "a 4-token wave at every concurrency on every system",
+                              "order": "rotated each round"})
+    # Warm-up, untimed: a short wave at every concurrency on every system (vLLM compiles per
+    # batch shape; Pie grows its pools at the first wide batch).
+    for endpoint in bench.endpoints.values():
+        for level in levels:
+            await wave(endpoint, level, 4)
     per_token: dict[tuple[int, str], list[float]] = {}
     throughput: dict[tuple[int, str], list[float]] = {}
     for r in range(bench.rounds):
         for level in levels:
-            for name, endpoint in bench.endpoints.items():
+            for name in rotated(list(bench.endpoints), r):  # no system always first
+                endpoint = bench.endpoints[name]
                 bench.log(f"completion: round {r + 1}/{bench.rounds}, {level} concurrent, {name}")
                 await bench.settle()
                 ms, wall, tokens = await wave(endpoint, level, max_tokens)
