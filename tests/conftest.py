@@ -1,7 +1,9 @@
-"""Shared fixtures: the converted default model, an in-process engine, a real backend process."""
+"""Shared fixtures: the converted default model, an in-process engine, a real backend process;
+and the HF transformers oracle (fp32 greedy) that Pie's outputs are held to."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -42,16 +44,58 @@ def tokenizer(model_dir):
     return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
 
 
-def hf_greedy(hf_model, prompt_ids: list[int], n: int) -> list[int]:
-    """HF transformers' greedy decoding with its own KV cache, continuing past EOS."""
+def hf_greedy(hf_model, prompt_ids: list[int], n: int, stop_at: int | None = None) -> list[int]:
+    """HF transformers' greedy decoding with its own KV cache: `n` tokens, continuing past
+    EOS unless `stop_at` (a token id) is given, where it stops (that token not included)."""
     tokens: list[int] = []
     with torch.inference_mode():
         out = hf_model(torch.tensor([prompt_ids]), use_cache=True)
         for _ in range(n):
-            tokens.append(int(out.logits[0, -1].argmax()))
-            out = hf_model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values,
-                           use_cache=True)
+            token = int(out.logits[0, -1].argmax())
+            if token == stop_at:
+                break
+            tokens.append(token)
+            if len(tokens) < n:
+                out = hf_model(torch.tensor([[token]]), past_key_values=out.past_key_values,
+                               use_cache=True)
     return tokens
+
+
+@pytest.fixture(scope="session")
+def chat_template(model_dir) -> str:
+    return json.loads((model_dir / "tokenizer_config.json").read_text())["chat_template"]
+
+
+@pytest.fixture(scope="session")
+def hf_chat(hf_model, tokenizer, chat_template):
+    """hf_chat(prompt, max_tokens, system=None): what the built-in `text_completion` must
+    answer, greedy, from the oracle — HF transformers fp32 greedy on the chat-template
+    prompt (the user turn, after the system turn if given), up to EOS or max_tokens,
+    decoded with special tokens kept. Memoized."""
+    from pie.control.chat_template import chat_prompt
+
+    eos = hf_model.config.eos_token_id
+    assert isinstance(eos, int), eos
+    memo: dict[tuple, str] = {}
+
+    def complete(prompt: str, max_tokens: int, system: str | None = None) -> str:
+        key = (prompt, max_tokens, system)
+        if key not in memo:
+            ids = tokenizer.encode(chat_prompt(chat_template, prompt, system), add_special_tokens=False).ids
+            memo[key] = tokenizer.decode(hf_greedy(hf_model, ids, max_tokens, stop_at=eos),
+                                         skip_special_tokens=False)
+        return memo[key]
+
+    return complete
+
+
+def hf_probe_continuation(hf_model, tokenizer, prompt: str, page_size: int = 16) -> str:
+    """What the probe inferlet's `export`/`import` modes send: the prompt's whole pages
+    (leaving at least one token) are cached, the next token is fed, and 8 tokens are
+    decoded greedily (EOS not special) — here by HF transformers on the same tokens."""
+    ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+    cached = (len(ids) - 1) // page_size * page_size
+    return tokenizer.decode(hf_greedy(hf_model, ids[:cached + 1], 8), skip_special_tokens=False)
 
 
 @pytest.fixture(scope="session")

@@ -4,11 +4,15 @@ an inferlet on it. Shared by tests/test_e2e.py and tests/inferlets/."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -76,6 +80,32 @@ class Server:
     def resources(self) -> dict:
         return self.get("/stats")[1]["resources"]
 
+    def scheduler(self) -> dict:
+        return self.get("/stats")[1]["scheduler"]
+
+    def backend_pid(self) -> int:
+        """The backend process (`pie backend`), a child of `pie serve`."""
+        children = subprocess.run(["pgrep", "-P", str(self.process.pid), "-f", "pie.cli backend"],
+                                  capture_output=True, text=True).stdout.split()
+        (pid,) = children
+        return int(pid)
+
+    @contextlib.contextmanager
+    def backend_paused(self):
+        """The backend process stopped (SIGSTOP) for the block, then continued: whatever the
+        scheduler sends meanwhile stays in flight, and every later call waits in its queue
+        (see `queued`), so a test can line calls up and then let them go at once."""
+        pid = self.backend_pid()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+    def queued(self, kind: str) -> int:
+        """Calls of `kind` (e.g. "forward") waiting in the scheduler's queues now."""
+        return self.scheduler()["queued"].get(kind, 0)
+
     def rss_mib(self) -> float:
         """Resident memory of the `pie serve` process (the control process: server, runtime
         and inferlets; the backend is a child process of its own)."""
@@ -99,6 +129,36 @@ class ToolServer:
     def stop(self) -> None:
         self.process.terminate()
         self.process.wait(10)
+
+
+HANG_S = 300.0  # bounds a wait for a condition: only reached when something hangs
+
+
+def until(predicate, timeout_s: float = HANG_S, what="condition", interval_s: float = 0.05):
+    """Poll `predicate` until it returns something true (returned); fail after `timeout_s`,
+    which only bounds a hang: a slow machine just polls longer. `what` names the condition
+    (a string, or a function giving one, called on failure)."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"{what() if callable(what) else what}: not reached in {timeout_s:g} s"
+        time.sleep(interval_s)
+    return value
+
+
+async def until_async(predicate, timeout_s: float = HANG_S, what="condition", interval_s: float = 0.05):
+    """`until` for a coroutine: `predicate` (a plain function, may block) runs in a thread."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := await asyncio.to_thread(predicate)):
+        assert time.monotonic() < deadline, f"{what() if callable(what) else what}: not reached in {timeout_s:g} s"
+        await asyncio.sleep(interval_s)
+    return value
+
+
+def forward_batches(before: dict, after: dict) -> tuple[int, int]:
+    """(forward calls, forward batches) the scheduler sent between two /stats snapshots."""
+    calls = after["calls"].get("forward", 0) - before.get("calls", {}).get("forward", 0)
+    batches = after["batches"].get("forward", 0) - before.get("batches", {}).get("forward", 0)
+    return calls, batches
 
 
 def slow_reader(url: str, **kwargs):

@@ -5,24 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import msgpack
 import pytest
 import websockets
 
 from pie.client import PieClient
-from pie.control.chat_template import chat_prompt
 from pie.server import rpc
 
-from conftest import hf_greedy
-from pie_server import TOKEN, Server, build
+from conftest import hf_greedy, hf_probe_continuation
+from pie_server import TOKEN, Server, build, forward_batches, until, until_async
 
 PROMPTS = ["What is the capital of France?", "Name three colors.",
            "What is 2 + 2?", "Say hello in Spanish."]
@@ -39,16 +35,9 @@ def probe() -> bytes:
 
 
 @pytest.fixture(scope="module")
-def expected(hf_model, tokenizer, model_dir) -> dict[str, str]:
+def expected(hf_chat) -> dict[str, str]:
     """HF transformers' greedy chat-template completion of each prompt (16 tokens, to EOS)."""
-    template = json.loads((model_dir / "tokenizer_config.json").read_text())["chat_template"]
-    out = {}
-    for prompt in PROMPTS:
-        ids = tokenizer.encode(chat_prompt(template, prompt), add_special_tokens=False).ids
-        tokens = hf_greedy(hf_model, ids, 16)
-        out[prompt] = tokenizer.decode(tokens[: tokens.index(2)] if 2 in tokens else tokens,
-                                       skip_special_tokens=False)
-    return out
+    return {prompt: hf_chat(prompt, 16) for prompt in PROMPTS}
 
 
 async def complete(url: str, prompts: list[str], max_tokens: int = 16) -> list[tuple[list[str], str]]:
@@ -72,15 +61,32 @@ def test_text_completion_equals_hf_greedy(server, expected):
 
 
 def test_sixteen_concurrent_inferlets_are_batched(server, expected):
-    before = server.get("/stats")[1]["scheduler"]
+    """16 text_completions launched while the backend is paused (SIGSTOP): each queues its
+    prefill and waits. Once every prefill forward is queued the backend goes on, and the
+    scheduler must send them as batches — however slowly the machine ran, no timing
+    window decides it. Every answer is still HF's."""
     prompts = PROMPTS * 4
-    results = asyncio.run(complete(server.ws, prompts))
+    before = server.scheduler()
+
+    async def run() -> list[tuple[list[str], str]]:
+        async with PieClient(server.ws, TOKEN) as client:
+            with server.backend_paused():
+                instances = [await client.launch("text_completion", ["--prompt", p, "--max-tokens", "16"])
+                             for p in prompts]
+                # One call may be in flight (the first one the scheduler sent); the rest wait.
+                await until_async(lambda: server.queued("forward") >= len(prompts) - 1,
+                                  what="every prefill forward queued")
+
+            async def collect(instance):
+                return [m async for m in instance], await instance.wait()
+
+            return await asyncio.gather(*(collect(i) for i in instances))
+
+    results = asyncio.run(run())
     assert [r for _, r in results] == ["finished"] * 16
     assert [m for m, _ in results] == [[expected[p]] for p in prompts]
-    after = server.get("/stats")[1]["scheduler"]
-    forwards = after["calls"]["forward"] - before.get("calls", {}).get("forward", 0)
-    batches = after["batches"]["forward"] - before.get("batches", {}).get("forward", 0)
-    assert forwards / batches > 1, "forward calls were not batched"
+    forwards, batches = forward_batches(before, server.scheduler())
+    assert batches < forwards, "forward calls were not batched"
 
 
 def test_eager_policy_gives_identical_results(tmp_path, server, expected):
@@ -92,7 +98,9 @@ def test_eager_policy_gives_identical_results(tmp_path, server, expected):
     assert [m for m, _ in results] == [[expected[p]] for p in PROMPTS * 2]
 
 
-def test_export_import_shares_pages(server, probe):
+def test_export_import_shares_pages(server, probe, hf_model, tokenizer):
+    """The importer decodes from the exporter's pages without a prefill of its own: both
+    send HF's greedy continuation."""
     prompt = "The quick brown fox jumps over the lazy dog. " * 4
 
     async def run():
@@ -108,7 +116,8 @@ def test_export_import_shares_pages(server, probe):
 
     exported, exports, imported, importer_end, exporter_end = asyncio.run(run())
     assert exports == 1
-    assert imported == [exported] and exported.strip()
+    assert exported == hf_probe_continuation(hf_model, tokenizer, prompt)
+    assert imported == [exported]
     assert importer_end == exporter_end == "finished"
     assert server.get("/stats")[1]["resources"]["exports"] == 0
 
@@ -178,7 +187,7 @@ def test_pie_run_prints_the_completion(server, expected):
          f"http://{server.address}", "--token", TOKEN, "--", "--prompt", PROMPTS[0],
          "--max-tokens", "16"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == expected[PROMPTS[0]].strip()
+    assert done.stdout == expected[PROMPTS[0]] + "\n"
 
 
 def test_forked_context_continues_like_the_original(server, probe, hf_model, tokenizer):
@@ -228,22 +237,22 @@ def test_backend_death_is_survived(tmp_path, expected):
             async with PieClient(victim.ws, TOKEN) as client:
                 instance = await client.launch("text_completion", ["--prompt", "Write a long story.",
                                                                    "--max-tokens", "4000"])
-                await asyncio.sleep(2)  # decoding by now
-                children = Path(f"/proc/{victim.process.pid}/task/{victim.process.pid}/children")
-                (backend_pid,) = [int(p) for p in children.read_text().split()]
-                os.kill(backend_pid, signal.SIGKILL)
+                # Decoding: the prefill and a few decode steps ran (of 4000: minutes of work).
+                await until_async(lambda: victim.scheduler()["calls"].get("forward", 0) >= 4,
+                                  what="decoding under way")
+                os.kill(victim.backend_pid(), signal.SIGKILL)
                 return [m async for m in instance], await instance.wait()
 
         messages, reason = asyncio.run(long_generation())
         assert messages == [] and "backend process exited" in reason and "restarted" in reason
         reasons = set()
-        for _ in range(240):  # the restart loads the model again
+
+        def healthy() -> bool:  # the restart loads the model again
             status, health = victim.get("/health")
-            if status == 200:
-                break
             reasons.add(health.get("reason", ""))
-            time.sleep(0.5)
-        assert status == 200, reasons
+            return status == 200
+
+        until(healthy, what=lambda: f"/health back to 200 (seen: {reasons})", interval_s=0.5)
         [(answer, end)] = asyncio.run(complete(victim.ws, [PROMPTS[0]]))
         assert end == "finished" and answer == [expected[PROMPTS[0]]]
         resources = victim.resources()

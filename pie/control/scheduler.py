@@ -151,7 +151,9 @@ class Scheduler:
 
     def snapshot_stats(self) -> dict[str, Any]:
         with self.lock:
-            return self.stats.as_dict()
+            # "queued": calls waiting now, by kind (not yet sent to the backend).
+            queued = Counter(str(c.kind) for q in self.queues for c in q.pending)
+            return {**self.stats.as_dict(), "queued": dict(queued)}
 
     def stop(self) -> None:
         self.running = False
