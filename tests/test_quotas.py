@@ -14,7 +14,7 @@ import pytest
 from pie.client import PieClient
 from pie.server.rpc import RpcError
 
-from pie_server import TOKEN, Server, build
+from pie_server import HANG_S, TOKEN, Server, build
 
 pytestmark = pytest.mark.anyio
 OTHER = "second-user-token-0002"
@@ -136,7 +136,18 @@ async def test_detached_instance_survives_disconnect_and_is_attached_later(serve
     async with PieClient(server.ws, TOKEN) as client:
         trigger = await client.launch(program, ["broadcast", "go-detached", "now"])
         assert await trigger.wait() == "finished"
-    await asyncio.sleep(2.0)  # enough for 30 messages at 20/s, were they not held back
+
+        async def summary():
+            return {i.id: i for i in await client.list_instances()}[detached.id]
+
+        # It sends until 8 are held (server.max_pending_messages), then its send waits: the
+        # count stops at 8 and it runs on (were messages dropped, it would end; were they
+        # held without bound, the count would pass 8).
+        deadline = asyncio.get_running_loop().time() + HANG_S
+        while (seen := await summary()).held < 8:
+            assert asyncio.get_running_loop().time() < deadline, "8 messages never held"
+            await asyncio.sleep(0.05)
+        assert (seen.held, seen.state, seen.attached) == (8, "running", False)
     async with PieClient(server.ws, OTHER) as stranger:
         with pytest.raises(RpcError, match="unknown_instance"):
             await stranger.attach(detached.id)
@@ -144,6 +155,7 @@ async def test_detached_instance_survives_disconnect_and_is_attached_later(serve
         listed = {i.id: i for i in await client.list_instances()}
         assert plain.id not in listed  # ended with its connection
         assert listed[detached.id].state == "running" and not listed[detached.id].attached
+        assert listed[detached.id].held == 8  # still waiting
         instance = await client.attach(detached.id)
         assert [m async for m in instance] == [f"m{i}" for i in range(30)]
         assert await instance.wait() == "finished"
@@ -178,9 +190,9 @@ async def test_terminate_newest_policy_frees_pages_for_older_instances(tmp_path,
         server.stop()
 
 
-def test_cli_run_detach_ps_and_attach(server):
+def test_cli_run_detach_ps_and_attach(server, hf_chat):
     """`pie run --detach` prints the id and returns; `pie ps` lists it; `pie attach` prints
-    its output (held while nobody followed) and exits 0 once it finished."""
+    its output (held while nobody followed: HF's greedy answer) and exits 0 once it finished."""
     base = [sys.executable, "-m", "pie.cli"]
     where = ["--server", f"http://{server.address}", "--token", TOKEN]
     launched = subprocess.run(base + ["run", "text_completion", *where, "--detach", "--",
@@ -193,7 +205,7 @@ def test_cli_run_detach_ps_and_attach(server):
     attached = subprocess.run(base + ["attach", instance_id, *where], capture_output=True, text=True,
                               timeout=120)
     assert attached.returncode == 0, attached.stderr
-    assert attached.stdout.strip()  # the completion
+    assert attached.stdout == hf_chat("Say hi.", 8) + "\n"  # the completion
     again = subprocess.run(base + ["attach", instance_id, *where], capture_output=True, text=True,
                            timeout=60)
     assert again.returncode == 1 and "unknown_instance" in again.stderr  # collected already

@@ -226,6 +226,7 @@ class InstanceSummary:
     state: str  # "running" | "terminated"
     detached: bool
     attached: bool  # to some connection
+    held: int = 0  # its messages not yet delivered (held while no client is attached)
 
 
 Event = InstanceMessage | InstanceTerminated

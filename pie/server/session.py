@@ -303,7 +303,7 @@ class Session:
             state = "terminated" if attachment.ended else i.state
             instances.append(dataclasses.asdict(rpc.InstanceSummary(
                 i.id, i.program, i.name, list(i.arguments), i.started_at, state,
-                attachment.detached, attachment.deliver is not None)))
+                attachment.detached, attachment.deliver is not None, attachment.undelivered)))
         self._reply(request, instances)
 
     # --- helpers -------------------------------------------------------------------------
