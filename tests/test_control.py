@@ -177,7 +177,10 @@ def test_a_failed_backend_still_releases_deferred_frees(setup):
     assert _wait(scheduler.submit(forward(q)))  # serving again
 
 
-def _wait(future: HostFuture, timeout: float = 5.0) -> bool:
+HANG_S = 60.0  # bounds a wait that only a hang would reach
+
+
+def _wait(future: HostFuture, timeout: float = HANG_S) -> bool:
     from pie.control.future import wait_any
 
     done = threading.Event()
@@ -319,23 +322,31 @@ def test_rate_limit_allows_one_seconds_burst_then_paces():
 def test_quotas_and_bounded_waiting_for_a_short_pool():
     """A quota fails at once; a short pool makes an allocation wait (bounded) for releases by
     others, then fail — nothing is taken from another instance."""
-    manager = ResourceManager(num_pages=4, num_embeds=4, wait_s=2.0)
+    # The pool-full hook runs, under the pool's lock, just before an allocation starts to
+    # wait: a's release (which takes the lock) can only come once b waits.
+    short_of_pages = threading.Event()
+    manager = ResourceManager(num_pages=4, num_embeds=4, wait_s=HANG_S,
+                              evict=lambda requester, shortfall, what: short_of_pages.set())
     book = QuotaBook(QuotaConfig(instance=InstanceQuota(kv_pages=3)))
     a, b = holder(book), holder(book)
     held = manager.alloc_pages(a, 3)
     with pytest.raises(HostError, match="quota quota.instance.kv_pages = 3") as e:
         manager.alloc_pages(a, 1)
     assert e.value.kind == ErrorKind.OUT_OF_RESOURCES
-    threading.Timer(0.2, lambda: manager.release(manager.take_pages(a, held[:2]), [])).start()
-    start = time.monotonic()
-    assert len(manager.alloc_pages(b, 3)) == 3  # waited for a's release
-    assert 0.1 < time.monotonic() - start < 2.0
+    got: list[list[int]] = []
+    waiter = threading.Thread(target=lambda: got.append(manager.alloc_pages(b, 3)))
+    waiter.start()
+    assert short_of_pages.wait(HANG_S)
+    manager.release(manager.take_pages(a, held[:2]), [])
+    waiter.join(HANG_S)
+    assert [len(pages) for pages in got] == [3]  # waited for a's release
     short = ResourceManager(num_pages=2, num_embeds=2, wait_s=0.2)
     c, d = holder(), holder()
     short.alloc_pages(c, 2)
     start = time.monotonic()
     with pytest.raises(HostError, match="1 kv pages requested, 0 free of 2 after waiting 200 ms"):
         short.alloc_pages(d, 1)
+    # A lower bound only (the wait's deadline), never an upper one: a loaded machine is slower.
     assert time.monotonic() - start >= 0.2 and len(c.pages.mapping) == 2  # c keeps its pages
     with pytest.raises(HostError):  # more than the pool holds fails at once, no wait
         ResourceManager(num_pages=2, num_embeds=2, wait_s=30).alloc_pages(d, 3)

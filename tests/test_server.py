@@ -90,6 +90,8 @@ class FakeRuntime:
         self.live: dict[str, tuple[InstanceInfo, queue.Queue]] = {}
         self.terminations: list[tuple[str, str]] = []  # terminate() calls
         self.posted: dict[str, int] = {}  # messages each instance has sent
+        self.waiting: set[str] = set()  # instances now waiting for room (the backpressure)
+        self.stalled: dict[str, int] = {}  # a flood's polls for room since its last message
         self.stats_for: list[str | None] = []  # the `user` of each stats() call
 
     def stats(self, user: str | None = None) -> dict:
@@ -120,7 +122,9 @@ class FakeRuntime:
                     reason = message[1]
                     break
                 if room := on_event(info.id, "message", message):
+                    self.waiting.add(info.id)
                     room.wait()  # the runtime's backpressure (held messages of a detached instance)
+                    self.waiting.discard(info.id)
         elif info.name == "trap":
             reason = "trap: unreachable"
         elif info.name == "flood":
@@ -142,8 +146,10 @@ class FakeRuntime:
             if reason := stopped():
                 return reason
             self.posted[info.id] = i + 1
+            self.stalled[info.id] = 0
             room = on_event(info.id, "message", f"{i:08d}".ljust(size, "x"))
             while room is not None and not room.wait(0.02):  # waits as the runtime does
+                self.stalled[info.id] += 1
                 if reason := stopped():
                     return reason
         return "finished"
@@ -204,11 +210,20 @@ def url(fake) -> Iterator[str]:
         yield base
 
 
-async def eventually(predicate, timeout_s: float = 5.0) -> None:
+async def eventually(predicate, timeout_s: float = 120.0) -> None:
+    """Until `predicate()` holds; `timeout_s` only bounds a hang (a slow machine polls longer)."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached in time"
         await asyncio.sleep(0.01)
+
+
+async def detached_from_every_connection(base: str, instance_id: str, token: str | None = None) -> None:
+    """Until the server has seen the launching connection close: the instance is attached
+    to none (a message posted before that would go to the closed connection)."""
+    async with PieClient(base, token) as client:
+        while {i.id: i for i in await client.list_instances()}[instance_id].attached:
+            await asyncio.sleep(0.01)
 
 
 async def raw_call(ws, table: dict | bytes) -> dict:
@@ -435,12 +450,12 @@ async def test_detached_instance_outlives_its_connection_and_can_be_attached(fak
                 with pytest.raises(RpcError, match="not_attachable.*not launched detached"):
                     await second.attach(plain.id)
         await eventually(lambda: [i.id for i in fake.list_instances()] == [detached.id])
+        await detached_from_every_connection(base, detached.id, ALICE)
         inbox = fake._inbox(detached.id)
         for i in range(6):  # nobody attached: 3 are held, then the echo thread waits
             inbox.put(f"m{i}")
-        await eventually(lambda: inbox.qsize() == 3)
-        await asyncio.sleep(0.2)
-        assert inbox.qsize() == 3  # still waiting: backpressure, not loss
+        await eventually(lambda: detached.id in fake.waiting)
+        assert inbox.qsize() == 3  # it waits, holding 3: backpressure, not loss
         async with PieClient(base, token=BOB) as bob:
             with pytest.raises(RpcError, match="unknown_instance"):  # another user's
                 await bob.attach(detached.id)
@@ -576,11 +591,10 @@ async def test_outbox_backpressure_holds_instances_back_and_loses_nothing(fake):
         async with slow_reader(base) as ws:
             reply = await raw_call(ws, {"type": "launch", "corr_id": 1, "program": "flood",
                                         "arguments": ["1000", "12000"]})
-            await asyncio.sleep(1.5)
-            paused_at = fake.posted[reply["value"]]
-            assert paused_at < 8000  # waiting (the socket buffers hold about 4 MB)
-            await asyncio.sleep(0.5)
-            assert fake.posted[reply["value"]] == paused_at
+            # We read nothing: once the socket buffers (about 4 MB) and the outbox are full
+            # the flood's sends wait; 50 polls for room in a row find none.
+            await eventually(lambda: fake.stalled.get(reply["value"], 0) >= 50)
+            assert fake.posted[reply["value"]] < 12000  # held back, not run to its end
             texts = []
             while (frame := msgpack.unpackb(await ws.recv()))["type"] == "instance_message":
                 texts.append(frame["text"])
@@ -694,13 +708,12 @@ async def test_a_detached_instance_holds_at_most_max_pending_bytes(fake):
     with serving(ServerState(config, fake, "m")) as base:
         async with PieClient(base) as first:
             detached = await first.launch("echo", detached=True)
-        await asyncio.sleep(0.2)  # the connection has closed; nobody follows the instance
+        await detached_from_every_connection(base, detached.id)  # nobody follows it now
         inbox = fake._inbox(detached.id)
         for i in range(10):
             inbox.put(f"{i}" * 1000)
-        await eventually(lambda: inbox.qsize() == 7)  # 3000 bytes held: its send waits
-        await asyncio.sleep(0.2)
-        assert inbox.qsize() == 7
+        await eventually(lambda: detached.id in fake.waiting)
+        assert inbox.qsize() == 7  # 3000 bytes held: its send waits
         async with PieClient(base) as second:
             again = await second.attach(detached.id)
             assert [(await again.recv()).text for _ in range(10)] == [f"{i}" * 1000 for i in range(10)]
