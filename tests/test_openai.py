@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import hf_greedy
-from pie_server import TOKEN, run_inferlet
+from pie_server import TOKEN, forward_batches, run_inferlet, until, until_async
 
 MODEL = "smollm2-135m-instruct"
 
@@ -32,13 +32,17 @@ def test_models_lists_the_served_model(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
-def test_each_request_is_served_by_the_openai_completion_inferlet(client, pie_server):
-    def served() -> int:
-        return sum(pie_server.get("/stats")[1]["host_calls"].get("openai_completion", {}).values())
+def test_each_request_is_served_by_the_openai_completion_inferlet(client, pie_server, hf_model, tokenizer):
+    def samples() -> int:
+        return pie_server.get("/stats")[1]["host_calls"].get("openai_completion", {}).get("sample", 0)
 
-    before = served()
-    client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
-    assert served() > before  # the inferlet's host calls, counted by the runtime
+    before = samples()
+    r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
+    expected = hf_greedy(hf_model, tokenizer.encode("Hello", add_special_tokens=False).ids, 2)
+    assert r.choices[0].text == tokenizer.decode(expected, skip_special_tokens=False)
+    # The inferlet's host calls, counted by the runtime (before the response: the endpoint
+    # answers once its instance has ended): one sample call per token.
+    assert samples() - before == 2
 
 
 def test_completion_equals_hf_greedy_with_logprobs(client, hf_model, tokenizer):
@@ -57,11 +61,13 @@ def test_completion_equals_hf_greedy_with_logprobs(client, hf_model, tokenizer):
     assert all(math.isclose(a, b, abs_tol=1e-3) for a, b in zip(lp.token_logprobs, hf_logprobs.tolist()))
 
 
-def test_chat_equals_text_completion_and_streams_the_same(client, pie_server):
+def test_chat_equals_text_completion_and_streams_the_same(client, pie_server, hf_chat):
     question = "What is the capital of France?"
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
                                        max_tokens=16, temperature=0)
-    expected = run_inferlet(pie_server, "text_completion", ["--prompt", question, "--max-tokens", "16"]).messages
+    expected = [hf_chat(question, 16)]  # the oracle: HF greedy on the same chat prompt
+    assert run_inferlet(pie_server, "text_completion", ["--prompt", question, "--max-tokens", "16"]).messages \
+        == expected
     assert [r.choices[0].message.content] == expected
     assert r.choices[0].message.role == "assistant" and r.choices[0].finish_reason == "stop"
     stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
@@ -124,37 +130,52 @@ def test_bad_requests_get_openai_errors(client, pie_server):
     assert all_pages_free(pie_server)
 
 
-def test_sixteen_concurrent_requests_are_all_answered(pie_server):
+def test_sixteen_concurrent_requests_are_all_answered(pie_server, hf_chat):
+    """16 requests sent while the backend is paused (SIGSTOP): once every prefill forward
+    waits in the scheduler's queues the backend goes on, so they are batched whatever the
+    machine's speed. Each answer is HF's greedy one."""
+    prompts = [f"Say the number {i}." for i in range(16)]
+
     async def run() -> list:
         # Closed here: left to the garbage collector, its connections would be closed on a
         # later test's event loop, failing that test ("Event loop is closed", seen in CI).
         async with openai.AsyncOpenAI(base_url=f"http://{pie_server.address}/v1", api_key=TOKEN,
                                       max_retries=0) as client:
-            return await asyncio.gather(*(
-                client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0,
-                                               messages=[{"role": "user", "content": f"Say the number {i}."}])
-                for i in range(16)))
+            with pie_server.backend_paused():
+                answers = asyncio.gather(*(
+                    client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0,
+                                                   messages=[{"role": "user", "content": p}])
+                    for p in prompts))
+                await until_async(lambda: pie_server.queued("forward") >= len(prompts) - 1,
+                                  what="every request's prefill forward queued")
+            return await answers
 
-    before = pie_server.get("/stats")[1]["scheduler"]
+    before = pie_server.scheduler()
     answers = asyncio.run(run())
-    assert all(a.choices[0].message.content and a.usage.completion_tokens > 0 for a in answers)
-    after = pie_server.get("/stats")[1]["scheduler"]
-    forwards = after["calls"]["forward"] - before["calls"].get("forward", 0)
-    batches = after["batches"]["forward"] - before["batches"].get("forward", 0)
-    assert forwards / batches > 1, "concurrent requests were not batched"
+    expected = [hf_chat(p, 8) for p in prompts]
+    assert [a.choices[0].message.content for a in answers] == expected
+    # The tokens generated, EOS included when it came before max_tokens (finish_reason stop).
+    generated = [len(hf_chat.tokens(p, 8)) for p in prompts]
+    assert [a.usage.completion_tokens for a in answers] == [n + (n < 8) for n in generated]
+    assert [a.choices[0].finish_reason for a in answers] == ["stop" if n < 8 else "length" for n in generated]
+    forwards, batches = forward_batches(before, pie_server.scheduler())
+    assert batches < forwards, "concurrent requests were not batched"
     assert all_pages_free(pie_server)
 
 
 def test_a_client_leaving_mid_stream_stops_its_inferlet(pie_server):
+    """The server notices the disconnect and terminates the inferlet: it ends having run far
+    fewer forward passes than the 2000 tokens it was asked for (EOS ignored), however long
+    that took."""
     url = f"http://{pie_server.address}/v1/completions"
-    # ~2000 tokens would take over a minute here: only a terminated inferlet ends in seconds
-    body = {"model": MODEL, "prompt": "Write a long story.", "max_tokens": 2000, "stream": True}
+    body = {"model": MODEL, "prompt": "Write a long story.", "max_tokens": 2000, "stream": True,
+            "ignore_eos": True}
+    before = pie_server.scheduler()
     with httpx.stream("POST", url, json=body, headers={"Authorization": f"Bearer {TOKEN}"}) as response:
         lines = response.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
         assert json.loads(first[6:])["object"] == "text_completion"
-    for _ in range(100):  # the server notices the disconnect and terminates the inferlet
-        if pie_server.get("/stats")[1]["instances"] == 0 and all_pages_free(pie_server):
-            break
-        asyncio.run(asyncio.sleep(0.1))
-    assert pie_server.get("/stats")[1]["instances"] == 0 and all_pages_free(pie_server)
+    until(lambda: pie_server.get("/stats")[1]["instances"] == 0 and all_pages_free(pie_server),
+          what="the inferlet ended and freed its pages")
+    forwards, _ = forward_batches(before, pie_server.scheduler())
+    assert forwards < 2000, f"{forwards} forward passes: the inferlet ran on after its client left"
