@@ -210,3 +210,22 @@ def run_inferlet(server: Server, program: bytes | str, args: list[str],
             return Run(messages, await instance.wait(), instance.usage)
 
     return asyncio.run(run())
+
+
+def run_inferlet_batched(server: Server, program: bytes | str, args: list[str], forwards: int) -> Run:
+    """`run_inferlet`, launched while the backend is paused: once `forwards` forward calls
+    wait in the scheduler's queues (e.g. the first decode step of n forks, all enqueued
+    before any is awaited) the backend goes on, and they leave in one batch — whatever the
+    machine's speed. With the adaptive policy alone that is a race between the instance
+    enqueueing them and the scheduler sending the first one."""
+    async def run() -> Run:
+        async with PieClient(server.ws, TOKEN) as client:
+            name = await client.upload(program) if isinstance(program, bytes) else program
+            with server.backend_paused():
+                instance = await client.launch(name, args)
+                await until_async(lambda: server.queued("forward") >= forwards,
+                                  what=f"{forwards} forward calls queued")
+            messages = [m async for m in instance]
+            return Run(messages, await instance.wait(), instance.usage)
+
+    return asyncio.run(run())

@@ -1,7 +1,7 @@
 """Decoding and attention inferlets through a real `pie serve` (fp32): beam search,
 watermarking, output validation, speculative and Jacobi decoding, attention sinks, sliding
 windows, hierarchical attention. Each test checks a property a fake would fail, against HF
-transformers or the server's own usage accounting."""
+transformers (the oracle for every "equals greedy") or the server's own usage accounting."""
 
 from __future__ import annotations
 
@@ -55,13 +55,6 @@ def run_json(server, name: str, args: list[str]):
     return json.loads(run.messages[-1]), run.usage
 
 
-def completion(server, prompt: str, max_tokens: int) -> str:
-    """text_completion's greedy output (the built-in, launched by name)."""
-    run = run_inferlet(server, "text_completion", ["--prompt", prompt, "--max-tokens", str(max_tokens)])
-    assert run.reason == "finished", run.reason
-    return run.messages[0]
-
-
 def seq_logprob(hf_model, prompt_ids: list[int], tokens: list[int]) -> float:
     """log P(tokens | prompt) under HF transformers, fp32."""
     with torch.inference_mode():
@@ -70,9 +63,9 @@ def seq_logprob(hf_model, prompt_ids: list[int], tokens: list[int]) -> float:
     return float(logp[torch.arange(len(tokens)), torch.tensor(tokens)].sum())
 
 
-def test_speculative_decoding_equals_greedy_in_fewer_passes(server):
+def test_speculative_decoding_equals_greedy_in_fewer_passes(server, hf_chat):
     out, usage = run_json(server, "speculative_decoding", ["--prompt", REPEAT, "--max-tokens", "40"])
-    assert out["text"] == completion(server, REPEAT, 40)
+    assert out["text"] == hf_chat(REPEAT, 40)
     assert out["tokens"] >= 8
     assert usage["forward_calls"] == out["steps"] < out["tokens"]
     assert out["accepted"] > 0
@@ -89,7 +82,7 @@ def test_attention_sink_keeps_a_bounded_cache(server):
     assert out["dropped_pages"] >= 8
 
 
-def test_windowed_attention_bounds_the_cache_and_changes_the_output(server):
+def test_windowed_attention_bounds_the_cache_and_changes_the_output(server, hf_chat):
     out, usage = run_json(server, "windowed_attention", ["--prompt", LONG_STORY, "--max-tokens", "24",
                                                          "--window", "32", "--ignore-eos"])
     assert usage["forward_tokens"] > 12 * 16
@@ -97,7 +90,7 @@ def test_windowed_attention_bounds_the_cache_and_changes_the_output(server):
     prompt = "Name three colors."
     full, _ = run_json(server, "windowed_attention", ["--prompt", prompt, "--max-tokens", "16",
                                                       "--window", "1000"])
-    assert full["text"] == completion(server, prompt, 16)
+    assert full["text"] == hf_chat(prompt, 16)  # a window holding everything: plain greedy
     small, _ = run_json(server, "windowed_attention", ["--prompt", prompt, "--max-tokens", "16",
                                                        "--window", "16"])
     assert small["text"] != full["text"]
@@ -117,7 +110,7 @@ def test_beam_search_beats_greedy(server, hf_model, chat_ids):
     assert usage["kv_pages_peak"] >= 3  # the beams held pages of their own
 
 
-def test_watermark_is_detected_only_in_watermarked_text(server):
+def test_watermark_is_detected_only_in_watermarked_text(server, hf_chat):
     prompt = "Write a short paragraph about autumn in the forest."
     marked, _ = run_json(server, "watermarking", ["--prompt", prompt, "--max-tokens", "48", "--seed", "7"])
     assert marked["tokens"] >= 40 and marked["z"] > 4
@@ -128,7 +121,7 @@ def test_watermark_is_detected_only_in_watermarked_text(server):
         return out["z"]
 
     assert detect(marked["text"]) > 4  # from the text alone, re-tokenized
-    assert detect(completion(server, prompt, 48)) < 2
+    assert detect(hf_chat(prompt, 48)) < 2  # the unwatermarked (greedy) answer
     assert detect("The committee will meet on Tuesday to review the budget for next year and "
                   "discuss the proposed changes to the library's opening hours.") < 2
 
@@ -151,10 +144,10 @@ def test_output_validation_retries_until_the_pattern_matches(server):
     assert retried, "no run rejected an answer and then produced a valid one"
 
 
-def test_jacobi_decoding_equals_greedy_in_fewer_passes(server):
+def test_jacobi_decoding_equals_greedy_in_fewer_passes(server, hf_chat):
     prompt = "Repeat the word hello ten times: hello hello hello hello hello hello hello hello hello hello"
     out, usage = run_json(server, "jacobi_decoding", ["--prompt", prompt, "--max-tokens", "32", "--window", "8"])
-    assert out["text"] == completion(server, prompt, 32)
+    assert out["text"] == hf_chat(prompt, 32)
     assert usage["forward_calls"] == out["iterations"] < out["tokens"]
     assert out["converged"] > 0
 
