@@ -104,7 +104,7 @@ def settled(server, program):
     before = server.rss_mib()
     pools = {k: v for k, v in stats(server)["resources"].items() if k != "exports"}
     yield before
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 120  # only a leak (or a hang) takes this long
     while True:
         now = stats(server)
         rss = server.rss_mib()
@@ -167,7 +167,8 @@ async def test_a_client_that_stops_reading_is_cut_off_and_memory_stays_bounded(s
         ended_after, peak = await peak_rss(server, asyncio.wait_for(until_ended(), 90))
         print(f"ended after {ended_after:.1f} s", end="; ")
         assert peak <= PEAK_MIB, f"the server's RSS grew by {peak:.0f} MiB for a client that reads nothing"
-        assert 2 <= ended_after < 30
+        # A lower bound only (the timeout it waited out); a loaded machine can only add to it.
+        assert ended_after >= 2
         frames, close = await read_until_closed(ws)
     reason = ("the client stopped reading: {} bytes unread for 2 s "
               "(server.max_outbox_bytes, server.slow_client_timeout_s)")
@@ -234,11 +235,12 @@ async def test_a_subscription_nobody_reads_keeps_at_most_max_pending_bytes(serve
     async with PieClient(server.ws, TOKEN) as client:
         subscriber = await client.launch(program, ["spam", "100000000", "topic-c"], detached=True)
         assert (await subscriber.recv()).text == "waiting"
-    dropped = stats(server)["broadcasts_dropped"]
-    async with PieClient(server.ws, TOKEN) as client:
         go = await client.launch(program, ["broadcast", "topic-c", "go"])
         assert await go.wait() == "finished"
-
+        # It has read "go" (were "go" still in its backlog, it would count among the drops).
+        assert (await subscriber.recv()).text == "m0"
+    dropped = stats(server)["broadcasts_dropped"]
+    async with PieClient(server.ws, TOKEN) as client:
         async def broadcast_ten() -> None:
             for i in range(10):
                 broadcast = await client.launch(program, ["broadcast", "topic-c", f"{i}" * 200_000])
@@ -295,7 +297,7 @@ async def test_uploads_in_progress_are_bounded_per_user_and_server_wide(server, 
         assert e.value.code == "upload_too_large"
         assert "server.max_total_upload_bytes = 12582912" in e.value.message
         await mine.close()  # its upload is dropped and its bytes given back
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 120  # bounds a hang only
         while True:
             try:
                 await admins._call(rpc.UploadBegin, sha256="4" * 64, size=5 * MIB)

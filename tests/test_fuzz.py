@@ -13,7 +13,7 @@ import websockets
 from benchmarks.soak import LEAK_TOLERANCE, open_fds, threads
 from pie.client import PieClient
 from pie.server import rpc
-from pie_server import TOKEN
+from pie_server import TOKEN, until
 
 CASES = 3000
 SEED = 20261122
@@ -118,14 +118,10 @@ def test_rpc_fuzzing_gets_one_clean_reply_per_frame_and_leaks_nothing(pie_server
     assert asyncio.run(_hello(pie_server.ws)) == "still here"
     status, health = pie_server.get("/health")
     assert status == 200 and health["status"] == "ok"
-    stats = pie_server.get("/stats")[1]
-    for _ in range(50):
-        if stats["instances"] == 0:
-            break
-        asyncio.run(asyncio.sleep(0.1))
-        stats = pie_server.get("/stats")[1]
+    # The instances the fuzzer launched end on their own; the bound only catches a hang.
+    stats = until(lambda: (s := pie_server.get("/stats")[1])["instances"] == 0 and s,
+                  what="the fuzzer's instances ended")
     r = stats["resources"]
-    assert stats["instances"] == 0
     assert r["kv_pages_free"] == r["kv_pages_total"] and r["embeds_free"] == r["embeds_total"]
     # a leak would grow with the 3000 frames; a few lazily started workers do not
     assert open_fds(pid) <= fds + LEAK_TOLERANCE, fds
@@ -146,16 +142,16 @@ async def _warm_up(url: str) -> None:
     await _hello(url)
 
 
-def test_host_api_fuzzing_gets_errors_not_crashes(pie_server):
+def test_host_api_fuzzing_gets_errors_not_crashes(pie_server, hf_chat):
     """The probe's `fuzz` mode: thousands of host calls with live, freed and forged ids and
     wild sizes, from two instances at once, beside a normal completion that must not notice."""
     import json
 
-    from pie_server import build, run_inferlet
+    from pie_server import build
 
     probe = build("probe")
     args = ["--prompt", "What is the capital of France?", "--max-tokens", "12"]
-    expected = run_inferlet(pie_server, "text_completion", args).messages
+    expected = [hf_chat("What is the capital of France?", 12)]  # HF's greedy answer
 
     async def run() -> list:
         async with PieClient(pie_server.ws, TOKEN) as client:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -16,7 +15,8 @@ from pie.config import ConfigError, ServerConfig
 from pie.control.quotas import fingerprint
 from pie.server.rpc import RpcError
 
-from pie_server import TOKEN, Server, build
+from conftest import hf_probe_continuation
+from pie_server import TOKEN, Server, build, until
 
 pytestmark = pytest.mark.anyio
 OTHER = "isolation-user-b-0002"
@@ -60,23 +60,22 @@ def held(server: Server, token: str) -> dict:
 
 
 def pools_full(server: Server) -> bool:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+    """Once every page and embed is back (the bound only catches a leak or a hang)."""
+    def full() -> bool:
         r = server.resources()
-        if r["kv_pages_free"] == r["kv_pages_total"] and r["embeds_free"] == r["embeds_total"]:
-            return True
-        time.sleep(0.1)
-    return False
+        return r["kv_pages_free"] == r["kv_pages_total"] and r["embeds_free"] == r["embeds_total"]
+
+    return until(full, timeout_s=120, what=lambda: f"full pools (now: {server.resources()})", interval_s=0.1)
 
 
-async def test_another_users_export_cannot_be_read_removed_or_squatted(server, probe):
+async def test_another_users_export_cannot_be_read_removed_or_squatted(server, probe, hf_model, tokenizer):
     """Finding 1: B imported A's export by name and decoded A's private continuation, could
     unexport it while A ran, and could take a name before A."""
     async with PieClient(server.ws, TOKEN) as alice, PieClient(server.ws, OTHER) as bob:
         program, _ = await alice.upload(probe), await bob.upload(probe)
         exporter = await alice.launch(program, ["export", "secret", PROMPT])
         private = (await exporter.recv()).text
-        assert private, "the exporter sends its continuation"
+        assert private == hf_probe_continuation(hf_model, tokenizer, PROMPT)  # the exporter's continuation
         # The same user reads its own export (the mechanism works) ...
         assert (await run(alice, program, "import", "secret", PROMPT))[0] == [private]
         # ... another user finds no such export, cannot remove it, and gets its own name.

@@ -362,15 +362,16 @@ def test_wall_budget_ends_a_waiting_instance(make_runtime):
                         users={"token-slow": {"instance": {"wall_s": 1.0}}})
     rt = make_runtime(quota=quota)
     waiting, other = Events(), Events()
+    started = time.monotonic()  # before the launch: the budget counts from it
     rt.launch("hello", ["waiting"], waiting, "token-slow")
     other_id = rt.launch("hello", ["other"], other, "token-fast").id
-    started = time.monotonic()
-    reason = waiting.wait(30)
+    reason = waiting.wait()
     assert reason == "error: wall-clock budget exhausted: 1 s since launch (quota.instance.wall_s)"
-    assert time.monotonic() - started >= 0.9
+    # A lower bound only (the budget's own deadline); a loaded machine can only add to it.
+    assert time.monotonic() - started >= 1.0
     rt.send(other_id, "ping")
     rt.send(other_id, "quit")
-    assert other.wait(30) == "finished" and other.messages == ["other", "ping"]
+    assert other.wait() == "finished" and other.messages == ["other", "ping"]
 
 
 # --- through a real server --------------------------------------------------------------------

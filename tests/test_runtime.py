@@ -62,12 +62,12 @@ def test_launch_echo_terminate_and_limits(runtime):
         runtime.launch("hello", [], Events())
     runtime.send(a.id, "ping")
     runtime.send(a.id, "quit")
-    assert first.ended.wait(10) and first.reason == "finished"
+    assert first.ended.wait(60) and first.reason == "finished"
     assert first.messages == ["one", "ping"]
     info = runtime.list_instances()
     assert [i.name for i in info] == ["hello"] and info[0].arguments == ["two"]
     runtime.terminate(info[0].id)
-    assert second.ended.wait(10) and second.reason == "terminated by client"
+    assert second.ended.wait(60) and second.reason == "terminated by client"
     assert runtime.list_instances() == []
     with pytest.raises(UnknownInstance):
         runtime.send(a.id, "too late")
@@ -78,7 +78,7 @@ def test_launch_echo_terminate_and_limits(runtime):
 def test_cpu_limit_stops_a_spinning_instance(runtime):
     events = Events()
     runtime.launch("probe", ["loop"], events)
-    assert events.ended.wait(10)
+    assert events.ended.wait(60)
     assert events.reason.startswith("trap: CPU limit") and "300 ms" in events.reason
 
 
@@ -91,7 +91,7 @@ def test_compiled_programs_survive_a_restart(runtime):
     events = Events()
     runtime.launch(digest, ["again"], events)
     runtime.send(runtime.list_instances()[0].id, "quit")
-    assert events.ended.wait(10) and events.messages == ["again"]
+    assert events.ended.wait(60) and events.messages == ["again"]
 
 
 def test_an_artifact_of_another_engine_is_compiled_again(runtime, tmp_path):

@@ -29,19 +29,21 @@ def completion(prompt: str, tokens: int) -> list[str]:
     return ["--prompt", prompt, "--max-tokens", str(tokens)]
 
 
-async def test_sigterm_lets_running_instances_finish(tmp_path):
+async def test_sigterm_lets_running_instances_finish(tmp_path, hf_chat):
+    """What was running finishes whole: each completion is HF's greedy one, not cut short."""
+    prompts = ("Tell a long story about a dragon.", "Describe the sea at length.")
+    expected = [[hf_chat(p, 96)] for p in prompts]
     server = Server(tmp_path, {"server": {"drain_timeout_s": 120.0}})
     try:
         async with PieClient(server.ws, TOKEN) as client:
-            running = [await client.launch("text_completion", completion(p, 96))
-                       for p in ("Tell a long story about a dragon.", "Describe the sea at length.")]
+            running = [await client.launch("text_completion", completion(p, 96)) for p in prompts]
             server.process.send_signal(signal.SIGTERM)
             await _until(lambda: server.get("/health") == (503, {"status": "draining"}))
             with pytest.raises(RpcError, match="launch_refused.*shutting down"):
                 await client.launch("text_completion", completion("Late.", 4))
-            for instance in running:
-                [text] = [m async for m in instance]
-                assert text and await instance.wait() == "finished"
+            for answer, instance in zip(expected, running):
+                assert [m async for m in instance] == answer
+                assert await instance.wait() == "finished"
         assert server.process.wait(60) == 0
     finally:
         server.stop()
@@ -52,7 +54,7 @@ async def test_drain_timeout_terminates_what_is_still_running(tmp_path):
     try:
         async with PieClient(server.ws, TOKEN) as client:
             endless = await client.launch("hello", ["x"])  # echoes messages until "quit"
-            assert await endless.recv()
+            assert (await endless.recv()).text == "x"
             server.process.send_signal(signal.SIGTERM)
             assert await asyncio.wait_for(endless.wait(), 60) == "server shutting down"
         assert server.process.wait(60) == 0
