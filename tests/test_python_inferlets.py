@@ -36,12 +36,12 @@ def chat_ids(tokenizer, model_dir):
     return lambda prompt: tokenizer.encode(chat_prompt(template, prompt), add_special_tokens=False).ids
 
 
-def test_text_completion_equals_the_rust_one(pie_server, python_component):
+def test_text_completion_equals_the_rust_one(pie_server, python_component, hf_chat):
     args = ["--prompt", "Name three colors.", "--max-tokens", "16"]
     python = run_inferlet(pie_server, python_component("text_completion"), args)
     rust = run_inferlet(pie_server, "text_completion", args)
     assert python.reason == rust.reason == "finished"
-    assert python.messages == rust.messages and python.messages[0]
+    assert python.messages == rust.messages == [hf_chat("Name three colors.", 16)]  # HF's greedy answer
     assert python.usage["forward_tokens"] == rust.usage["forward_tokens"]  # same token sequence fed
     bad = run_inferlet(pie_server, python_component("text_completion"), ["--max-tokens", "many"])
     assert bad.reason == "error: ValueError: invalid number for --max-tokens: 'many'"
@@ -120,8 +120,9 @@ def main(args):
 '''
 
 
-def test_python_sdk_export_import_fork_and_wait(tmp_path, pie_server):
-    """The Python SDK's KV export/import, fork (copy-on-write) and wait_any, end to end."""
+def test_python_sdk_export_import_fork_and_wait(tmp_path, pie_server, hf_model, tokenizer):
+    """The Python SDK's KV export/import, fork (copy-on-write) and wait_any, end to end;
+    the continuation is HF's greedy one on the same tokens."""
     source = tmp_path / "py_prefix.py"
     source.write_text(PREFIX_PROGRAM)
     program = build_python_inferlet(source).read_bytes()
@@ -131,6 +132,9 @@ def test_python_sdk_export_import_fork_and_wait(tmp_path, pie_server):
     assert first.reason == second.reason == "finished", (first.reason, second.reason)
     a, b, waited = first.messages[0].split("|")
     assert a == b and waited == "[0]"  # the fork continues exactly like the original
+    ids = tokenizer.encode(prefix, add_special_tokens=False).ids + \
+        tokenizer.encode(" The sun is", add_special_tokens=False).ids  # filled apart, as the program does
+    assert a == tokenizer.decode(hf_greedy(hf_model, ids, 8), skip_special_tokens=False)
     assert second.messages == first.messages
     prefix_tokens = first.usage["forward_tokens"] - second.usage["forward_tokens"]
     assert prefix_tokens >= 20  # the second launch imported the prefix instead of running it
