@@ -115,8 +115,8 @@ def test_a_prompt_longer_than_max_batch_tokens_is_prefilled_in_chunks(server, ht
 
 
 class SmallBatchModel(FakeModel):
-    """The Rust SDK test's toy model, with a host that takes at most LIMIT tokens per call
-    and refuses more as the real one does (invalid-argument naming max_batch_tokens)."""
+    """The Rust SDK unit test's fake host and toy model, taking at most LIMIT tokens per call
+    and refusing more as the real one does (invalid-argument naming max_batch_tokens)."""
 
     LIMIT = 8
 
@@ -147,9 +147,10 @@ class SmallBatchModel(FakeModel):
         return linker
 
 
-def test_the_rust_sdk_prefills_in_chunks_of_the_hosts_limit():
-    """A 66-token prompt on a host that takes 8 tokens a call: the SDK's Context learns the
-    limit from the first refusal and prefills in chunks, positions and pages continuous."""
+def test_the_rust_sdk_prefills_in_chunks_of_a_fake_hosts_limit():
+    """A unit test against a fake host (no server): on a host that takes 8 tokens a call,
+    a 66-token prompt is prefilled in chunks by the SDK's Context, which learns the limit
+    from the first refusal; positions and pages stay continuous."""
     host = SmallBatchModel(["--prompt", "Capital of France?", "--max-tokens", "32", "--system", "Be brief."])
     assert host.run(build_inferlet(ROOT / "inferlets" / "text_completion")) is None
     assert host.sent == ["Paris."]  # the toy's forward checked every position and page

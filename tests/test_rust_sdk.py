@@ -1,9 +1,15 @@
-"""The Rust SDK end to end: generated bindings, the toolchain, and the canonical-ABI glue.
+"""Unit tests of the Rust SDK (sdk/rust/inferlet) against a fake host: generated bindings,
+the toolchain, and the canonical-ABI glue.
 
 The inferlets are built with `pie.toolchain.build_inferlet` (which installs Debian's Rust
-toolchain when missing, as root) into components, then run under wasmtime-py with small
-Python hosts for the imports they use, so every lowering and lifting the guest does is
-checked against wasmtime's own implementation of the Canonical ABI.
+toolchain when missing, as root) into components, then run under wasmtime-py against small
+fake hosts written here in Python — no Pie runtime, server or backend, and, for
+text_completion, a toy model (characters as tokens, a scripted answer) — so every lowering
+and lifting the guest does is checked against wasmtime's own implementation of the
+Canonical ABI, and the SDK's paging against a host that checks every page it is given.
+
+End-to-end runs of the same inferlets (real `pie serve`, runtime, backend and weights) are
+in test_e2e.py and the test_inferlets_*.py modules.
 """
 
 from __future__ import annotations
@@ -109,9 +115,10 @@ class FakeHost:
         del self.objects[rep]
 
 
-def test_hello_echoes_under_wasmtime(components):
-    """Arguments come back as one message, then each message until "quit"; every future
-    is pending at first, so the executor really waits in the host's `wait`."""
+def test_hello_echoes_against_a_fake_host(components):
+    """hello against a fake host (futures, runtime and messaging faked here): arguments
+    come back as one message, then each message until "quit"; every future is pending at
+    first, so the executor really waits in the host's `wait`."""
     host, sent = FakeHost(), []
     incoming = iter(["hi", "there", "quit", "never read"])
 
@@ -158,7 +165,7 @@ def test_hello_echoes_under_wasmtime(components):
 
 
 class FakeModel(FakeHost):
-    """A host with a toy model behind the real API shapes, checking the guest's paging.
+    """A fake host with a toy model behind the real API shapes, checking the guest's paging.
 
     Tokens are characters (id = code point, 0 = EOS). The KV cache stores (token, position)
     per slot; `forward` reads the context back from the pages it is given, so a wrong page
@@ -281,9 +288,10 @@ class FakeModel(FakeHost):
 
 
 @pytest.mark.parametrize("max_tokens, expected", [(32, "Paris."), (3, "Par")])
-def test_text_completion_pages_and_decodes_under_wasmtime(components, max_tokens, expected):
-    """Chat template, a multi-page prompt, decoding across page boundaries, greedy
-    host-side sampling, stop at EOS or max tokens, and every page and embed freed."""
+def test_text_completion_against_a_fake_host_and_toy_model(components, max_tokens, expected):
+    """text_completion against FakeModel: the SDK's chat template call, a multi-page
+    prompt, decoding across page boundaries, greedy host-side sampling, stop at EOS or max
+    tokens, and every page and embed freed — the toy model's answer, not a real one."""
     host = FakeModel(["--prompt", "Capital of France?", "--max-tokens", str(max_tokens),
                       "--system", "Be brief."])
     assert host.run(components["text_completion"]) is None
@@ -293,7 +301,7 @@ def test_text_completion_pages_and_decodes_under_wasmtime(components, max_tokens
     assert host.kv == {} and host.embeds == {} and host.objects == {}, "the guest leaked"
 
 
-def test_text_completion_reports_bad_arguments(components):
+def test_text_completion_reports_bad_arguments_to_a_fake_host(components):
     host = FakeModel(["--max-tokens", "8"])
     assert host.run(components["text_completion"]) == "--prompt is required"
     host = FakeModel(["--prompt", "x", "--max-tokens", "many"])
