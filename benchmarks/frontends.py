@@ -8,7 +8,9 @@
   natively (WebSocket RPC), the same request through `POST /v1/chat/completions`, and the
   Python `text_completion.py`. Each path runs once untimed first (warm-up), then the rounds
   rotate which path goes first; the tokens each run generated are counted from the
-  server's host-call statistics (one `sample` call per token), not assumed.
+  server's host-call statistics (one `sample` call per token), not assumed, and the text of
+  every run is kept: `same_output` says whether every path, in every run, generated the
+  same text and the same number of tokens (fp32 greedy: it must).
 
 A private `pie serve` (fp32 by default, so every variant produces the same tokens) serves
 everything. Results: benchmarks/results/frontends.json (`--out` elsewhere), with the
@@ -106,7 +108,7 @@ async def launch_latency(client: PieClient, components: dict[str, bytes], rounds
 
 
 class Paths:
-    """The three ways to run the same completion; each call returns (seconds, characters,
+    """The three ways to run the same completion; each call returns (seconds, the text,
     tokens generated), the tokens counted as the `sample` calls the run added to /stats."""
 
     def __init__(self, client: PieClient, http: httpx.AsyncClient, base: str, model: str,
@@ -120,22 +122,22 @@ class Paths:
         response.raise_for_status()
         return response.json()["host_calls"].get(program, {}).get("sample", 0)
 
-    async def run(self, path: str) -> tuple[float, int, int]:
-        call: Callable[[], Awaitable[int]] = self.openai if path == "openai" else (
+    async def run(self, path: str) -> tuple[float, str, int]:
+        call: Callable[[], Awaitable[str]] = self.openai if path == "openai" else (
             lambda: self.native(self.programs[path]))
         before = await self.samples(self.programs[path])
         start = time.perf_counter()
-        chars = await call()
+        text = await call()
         elapsed = time.perf_counter() - start
-        return elapsed, chars, await self.samples(self.programs[path]) - before
+        return elapsed, text, await self.samples(self.programs[path]) - before
 
-    async def native(self, program: str) -> int:
+    async def native(self, program: str) -> str:
         instance = await self.client.launch(program, ["--prompt", PROMPT, "--max-tokens", str(self.max_tokens)])
         [text] = [m async for m in instance]
         assert await instance.wait() == "finished"
-        return len(text)
+        return text
 
-    async def openai(self) -> int:
+    async def openai(self) -> str:
         response = await self.http.post(
             f"{self.base}/v1/chat/completions", timeout=600,
             json={"model": self.model, "max_tokens": self.max_tokens, "temperature": 0,
@@ -143,7 +145,7 @@ class Paths:
         response.raise_for_status()
         body = response.json()
         assert body["usage"]["completion_tokens"] == self.max_tokens, body["usage"]
-        return len(body["choices"][0]["message"]["content"])
+        return body["choices"][0]["message"]["content"]
 
 
 async def run(args: argparse.Namespace) -> dict:
@@ -164,19 +166,21 @@ async def run(args: argparse.Namespace) -> dict:
             finally:
                 forget(made)
             paths = Paths(client, http, base, model, await client.upload(python_tc), max_tokens)
+            # Every run's (text, tokens), warm-up included: all must be the same.
+            outputs: dict[str, list[tuple[str, int]]] = {k: [] for k in PATHS}
             for path in PATHS:  # warm-up: compile, first forwards at this length, the HTTP path
-                await paths.run(path)
+                _, text, generated = await paths.run(path)
+                outputs[path].append((text, generated))
             times: dict[str, list[float]] = {k: [] for k in PATHS}
             tokens: dict[str, list[int]] = {k: [] for k in PATHS}
-            lengths: dict[str, set[int]] = {k: set() for k in PATHS}
             order = []
             for r in range(rounds):  # rotate, so noise and warm caches favour no path
                 order.append(rotated(PATHS, r))
                 for path in order[-1]:
-                    elapsed, chars, generated = await paths.run(path)
+                    elapsed, text, generated = await paths.run(path)
                     times[path].append(1000 * elapsed / max(1, generated))
                     tokens[path].append(generated)
-                    lengths[path].add(chars)
+                    outputs[path].append((text, generated))
     per_token = {name: statistics.median(t) for name, t in times.items()}
     return {
         "max_tokens": max_tokens,
@@ -186,7 +190,11 @@ async def run(args: argparse.Namespace) -> dict:
         "ms_per_token_rounds": times,
         "tokens": tokens,
         "ratio_vs_native": {name: per_token[name] / per_token["native"] for name in per_token},
-        "same_output_lengths": len(set().union(*lengths.values())) == 1,
+        # The distinct texts each path generated (one each, and the same one, when all agree).
+        "outputs": {path: sorted({text for text, _ in runs}) for path, runs in outputs.items()},
+        "same_output": len({run for runs in outputs.values() for run in runs}) == 1,
+        # Implied by same_output; kept until tests/test_bench_scripts.py checks same_output.
+        "same_output_lengths": len({len(text) for runs in outputs.values() for text, _ in runs}) == 1,
         "meta": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                  "command": command_line(), "quick": args.quick, "rounds": rounds,
                  "order": {"launch": launch_order, "ms_per_token": order},

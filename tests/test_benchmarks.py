@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import signal
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -62,10 +63,21 @@ def test_results_md_has_a_table_per_metric(quick_run):
 
 
 def test_completion_did_the_work_it_reports(quick_run):
+    """One row per concurrency level, each from `rounds` measured waves, its figures the
+    medians of those; equal work: every wave asked for exactly max_tokens per request with
+    EOS ignored (the workload raises when a wave generates any other number of tokens, so
+    the run's success says each one did)."""
     out, _ = quick_run
     data = json.loads((out / "completion.json").read_text())
-    levels = data["settings"]["levels"]
+    settings = data["settings"]
+    levels, rounds = settings["levels"], settings["rounds"]
+    assert rounds == data["rounds"] == 1 and settings["ignore_eos"] and settings["max_tokens"] == 8
     assert [row["case"] for row in data["rows"]] == [f"concurrency {n}" for n in levels]
+    for row in data["rows"]:
+        extra = row["extra"]
+        assert len(extra["ms_per_token_rounds"]) == len(extra["tokens_per_s_rounds"]) == rounds
+        assert row["values"] == {"ms_per_token": statistics.median(extra["ms_per_token_rounds"]),
+                                 "tokens_per_s": statistics.median(extra["tokens_per_s_rounds"])}
 
 
 def test_bad_arguments_are_refused_with_a_clear_message():

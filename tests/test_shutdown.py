@@ -62,7 +62,7 @@ async def test_drain_timeout_terminates_what_is_still_running(tmp_path):
         server.stop()
 
 
-async def _until(predicate, timeout_s: float = 30.0) -> None:
+async def _until(predicate, timeout_s: float = 120.0) -> None:  # bounds a hang only
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while not await asyncio.to_thread(predicate):
