@@ -66,27 +66,34 @@ def chat_template(model_dir) -> str:
     return json.loads((model_dir / "tokenizer_config.json").read_text())["chat_template"]
 
 
-@pytest.fixture(scope="session")
-def hf_chat(hf_model, tokenizer, chat_template):
+class HfChat:
     """hf_chat(prompt, max_tokens, system=None): what the built-in `text_completion` must
     answer, greedy, from the oracle — HF transformers fp32 greedy on the chat-template
     prompt (the user turn, after the system turn if given), up to EOS or max_tokens,
-    decoded with special tokens kept. Memoized."""
-    from pie.control.chat_template import chat_prompt
+    decoded with special tokens kept. `tokens(...)`: the token ids (EOS excluded)."""
 
-    eos = hf_model.config.eos_token_id
-    assert isinstance(eos, int), eos
-    memo: dict[tuple, str] = {}
+    def __init__(self, hf_model, tokenizer, template: str):
+        self.hf_model, self.tokenizer, self.template = hf_model, tokenizer, template
+        self.eos = hf_model.config.eos_token_id
+        assert isinstance(self.eos, int), self.eos
+        self.memo: dict[tuple, list[int]] = {}
 
-    def complete(prompt: str, max_tokens: int, system: str | None = None) -> str:
+    def tokens(self, prompt: str, max_tokens: int, system: str | None = None) -> list[int]:
+        from pie.control.chat_template import chat_prompt
+
         key = (prompt, max_tokens, system)
-        if key not in memo:
-            ids = tokenizer.encode(chat_prompt(chat_template, prompt, system), add_special_tokens=False).ids
-            memo[key] = tokenizer.decode(hf_greedy(hf_model, ids, max_tokens, stop_at=eos),
-                                         skip_special_tokens=False)
-        return memo[key]
+        if key not in self.memo:
+            ids = self.tokenizer.encode(chat_prompt(self.template, prompt, system), add_special_tokens=False).ids
+            self.memo[key] = hf_greedy(self.hf_model, ids, max_tokens, stop_at=self.eos)
+        return self.memo[key]
 
-    return complete
+    def __call__(self, prompt: str, max_tokens: int, system: str | None = None) -> str:
+        return self.tokenizer.decode(self.tokens(prompt, max_tokens, system), skip_special_tokens=False)
+
+
+@pytest.fixture(scope="session")
+def hf_chat(hf_model, tokenizer, chat_template) -> HfChat:
+    return HfChat(hf_model, tokenizer, chat_template)
 
 
 def hf_probe_continuation(hf_model, tokenizer, prompt: str, page_size: int = 16) -> str:
