@@ -219,6 +219,16 @@ def test_a_megabyte_prompt_gets_400_not_500(server, http, tokenizer, chat_templa
         error = error_of(http.post(path, json={"model": MODEL, **fields}))
         assert error["code"] == "context_length_exceeded"
         assert f"maximum context length is {CONTEXT} tokens. However, {said}" in error["message"], error["message"]
+    # Four times that is more bytes than 4 x the context x the longest token: refused from its
+    # size alone, without running the tokenizer over it.
+    huge = prompt * 4
+    for path, fields, said in (
+            ("/v1/completions", {"prompt": huge, "max_tokens": 4}, f"your prompt is {len(huge.encode())}"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]},
+             f"your messages are {len(chat_prompt(chat_template, huge).encode())}")):
+        error = error_of(http.post(path, json={"model": MODEL, **fields}))
+        assert error["code"] == "context_length_exceeded"
+        assert f"However, {said} bytes long, far more than that many tokens." in error["message"], error["message"]
     assert idle(server)
 
 
