@@ -193,8 +193,6 @@ async def run(args: argparse.Namespace) -> dict:
         # The distinct texts each path generated (one each, and the same one, when all agree).
         "outputs": {path: sorted({text for text, _ in runs}) for path, runs in outputs.items()},
         "same_output": len({run for runs in outputs.values() for run in runs}) == 1,
-        # Implied by same_output; kept until tests/test_bench_scripts.py checks same_output.
-        "same_output_lengths": len({len(text) for runs in outputs.values() for text, _ in runs}) == 1,
         "meta": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                  "command": command_line(), "quick": args.quick, "rounds": rounds,
                  "order": {"launch": launch_order, "ms_per_token": order},

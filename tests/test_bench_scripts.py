@@ -178,7 +178,7 @@ def test_frontends_quick(results):
         assert len(data["ms_per_token_rounds"][path]) == meta["rounds"]
         assert data["ms_per_token"][path] > 0
         assert data["ratio_vs_native"][path] == pytest.approx(data["ms_per_token"][path] / data["ms_per_token"]["native"])
-    assert data["same_output_lengths"], "fp32 greedy: every path generates the same text"
+    assert data["same_output"], f"fp32 greedy: every path generates the same text: {data['outputs']}"
 
 
 def test_soak_quick(results):
