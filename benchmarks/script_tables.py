@@ -20,6 +20,10 @@ def _f(value: float) -> str:
     return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
 
 
+def _dtype(data: Json) -> str:
+    return data.get("dtype") or data.get("meta", {}).get("dtype", "?")
+
+
 def _header(data: Json, name: str) -> list[str]:
     meta = data.get("meta", data)
     rounds = meta.get("rounds")
@@ -30,7 +34,7 @@ def _header(data: Json, name: str) -> list[str]:
 def backend(data: Json) -> list[str]:
     meta, prefill = data["meta"], data["prefill"]
     lines = [f"Pie's backend vs HF transformers ({meta.get('hf_attn_implementation', '?')} attention), "
-             f"same weights, {meta.get('dtype')}, {meta.get('threads', '?')} threads; ratio = HF time / Pie time.", "",
+             f"same weights, {_dtype(data)}, {meta.get('threads', '?')} threads; ratio = HF time / Pie time.", "",
              "| step | Pie | HF | ratio |", "|---|---|---|---|",
              f"| prefill, {prefill['tokens']} tokens | {_f(prefill['pie_tokens_per_s'])} tok/s | "
              f"{_f(prefill['hf_tokens_per_s'])} tok/s | {prefill['pie_over_hf']:.2f}× |"]
@@ -58,7 +62,7 @@ def overhead(data: Json) -> list[str]:
 
 
 def frontends(data: Json) -> list[str]:
-    lines = [f"The same generation ({data['max_tokens']} tokens, greedy, {data.get('dtype')}) through each front end; "
+    lines = [f"The same generation ({data['max_tokens']} tokens, greedy, {_dtype(data)}) through each front end; "
              "ratio = time per token / native's.", "",
              "| path | ms/token | vs native |", "|---|---|---|"]
     lines += [f"| {path} | {_f(ms)} | {data['ratio_vs_native'][path]:.3f}× |" for path, ms in data["ms_per_token"].items()]
@@ -71,7 +75,7 @@ def frontends(data: Json) -> list[str]:
 
 def soak(data: Json) -> list[str]:
     leaks = data.get("leak_check", {})
-    lines = [f"{data['instances']} concurrent instances for {data['seconds']} s ({data.get('dtype')}): "
+    lines = [f"{data['instances']} concurrent instances for {data['seconds']} s ({_dtype(data)}): "
              f"{sum(data['completed'].values())} workloads, {sum(data['errors'].values())} errors, "
              f"{data['lost_messages']} lost messages, {data['wrong_answers']} wrong answers, pools reclaimed: "
              f"{data['pools_reclaimed']}, threads {leaks.get('threads_before')} → {leaks.get('threads_after')}, "
