@@ -2112,6 +2112,362 @@ pub mod grammar {
                 ret != 0
             }
         }
+        /// The matcher's id, by which `inference.output.grammar` names it (a pass cannot
+        /// borrow the matcher: the queue is its borrowed handle).
+        ///
+        /// Returns: an id unique among this instance's matchers.
+        ///
+        /// Layer: control
+        pub fn id(&self) -> u32 {
+            #[link(wasm_import_module = "pie:inferlet/grammar@0.1.0")]
+            extern "C" {
+                #[link_name = "[method]matcher.id"]
+                fn import(p0: i32) -> i32;
+            }
+            unsafe {
+                let ret = import(self.handle());
+                ret as u32
+            }
+        }
+    }
+}
+
+/// The fused forward pass: embedding, the transformer forward and every sampler of a step
+/// in one call and one inference-layer round trip, and host-side decode runs that keep the
+/// inferlet off the critical path of a decode loop (docs/fused-pass.md).
+///
+/// A pass's future is its id: finished (and, for runs, progressed) results come back
+/// through `take`, and `results-ready` is one pollable per queue, made once. No resource
+/// is created or dropped per pass.
+pub mod inference {
+    pub type Queue = super::types::Queue;
+
+    pub type KvPage = super::types::KvPage;
+
+    pub type Embed = super::types::Embed;
+
+    pub type Error = super::types::Error;
+
+    pub type Pollable = super::futures::Pollable;
+
+    /// A pass of this instance, numbered from 1 in `execute`/`run` order; never reused.
+    pub type PassId = u64;
+
+    /// How a token is drawn at an output position.
+    #[derive(Clone, Debug, PartialEq)]
+    pub struct Sampler {
+        /// 0 is greedy (the most likely token); otherwise logits are divided by it.
+        pub temperature: f32,
+        /// Keep only the k most likely tokens; 0 keeps all.
+        pub top_k: u32,
+        /// Keep the smallest set of most likely tokens whose probability reaches p; 1.0
+        /// keeps all.
+        pub top_p: f32,
+        /// Keep only tokens at least min-p times as likely as the most likely one; 0.0
+        /// keeps all.
+        pub min_p: f32,
+        /// A seed makes the draw reproducible; `none` uses the inference layer's
+        /// generator. A run uses seed + i at its step i.
+        pub seed: Option<u64>,
+    }
+
+    /// A grammar's mask applied before sampling, by the matcher's `id`.
+    #[derive(Clone, Debug, PartialEq)]
+    pub struct GrammarMask {
+        /// `matcher.id` of a matcher compiled on the same queue.
+        pub matcher: u32,
+        /// The host accepts the drawn token into the matcher (a run: at every step), so
+        /// the guest does not call `accept`.
+        pub advance: bool,
+    }
+
+    /// What to compute at one new token of the pass.
+    #[derive(Clone, Debug, PartialEq)]
+    pub struct Output {
+        /// The index of the new token (embeds first, then tokens) whose next-token
+        /// distribution this reads.
+        pub index: u32,
+        /// Draw a token with this sampler.
+        pub sample: Option<Sampler>,
+        /// Also return the k most likely tokens with their probabilities (temperature 1);
+        /// 0 for none.
+        pub top_k: u32,
+        /// Also return the log-probabilities (temperature 1) of these token ids.
+        pub logprobs_of: Vec<u32>,
+        /// Also return the entropy (nats, temperature 1) of the distribution.
+        pub entropy: bool,
+        /// Only these tokens may be drawn: a bitmask of ceil(vocab / 32) words, bit t of
+        /// word w = token 32 w + t allowed.
+        pub allowed: Option<Vec<u32>>,
+        /// Only tokens the grammar allows next may be drawn.
+        pub grammar: Option<GrammarMask>,
+        /// Also write the token's final hidden state to this embed (for the `forward` and
+        /// `output-text` traits).
+        pub keep: Option<Embed>,
+    }
+
+    /// The inputs and outputs of one pass.
+    ///
+    /// The new tokens are the input embeds (each at the position it was embedded at)
+    /// followed by the input tokens (embedded inside the pass at `positions`). They attend
+    /// to the context held by the input pages and to each other causally, unless
+    /// `attention-mask` says otherwise, exactly as in `forward.forward-pass`.
+    #[derive(Clone, Debug, PartialEq)]
+    pub struct ForwardPass {
+        /// New tokens given as embeds (from `embed-text` or `embed-image`).
+        pub input_embeds: Vec<Embed>,
+        /// New tokens given as token ids.
+        pub input_tokens: Vec<u32>,
+        /// The position of each input token; same length as `input-tokens`.
+        pub positions: Vec<u32>,
+        /// The context, in sequence order; may be empty.
+        pub input_kv_pages: Vec<KvPage>,
+        /// How many slots of the last input page hold tokens (1 to `kv-page-size`);
+        /// ignored when `input-kv-pages` is empty.
+        pub input_kv_last_page_len: u32,
+        /// Where the new tokens' K/V go, written consecutively; empty writes nothing.
+        pub output_kv_pages: Vec<KvPage>,
+        /// The slot of the first output page that receives the first new token.
+        pub output_kv_offset: u32,
+        /// As `forward.forward-pass.attention-mask`; `none` means causal.
+        pub attention_mask: Option<Vec<u8>>,
+        /// What to compute, at most one entry per new token.
+        pub outputs: Vec<Output>,
+        /// A run ends once it draws one of these tokens (the token is returned).
+        pub stop_tokens: Vec<u32>,
+    }
+
+    /// Where a pass is.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum PassStatus {
+        /// A run with more steps to go.
+        Running,
+        /// Finished: every requested output is in.
+        Done,
+        /// Ended by `cancel` (a run: after the step in flight) or by the instance.
+        Cancelled,
+        /// The inference layer failed it; `failure` says why.
+        Failed,
+    }
+    impl PassStatus {
+        #[doc(hidden)]
+        pub fn _lift(d: u32) -> Self { match d { 0 => PassStatus::Running, 1 => PassStatus::Done, 2 => PassStatus::Cancelled, 3 => PassStatus::Failed, _ => unreachable!() } }
+    }
+
+    /// The extra outputs of one requested position.
+    #[derive(Clone, Debug, PartialEq)]
+    pub struct OutputDetail {
+        /// `output.index` of the request.
+        pub index: u32,
+        /// The `top-k` most likely tokens, most likely first (empty if not asked).
+        pub top_ids: Vec<u32>,
+        /// Their probabilities.
+        pub top_probs: Vec<f32>,
+        /// The log-probabilities of `logprobs-of`, in its order.
+        pub logprobs: Vec<f32>,
+        /// The entropy, if asked.
+        pub entropy: Option<f32>,
+    }
+
+    /// What `take` returns for one pass.
+    #[derive(Clone, Debug, PartialEq)]
+    pub struct PassResult {
+        /// The pass.
+        pub pass: PassId,
+        /// Where it is.
+        pub status: PassStatus,
+        /// Drawn tokens: for `execute`, one per output with a sampler, in output order;
+        /// for a run, those drawn since the previous `take` of it, in order.
+        pub tokens: Vec<u32>,
+        /// One entry per output that asked for `top-k`, `logprobs-of` or `entropy` (a
+        /// run: of its last step).
+        pub details: Vec<OutputDetail>,
+        /// Why it failed, when `status` is `failed`.
+        pub failure: Option<Error>,
+    }
+
+    /// Enqueues one fused pass and returns at once.
+    ///
+    /// Arguments:
+    /// - q: the queue; fixes the model and orders the pass with the queue's other calls.
+    /// - pass: the inputs and outputs.
+    ///
+    /// Returns: the pass's id, whose result `take` returns.
+    ///
+    /// Layer: inference
+    ///
+    /// Errors:
+    /// - invalid-handle: a page, embed or matcher id in `pass` is not a live one of this
+    ///   instance for the queue's model.
+    /// - invalid-argument: `pass` is inconsistent (no new tokens; positions and tokens of
+    ///   different lengths; a token id or `logprobs-of` id not below the vocabulary size;
+    ///   last-page length out of range; an output index out of range or repeated; a
+    ///   sampler out of range; `top-k` over the configured maximum; output pages too few;
+    ///   a mask or `allowed` of the wrong length); the message names the field.
+    /// - out-of-resources: the pass has more new tokens than the inference layer's tokens
+    ///   per batch, or the instance has too many calls waiting.
+    pub fn execute(q: &Queue, pass: ForwardPass) -> Result<PassId, Error> {
+        #[link(wasm_import_module = "pie:inferlet/inference@0.1.0")]
+        extern "C" {
+            #[link_name = "execute"]
+            fn import(p0: i32, p1: i32);
+        }
+        unsafe {
+            let mut cleanup = crate::abi::Cleanup::new();
+            let mut ret_area = crate::abi::RetArea::<24>::new();
+            let args = cleanup.alloc(80, 4);
+            args.cast::<i32>().write(q.handle());
+            args.add(4).cast::<i32>().write((&pass.input_embeds).as_ptr() as i32);
+            args.add(8).cast::<i32>().write((&pass.input_embeds).len() as i32);
+            args.add(12).cast::<i32>().write((&pass.input_tokens).as_ptr() as i32);
+            args.add(16).cast::<i32>().write((&pass.input_tokens).len() as i32);
+            args.add(20).cast::<i32>().write((&pass.positions).as_ptr() as i32);
+            args.add(24).cast::<i32>().write((&pass.positions).len() as i32);
+            args.add(28).cast::<i32>().write((&pass.input_kv_pages).as_ptr() as i32);
+            args.add(32).cast::<i32>().write((&pass.input_kv_pages).len() as i32);
+            args.add(36).cast::<u32>().write(*(&pass.input_kv_last_page_len));
+            args.add(40).cast::<i32>().write((&pass.output_kv_pages).as_ptr() as i32);
+            args.add(44).cast::<i32>().write((&pass.output_kv_pages).len() as i32);
+            args.add(48).cast::<u32>().write(*(&pass.output_kv_offset));
+            match (&pass.attention_mask) { None => { args.add(52).cast::<u8>().write(0); } Some(v) => { args.add(52).cast::<u8>().write(1); args.add(56).cast::<i32>().write(v.as_ptr() as i32); args.add(60).cast::<i32>().write(v.len() as i32); } }
+            let buf20 = cleanup.alloc((&pass.outputs).len() * 96, 8);
+            for (i, e21) in (&pass.outputs).iter().enumerate() { buf20.add(i * 96).cast::<u32>().write(*(&e21.index)); match (&e21.sample) { None => { buf20.add(i * 96).add(8).cast::<u8>().write(0); } Some(v) => { buf20.add(i * 96).add(8).cast::<u8>().write(1); buf20.add(i * 96).add(16).cast::<f32>().write(*(&v.temperature)); buf20.add(i * 96).add(20).cast::<u32>().write(*(&v.top_k)); buf20.add(i * 96).add(24).cast::<f32>().write(*(&v.top_p)); buf20.add(i * 96).add(28).cast::<f32>().write(*(&v.min_p)); match (&v.seed) { None => { buf20.add(i * 96).add(32).cast::<u8>().write(0); } Some(v) => { buf20.add(i * 96).add(32).cast::<u8>().write(1); buf20.add(i * 96).add(40).cast::<u64>().write(*v); } } } } buf20.add(i * 96).add(48).cast::<u32>().write(*(&e21.top_k)); buf20.add(i * 96).add(52).cast::<i32>().write((&e21.logprobs_of).as_ptr() as i32); buf20.add(i * 96).add(56).cast::<i32>().write((&e21.logprobs_of).len() as i32); buf20.add(i * 96).add(60).cast::<u8>().write(*(&e21.entropy) as u8); match (&e21.allowed) { None => { buf20.add(i * 96).add(64).cast::<u8>().write(0); } Some(v) => { buf20.add(i * 96).add(64).cast::<u8>().write(1); buf20.add(i * 96).add(68).cast::<i32>().write(v.as_ptr() as i32); buf20.add(i * 96).add(72).cast::<i32>().write(v.len() as i32); } } match (&e21.grammar) { None => { buf20.add(i * 96).add(76).cast::<u8>().write(0); } Some(v) => { buf20.add(i * 96).add(76).cast::<u8>().write(1); buf20.add(i * 96).add(80).cast::<u32>().write(*(&v.matcher)); buf20.add(i * 96).add(84).cast::<u8>().write(*(&v.advance) as u8); } } match (&e21.keep) { None => { buf20.add(i * 96).add(88).cast::<u8>().write(0); } Some(v) => { buf20.add(i * 96).add(88).cast::<u8>().write(1); buf20.add(i * 96).add(92).cast::<u32>().write(*v); } } }
+            args.add(64).cast::<i32>().write(buf20 as i32);
+            args.add(68).cast::<i32>().write((&pass.outputs).len() as i32);
+            args.add(72).cast::<i32>().write((&pass.stop_tokens).as_ptr() as i32);
+            args.add(76).cast::<i32>().write((&pass.stop_tokens).len() as i32);
+            import(args as i32, ret_area.ptr() as i32);
+            match ret_area.ptr().cast::<u8>().read() { 0 => Ok(ret_area.ptr().add(8).cast::<u64>().read()), 1 => Err(Error { kind: super::types::ErrorKind::_lift(ret_area.ptr().add(8).cast::<u8>().read() as u32), message: crate::abi::take_string(ret_area.ptr().add(12).cast::<i32>().read(), ret_area.ptr().add(16).cast::<i32>().read()) }), _ => unreachable!() }
+        }
+    }
+
+    /// Enqueues a host-side decode run: `pass`, then up to steps - 1 more passes made by
+    /// the host, each forwarding the token the previous one drew (position + 1, the next
+    /// output slot) with the same output request (a seeded sampler's seed + 1). The run
+    /// ends after `steps` draws, or at a stop token. No inferlet code runs between steps.
+    ///
+    /// Arguments:
+    /// - q: the queue; fixes the model.
+    /// - pass: the first step. Exactly one output, with a sampler, at the last new token;
+    ///   the output pages continue the context (the partial last input page first, from
+    ///   the slot after the context) and hold n-new + steps - 1 slots from the offset.
+    /// - steps: the most tokens to draw, at least 1.
+    ///
+    /// Returns: the run's id; `take` streams its tokens.
+    ///
+    /// Layer: inference
+    ///
+    /// Errors:
+    /// - invalid-handle: as for `execute`.
+    /// - invalid-argument: as for `execute`, or the pass is not a run's first step (not
+    ///   exactly one sampled output at the last new token; output pages that do not
+    ///   continue the context or are too few for the steps); `steps` is 0.
+    /// - out-of-resources: as for `execute`.
+    pub fn run(q: &Queue, pass: ForwardPass, steps: u32) -> Result<PassId, Error> {
+        #[link(wasm_import_module = "pie:inferlet/inference@0.1.0")]
+        extern "C" {
+            #[link_name = "run"]
+            fn import(p0: i32, p1: i32);
+        }
+        unsafe {
+            let mut cleanup = crate::abi::Cleanup::new();
+            let mut ret_area = crate::abi::RetArea::<24>::new();
+            let args = cleanup.alloc(84, 4);
+            args.cast::<i32>().write(q.handle());
+            args.add(4).cast::<i32>().write((&pass.input_embeds).as_ptr() as i32);
+            args.add(8).cast::<i32>().write((&pass.input_embeds).len() as i32);
+            args.add(12).cast::<i32>().write((&pass.input_tokens).as_ptr() as i32);
+            args.add(16).cast::<i32>().write((&pass.input_tokens).len() as i32);
+            args.add(20).cast::<i32>().write((&pass.positions).as_ptr() as i32);
+            args.add(24).cast::<i32>().write((&pass.positions).len() as i32);
+            args.add(28).cast::<i32>().write((&pass.input_kv_pages).as_ptr() as i32);
+            args.add(32).cast::<i32>().write((&pass.input_kv_pages).len() as i32);
+            args.add(36).cast::<u32>().write(*(&pass.input_kv_last_page_len));
+            args.add(40).cast::<i32>().write((&pass.output_kv_pages).as_ptr() as i32);
+            args.add(44).cast::<i32>().write((&pass.output_kv_pages).len() as i32);
+            args.add(48).cast::<u32>().write(*(&pass.output_kv_offset));
+            match (&pass.attention_mask) { None => { args.add(52).cast::<u8>().write(0); } Some(v) => { args.add(52).cast::<u8>().write(1); args.add(56).cast::<i32>().write(v.as_ptr() as i32); args.add(60).cast::<i32>().write(v.len() as i32); } }
+            let buf22 = cleanup.alloc((&pass.outputs).len() * 96, 8);
+            for (i, e23) in (&pass.outputs).iter().enumerate() { buf22.add(i * 96).cast::<u32>().write(*(&e23.index)); match (&e23.sample) { None => { buf22.add(i * 96).add(8).cast::<u8>().write(0); } Some(v) => { buf22.add(i * 96).add(8).cast::<u8>().write(1); buf22.add(i * 96).add(16).cast::<f32>().write(*(&v.temperature)); buf22.add(i * 96).add(20).cast::<u32>().write(*(&v.top_k)); buf22.add(i * 96).add(24).cast::<f32>().write(*(&v.top_p)); buf22.add(i * 96).add(28).cast::<f32>().write(*(&v.min_p)); match (&v.seed) { None => { buf22.add(i * 96).add(32).cast::<u8>().write(0); } Some(v) => { buf22.add(i * 96).add(32).cast::<u8>().write(1); buf22.add(i * 96).add(40).cast::<u64>().write(*v); } } } } buf22.add(i * 96).add(48).cast::<u32>().write(*(&e23.top_k)); buf22.add(i * 96).add(52).cast::<i32>().write((&e23.logprobs_of).as_ptr() as i32); buf22.add(i * 96).add(56).cast::<i32>().write((&e23.logprobs_of).len() as i32); buf22.add(i * 96).add(60).cast::<u8>().write(*(&e23.entropy) as u8); match (&e23.allowed) { None => { buf22.add(i * 96).add(64).cast::<u8>().write(0); } Some(v) => { buf22.add(i * 96).add(64).cast::<u8>().write(1); buf22.add(i * 96).add(68).cast::<i32>().write(v.as_ptr() as i32); buf22.add(i * 96).add(72).cast::<i32>().write(v.len() as i32); } } match (&e23.grammar) { None => { buf22.add(i * 96).add(76).cast::<u8>().write(0); } Some(v) => { buf22.add(i * 96).add(76).cast::<u8>().write(1); buf22.add(i * 96).add(80).cast::<u32>().write(*(&v.matcher)); buf22.add(i * 96).add(84).cast::<u8>().write(*(&v.advance) as u8); } } match (&e23.keep) { None => { buf22.add(i * 96).add(88).cast::<u8>().write(0); } Some(v) => { buf22.add(i * 96).add(88).cast::<u8>().write(1); buf22.add(i * 96).add(92).cast::<u32>().write(*v); } } }
+            args.add(64).cast::<i32>().write(buf22 as i32);
+            args.add(68).cast::<i32>().write((&pass.outputs).len() as i32);
+            args.add(72).cast::<i32>().write((&pass.stop_tokens).as_ptr() as i32);
+            args.add(76).cast::<i32>().write((&pass.stop_tokens).len() as i32);
+            args.add(80).cast::<u32>().write(*(&steps));
+            import(args as i32, ret_area.ptr() as i32);
+            match ret_area.ptr().cast::<u8>().read() { 0 => Ok(ret_area.ptr().add(8).cast::<u64>().read()), 1 => Err(Error { kind: super::types::ErrorKind::_lift(ret_area.ptr().add(8).cast::<u8>().read() as u32), message: crate::abi::take_string(ret_area.ptr().add(12).cast::<i32>().read(), ret_area.ptr().add(16).cast::<i32>().read()) }), _ => unreachable!() }
+        }
+    }
+
+    /// The results of the queue's passes not yet taken: finished passes and runs that
+    /// progressed, in the order they did.
+    ///
+    /// Arguments:
+    /// - q: the queue.
+    /// - block: wait until there is a result (returns empty at once if none is in
+    ///   flight).
+    ///
+    /// Returns: the results; a finished pass is returned once, then forgotten.
+    ///
+    /// Layer: control
+    pub fn take(q: &Queue, block: bool) -> Vec<PassResult> {
+        #[link(wasm_import_module = "pie:inferlet/inference@0.1.0")]
+        extern "C" {
+            #[link_name = "take"]
+            fn import(p0: i32, p1: i32, p2: i32);
+        }
+        unsafe {
+            let mut ret_area = crate::abi::RetArea::<8>::new();
+            import(q.handle(), *(&block) as i32, ret_area.ptr() as i32);
+            crate::abi::take_list(ret_area.ptr().cast::<i32>().read(), ret_area.ptr().add(4).cast::<i32>().read(), 48, 8, |p24| PassResult { pass: p24.cast::<u64>().read(), status: PassStatus::_lift(p24.add(8).cast::<u8>().read() as u32), tokens: crate::abi::take_vec(p24.add(12).cast::<i32>().read(), p24.add(16).cast::<i32>().read()), details: crate::abi::take_list(p24.add(20).cast::<i32>().read(), p24.add(24).cast::<i32>().read(), 36, 4, |p25| OutputDetail { index: p25.cast::<u32>().read(), top_ids: crate::abi::take_vec(p25.add(4).cast::<i32>().read(), p25.add(8).cast::<i32>().read()), top_probs: crate::abi::take_vec(p25.add(12).cast::<i32>().read(), p25.add(16).cast::<i32>().read()), logprobs: crate::abi::take_vec(p25.add(20).cast::<i32>().read(), p25.add(24).cast::<i32>().read()), entropy: match p25.add(28).cast::<u8>().read() { 0 => None, 1 => Some(p25.add(32).cast::<f32>().read()), _ => unreachable!() } }), failure: match p24.add(28).cast::<u8>().read() { 0 => None, 1 => Some(Error { kind: super::types::ErrorKind::_lift(p24.add(32).cast::<u8>().read() as u32), message: crate::abi::take_string(p24.add(36).cast::<i32>().read(), p24.add(40).cast::<i32>().read()) }), _ => unreachable!() } })
+        }
+    }
+
+    /// A pollable that is ready while `take` has something for the queue. Make it once and
+    /// watch it again after each `wait`.
+    ///
+    /// Arguments:
+    /// - q: the queue.
+    ///
+    /// Returns: the pollable.
+    ///
+    /// Layer: control
+    pub fn results_ready(q: &Queue) -> Pollable {
+        #[link(wasm_import_module = "pie:inferlet/inference@0.1.0")]
+        extern "C" {
+            #[link_name = "results-ready"]
+            fn import(p0: i32) -> i32;
+        }
+        unsafe {
+            let ret = import(q.handle());
+            Pollable::from_handle(ret)
+        }
+    }
+
+    /// Cancels a pass: one still waiting never runs; a run stops after the step in flight.
+    /// Its result (status `cancelled`, a run's tokens so far) still comes through `take`.
+    /// Cancelling a finished pass does nothing.
+    ///
+    /// Arguments:
+    /// - q: the queue the pass was enqueued on.
+    /// - pass: the pass.
+    ///
+    /// Layer: control
+    ///
+    /// Errors:
+    /// - invalid-handle: no pass of this id was enqueued on `q` or its result was already
+    ///   taken.
+    pub fn cancel(q: &Queue, pass: PassId) -> Result<(), Error> {
+        #[link(wasm_import_module = "pie:inferlet/inference@0.1.0")]
+        extern "C" {
+            #[link_name = "cancel"]
+            fn import(p0: i32, p1: i64, p2: i32);
+        }
+        unsafe {
+            let mut ret_area = crate::abi::RetArea::<16>::new();
+            import(q.handle(), *(&pass) as i64, ret_area.ptr() as i32);
+            match ret_area.ptr().cast::<u8>().read() { 0 => Ok(()), 1 => Err(Error { kind: super::types::ErrorKind::_lift(ret_area.ptr().add(4).cast::<u8>().read() as u32), message: crate::abi::take_string(ret_area.ptr().add(8).cast::<i32>().read(), ret_area.ptr().add(12).cast::<i32>().read()) }), _ => unreachable!() }
+        }
     }
 }
 
@@ -2125,7 +2481,7 @@ static mut RET_RUN: RetAreaRun = RetAreaRun([0; 12]);
 pub unsafe fn _export_run(f: impl FnOnce() -> Result<(), String>) -> i32 {
     let result = f();
     let ptr = core::ptr::addr_of_mut!(RET_RUN) as *mut u8;
-    match result { Ok(_) => { ptr.cast::<u8>().write(0); } Err(e) => { ptr.cast::<u8>().write(1); let pl20 = crate::abi::leak_string(e); ptr.add(4).cast::<i32>().write(pl20.0); ptr.add(8).cast::<i32>().write(pl20.1); } }
+    match result { Ok(_) => { ptr.cast::<u8>().write(0); } Err(e) => { ptr.cast::<u8>().write(1); let pl26 = crate::abi::leak_string(e); ptr.add(4).cast::<i32>().write(pl26.0); ptr.add(8).cast::<i32>().write(pl26.1); } }
     ptr as i32
 }
 
