@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 IDLE_REQUEST_ID = 0
 
 
@@ -33,6 +33,7 @@ class Kind(StrEnum):
     SAMPLE = "sample"
     COPY_KVPAGE = "copy_kvpage"
     MASK_KVPAGE = "mask_kvpage"
+    PASS = "pass"
     STATS = "stats"
     IDLE = "idle"
     ERROR = "error"
@@ -196,6 +197,77 @@ class MaskKvPage(Message):
 
 
 @dataclass
+class Passes(Message):
+    """Fused passes: embedding, forward and every sampler of a batch in one request.
+
+    Item i runs new tokens through the model exactly like a `Forward` item (context pages,
+    output pages, optional attention mask) and computes what its output rows ask for.
+    Numeric columns are packed little-endian arrays (`bytes`; element type in brackets),
+    read with `numpy.frombuffer`, so a batch costs no per-element msgpack work.
+
+    New tokens (T rows; item i owns rows `token_indptr[i]` to `token_indptr[i+1]`): row r
+    is the embedding of `token_ids[r]` at `positions[r]`, or, where `embed_ids[r]` is not
+    -1, that input embed's vector at the position it was embedded at.
+
+    Output rows (R rows; item i owns rows `out_indptr[i]` to `out_indptr[i+1]`): row j reads
+    the next-token distribution after new token `out_index[j]` of its item. `flags[j]` bit 0:
+    draw a token (`temperature` 0 = greedy; `top_k` 0, `top_p` 1, `min_p` 0 disable those
+    filters; `seed` -1 = the backend's generator); bit 1: the entropy. `dist_k[j]` > 0: the
+    k most likely tokens. `logprob_ids[logprob_indptr[j]:logprob_indptr[j+1]]`: ids whose
+    log-probability to return. Probabilities, log-probabilities and entropy are at
+    temperature 1 after the allowed mask. `keep_embed[j]` != -1: the hidden state also goes
+    to that embed. `allowed[j]` (an empty list: none) restricts row j as `Sample.allowed`.
+    """
+
+    kind: ClassVar[Kind] = Kind.PASS
+    token_ids: bytes  # [i32] T
+    embed_ids: bytes  # [i32] T, -1 = a token row
+    positions: bytes  # [i32] T
+    token_indptr: bytes  # [i32] n + 1
+    kv_page_ids: bytes  # [i32]
+    kv_page_indptr: bytes  # [i32] n + 1
+    kv_last_page_lens: bytes  # [i32] n
+    out_kv_page_ids: bytes  # [i32]
+    out_kv_page_indptr: bytes  # [i32] n + 1
+    out_kv_offsets: bytes  # [i32] n
+    attention_masks: list[bytes | None]  # n, or empty: no item has one
+    out_indptr: bytes  # [i32] n + 1
+    out_index: bytes  # [i32] R
+    flags: bytes  # [u8] R
+    temperature: bytes  # [f32] R
+    top_k: bytes  # [i32] R
+    top_p: bytes  # [f32] R
+    min_p: bytes  # [f32] R
+    seed: bytes  # [i64] R
+    dist_k: bytes  # [i32] R
+    keep_embed: bytes  # [i32] R
+    logprob_ids: bytes  # [i32]
+    logprob_indptr: bytes  # [i32] R + 1
+    allowed: list[bytes | None] = field(default_factory=list)  # R, or empty
+
+
+FLAG_SAMPLE = 1
+FLAG_ENTROPY = 2
+
+
+@dataclass
+class PassesReply(Message):
+    """Per output row: `tokens` [i32] (-1 where not drawn or the item failed), `entropy`
+    [f32] (NaN where not asked); `logprobs` [f32] parallel to the request's `logprob_ids`;
+    `dist_ids` [i32] / `dist_probs` [f32] with `dist_indptr` [i32] R + 1. `errors` is keyed
+    by item."""
+
+    kind: ClassVar[Kind] = Kind.PASS
+    tokens: bytes
+    entropy: bytes
+    logprobs: bytes
+    dist_ids: bytes
+    dist_probs: bytes
+    dist_indptr: bytes
+    errors: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass
 class BatchReply(Message):
     """Reply of handlers that return nothing but per-item errors."""
 
@@ -235,6 +307,7 @@ _OUTER_TYPES: dict[str, tuple[type, ...]] = {
     "str": (str,),
     "int": (int,),
     "float": (int, float),
+    "bytes": (bytes,),
 }
 
 REQUESTS: dict[Kind, type[Message]] = {
@@ -245,6 +318,7 @@ REQUESTS: dict[Kind, type[Message]] = {
     Kind.SAMPLE: Sample,
     Kind.COPY_KVPAGE: CopyKvPage,
     Kind.MASK_KVPAGE: MaskKvPage,
+    Kind.PASS: Passes,
     Kind.STATS: StatsRequest,
 }
 
@@ -256,6 +330,7 @@ REPLIES: dict[Kind, type[Message]] = {
     Kind.SAMPLE: SampleReply,
     Kind.COPY_KVPAGE: BatchReply,
     Kind.MASK_KVPAGE: BatchReply,
+    Kind.PASS: PassesReply,
     Kind.STATS: StatsReply,
     Kind.IDLE: Idle,
     Kind.ERROR: ErrorReply,

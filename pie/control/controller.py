@@ -87,12 +87,14 @@ class InstanceSession:
         self.page_size = controller.hs.page_size
         self.forward_calls = 0
         self.forward_tokens = 0
+        self.sampled_tokens = 0  # tokens drawn on the host (sample calls, passes, runs)
         self.queues: list[CommandQueue] = []
         self.subscriptions: set[Inbox] = set()
 
     def usage(self) -> dict[str, int]:
         """What the instance consumed, reported to its client when it ends."""
         return {"forward_calls": self.forward_calls, "forward_tokens": self.forward_tokens,
+                "sampled_tokens": self.sampled_tokens,
                 "kv_pages_peak": self.resources.pages.peak, "embeds_peak": self.resources.embeds.peak}
 
     # --- runtime --------------------------------------------------------------------------
@@ -311,6 +313,7 @@ class InstanceSession:
         if not 0 < top_p <= 1:
             raise _invalid(f"top-p {top_p} must be in (0, 1]")
         (physical,) = self.resources.embeds.resolve([embed])
+        self.sampled_tokens += 1
         return self._submit(Command(
             P.Kind.SAMPLE, q, HostFuture(),
             item={"embed": physical, "temperature": float(temperature), "top_k": top_k,
