@@ -90,6 +90,8 @@ class InstanceSession:
         self.sampled_tokens = 0  # tokens drawn on the host (sample calls, passes, runs)
         self.queues: list[CommandQueue] = []
         self.subscriptions: set[Inbox] = set()
+        self.matchers: dict[int, tuple[CommandQueue, Matcher]] = {}  # matcher.id -> (its queue, it)
+        self.next_matcher_id = 1
 
     def usage(self) -> dict[str, int]:
         """What the instance consumed, reported to its client when it ends."""
@@ -322,7 +324,16 @@ class InstanceSession:
             reads=frozenset({("e", physical)})))
 
     def compile_grammar(self, q: CommandQueue, kind: str, source: str) -> Matcher:
-        return self.c.grammars.compile(kind, source)
+        """A matcher for `q`'s model, numbered for fused passes (`grammar.matcher.id`)."""
+        matcher = self.c.grammars.compile(kind, source)
+        matcher.id = self.next_matcher_id
+        self.next_matcher_id += 1
+        self.matchers[matcher.id] = (q, matcher)
+        return matcher
+
+    def forget_matcher(self, matcher: Matcher) -> None:
+        """The guest dropped the matcher: passes can no longer name it."""
+        self.matchers.pop(matcher.id, None)
 
     def _submit(self, command: Command) -> HostFuture:
         if command.queue.instance_id != self.instance_id:

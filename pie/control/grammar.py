@@ -39,6 +39,7 @@ class Matcher:
     def __init__(self, matcher: llguidance.LLMatcher, mask_bytes: int):
         self.matcher = matcher
         self.mask_bytes = mask_bytes
+        self.id = 0  # set by the instance session that compiled it (fused passes name it so)
 
     def allowed_mask(self) -> bytes:
         """The bitmask of tokens that may come next (the protocol's `Sample.allowed`)."""
