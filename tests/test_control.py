@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+from array import array
 import time
 from collections import deque
 
@@ -22,10 +23,17 @@ from pie.control.scheduler import MARKER, Command, Scheduler
 
 
 class FakeBackend:
-    """Answers every batch (sample → token 7 per item) and records (kind, item count)."""
+    """Answers every batch (sample → token 7 per item; a pass → `pass_token` per output
+    row) and records (kind, item count) and the pass requests. While `hold` is clear, it
+    takes requests but answers none (a batch in flight, for as long as a test needs)."""
 
     def __init__(self, endpoint: str):
         self.batches: list[tuple[str, int]] = []
+        self.passes: list[P.Passes] = []
+        self.pass_token = 7
+        self.pass_errors: dict[int, dict[int, str]] = {}  # pass batch number -> item -> error
+        self.hold = threading.Event()
+        self.hold.set()
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.bind(endpoint)
@@ -39,11 +47,24 @@ class FakeBackend:
                 continue
             peer, frame = self.socket.recv_multipart()
             request_id, message = P.decode_request(frame)
-            items = message.kv_last_page_lens if isinstance(message, P.Forward) else message.embed_ids
-            n = len(items)
+            if isinstance(message, P.Passes):
+                n = len(message.kv_last_page_lens) // 4
+                self.passes.append(message)
+            else:
+                items = message.kv_last_page_lens if isinstance(message, P.Forward) else message.embed_ids
+                n = len(items)
             self.batches.append((str(message.kind), n))
+            while not self.hold.wait(0.05):
+                if not self.running:
+                    return
             if isinstance(message, P.Sample):
                 reply: P.Message = P.SampleReply([7] * len(message.embed_ids))
+            elif isinstance(message, P.Passes):
+                rows = len(message.out_index) // 4
+                reply = P.PassesReply(tokens=array("i", [self.pass_token] * rows).tobytes(),
+                                      entropy=array("f", [0.5] * rows).tobytes(), logprobs=b"",
+                                      dist_ids=b"", dist_probs=b"", dist_indptr=bytes(4 * (rows + 1)),
+                                      errors=self.pass_errors.get(len(self.passes) - 1, {}))
             else:
                 reply = P.BatchReply()
             self.socket.send_multipart([peer, P.encode(request_id, reply, message.kind)])

@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 
 from pie import __version__
 from pie import protocol as P
 from pie.config import PieConfig
 from pie.control.errors import ErrorKind, HostError
-from pie.control.future import HostFuture
+from pie.control.future import HostFuture, wait_any
 from pie.control.grammar import GrammarCompiler, Matcher
 from pie.control.http_client import HttpClient
 from pie.control.messaging import Inbox, KeyValueStore, MessageBus
+from pie.control.passes import Limits, Output, Pass, PassResults
 from pie.control.quotas import ANONYMOUS, Charges, QuotaBook
 from pie.control.resources import InstanceResources, ResourceManager
 from pie.control.scheduler import MARKER, Command, CommandQueue, Scheduler
@@ -92,6 +94,11 @@ class InstanceSession:
         self.subscriptions: set[Inbox] = set()
         self.matchers: dict[int, tuple[CommandQueue, Matcher]] = {}  # matcher.id -> (its queue, it)
         self.next_matcher_id = 1
+        self.passes: dict[int, Pass] = {}  # pass id -> pass, until its final result is taken
+        self.next_pass_id = 1
+        hs = controller.hs
+        self.limits = Limits(hs.page_size, hs.vocab_size, hs.max_batch_tokens,
+                             controller.config.control.max_dist_k)
 
     def usage(self) -> dict[str, int]:
         """What the instance consumed, reported to its client when it ends."""
@@ -323,6 +330,75 @@ class InstanceSession:
                   "allowed": None if matcher is None else matcher.allowed_mask()},
             reads=frozenset({("e", physical)})))
 
+    # --- inference (the fused pass) ---------------------------------------------------------
+
+    def submit_pass(self, q: CommandQueue, run_steps: int | None, *, token_ids: list[int],
+                    positions: list[int], embeds: list[int], kv_pages: list[int], last_len: int,
+                    out_pages: list[int], out_offset: int, mask: bytes | None,
+                    outputs: list[Output], stop_tokens: list[int]) -> int:
+        """`inference.execute` (run_steps None) and `inference.run`: resolve the instance's
+        ids, check the pass once (`Pass.validate`), enqueue it; its id."""
+        if q.instance_id != self.instance_id:
+            raise HostError(ErrorKind.INVALID_HANDLE, "the queue belongs to another instance")
+        if len(self.passes) >= self.c.config.runtime.max_pending_calls:
+            raise HostError(ErrorKind.OUT_OF_RESOURCES,
+                            f"{len(self.passes)} passes of this instance are not taken "
+                            f"(runtime.max_pending_calls); take some results first")
+        for o in outputs:
+            if o.keep >= 0:
+                (o.keep,) = self.resources.embeds.resolve([o.keep])
+            if o.matcher_id:
+                held = self.matchers.get(o.matcher_id)
+                if held is None or held[0] is not q:
+                    raise HostError(ErrorKind.INVALID_HANDLE, f"matcher {o.matcher_id} is not a live "
+                                    f"matcher of this instance compiled on this queue")
+                o.matcher = held[1]
+        p = Pass(q, self.next_pass_id, self.page_size, list(token_ids), list(positions),
+                 self.resources.embeds.resolve(embeds), self.resources.pages.resolve(kv_pages),
+                 last_len, self.c.resources.writable_pages(self.resources, out_pages), out_offset,
+                 mask, outputs, frozenset(stop_tokens))
+        p.validate(self.limits, run_steps)
+        self.next_pass_id += 1
+        self.passes[p.pass_id] = p
+        self.forward_calls += 1
+        self.forward_tokens += p.tokens
+        q.results.opened()
+        self._submit(p)  # type: ignore[arg-type]
+        return p.pass_id
+
+    def take(self, q: CommandQueue, block: bool, cancelled: threading.Event | None = None) -> list:
+        """`inference.take`: results of q's passes; with `block`, waits for one while any
+        is in flight. A final result forgets its pass. Runs' tokens count when taken."""
+        results = q.results
+        while block and not results.done() and not results.idle():
+            wait_any([results], cancelled)
+            if cancelled is not None and cancelled.is_set():
+                break
+        taken = results.take()
+        for pass_id, status, tokens, _, _ in taken:
+            p = self.passes.get(pass_id)
+            if p is None:
+                continue
+            self.sampled_tokens += len(tokens)
+            if p.run_pages:  # a run forwards every token it draws but the last
+                self.forward_tokens += len(tokens) - (1 if tokens and not p.taken else 0)
+            p.taken += len(tokens)
+            if status != "running":
+                del self.passes[pass_id]
+        return taken
+
+    def cancel_pass(self, q: CommandQueue, pass_id: int) -> None:
+        p = self.passes.get(pass_id)
+        if p is None or p.queue is not q:
+            raise HostError(ErrorKind.INVALID_HANDLE, f"pass {pass_id} is not a pass of this "
+                            f"queue whose result is still to be taken")
+        self.c.scheduler.cancel(p)
+
+    def results_ready(self, q: CommandQueue) -> PassResults:
+        if q.instance_id != self.instance_id:
+            raise HostError(ErrorKind.INVALID_HANDLE, "the queue belongs to another instance")
+        return q.results
+
     def compile_grammar(self, q: CommandQueue, kind: str, source: str) -> Matcher:
         """A matcher for `q`'s model, numbered for fused passes (`grammar.matcher.id`)."""
         matcher = self.c.grammars.compile(kind, source)
@@ -350,5 +426,7 @@ class InstanceSession:
     def close(self) -> None:
         """Release everything the instance held: queues, pages, embeds, exports, topics."""
         self.c.scheduler.close_instance(self.instance_id)
-        self.c.resources.release_instance(self.resources)
+        # Pages and embeds go back only once no batch in flight can still write them.
+        self.c.scheduler.when_settled(self.instance_id,
+                                      lambda: self.c.resources.release_instance(self.resources))
         self.c.bus.drop_instance(self.instance_id)

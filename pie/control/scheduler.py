@@ -33,11 +33,13 @@ from pie import protocol as P
 from pie.config import ControlConfig
 from pie.control.errors import ErrorKind, HostError
 from pie.control.future import HostFuture
+from pie.control.passes import Pass, PassResults, Status, encode, fail, settle
 
 log = logging.getLogger("pie.control")
 
 K_POLICY_MAX_WAIT_S = 0.1
 MARKER = "marker"
+HEAVY = (P.Kind.FORWARD, P.Kind.PASS)  # kinds that run the model: batched together, gathered
 
 
 @dataclass(eq=False)
@@ -49,6 +51,7 @@ class CommandQueue:
     # First failure of a call whose result nobody awaits (forward, embed, copy, mask):
     # reported by the next synchronize.
     error: HostError | None = None
+    results: PassResults = field(default_factory=PassResults)  # fused passes' results
 
 
 @dataclass(eq=False)
@@ -107,6 +110,8 @@ class Scheduler:
         self.last_forward_s = 0.05  # duration of the latest forward batch (seed: a guess)
         self.recent_forwards: dict[int, float] = {}  # id(queue) -> when its last forward left
         self.backend_idle = True
+        # (request ids still in flight, callback): teardown waiting for batches to settle
+        self.settle_callbacks: list[tuple[set[int], Callable[[], Any]]] = []
         self.request_ids = itertools.count(1)
         self.endpoint = endpoint
         self.wake_read, self.wake_write = os.pipe()
@@ -209,8 +214,12 @@ class Scheduler:
                 q.pending.clear()
             self.in_flight.clear()
             self.sent_at.clear()
+            callbacks = [callback for _, callback in self.settle_callbacks]
+            self.settle_callbacks = []
         for command in commands:
             _abandon(command, HostError(ErrorKind.INFERENCE_FAILED, reason))
+        for callback in callbacks:
+            callback()
 
     def recover(self) -> None:
         """A new backend serves the endpoint: accept calls again, on a fresh socket (so
@@ -234,7 +243,7 @@ class Scheduler:
                     return wait_ms
                 batch = self._form_batch(kind, single=self.config.scheduler == "eager")
                 request_id = next(self.request_ids)
-                if kind == P.Kind.FORWARD:
+                if kind in HEAVY:
                     sent = time.monotonic()
                     self.recent_forwards.update((id(c.queue), sent) for c in batch)
                 self.in_flight[request_id] = batch
@@ -302,7 +311,7 @@ class Scheduler:
         return None, max(1, int((limit - waited) * 1e3))
 
     def _preferred_kind(self, oldest: dict[str, float]) -> str:
-        """The oldest-waiting kind, except that forward yields to cheaper kinds.
+        """The oldest-waiting kind, except that the model-running kinds yield to cheaper ones.
 
         embed_text, sample and the rest cost a fraction of a forward; running them first
         lets their queues reach their next forward, so forwards gather into one batch instead
@@ -310,11 +319,13 @@ class Scheduler:
         near-direct time per token). A forward that has waited longer than the last forward
         batch took goes first anyway, so it cannot starve.
         """
-        others = {k: t for k, t in oldest.items() if k != P.Kind.FORWARD}
-        if P.Kind.FORWARD not in oldest or not others:
+        heavy = {k: t for k, t in oldest.items() if k in HEAVY}
+        others = {k: t for k, t in oldest.items() if k not in HEAVY}
+        if not heavy or not others:
             return min(oldest, key=oldest.get)
-        if time.monotonic() - oldest[P.Kind.FORWARD] > self.last_forward_s:
-            return P.Kind.FORWARD
+        first = min(heavy, key=heavy.get)
+        if time.monotonic() - heavy[first] > self.last_forward_s:
+            return first
         return min(others, key=others.get)
 
     def _gather_forwards(self, heads: list[Command], kind: str,
@@ -322,12 +333,13 @@ class Scheduler:
         """Adaptive's one exception to dispatching at once: while queues that ran a forward
         recently are still between calls (about to submit their next forward), wait for
         them — at most half a forward's duration — so decoding inferlets share one batch
-        instead of drifting into groups that each pay a full forward."""
-        if kind != P.Kind.FORWARD:
+        instead of drifting into groups that each pay a full forward. (Host-side runs need
+        no waiting: every run's next step is queued by the reply that ends its last.)"""
+        if kind not in HEAVY:
             return kind, None
         now = time.monotonic()
         recent = {q for q, t in self.recent_forwards.items() if now - t < 3 * self.last_forward_s}
-        ready = {id(c.queue) for c in heads if c.kind == P.Kind.FORWARD}
+        ready = {id(c.queue) for c in heads if c.kind == kind}
         open_queues = {id(q) for q in self.queues if not q.closed}
         patience = 0.5 * self.last_forward_s
         waited = now - oldest[kind]
@@ -370,23 +382,75 @@ class Scheduler:
         with self.lock:
             batch = self.in_flight.pop(request_id, None)
             sent = self.sent_at.pop(request_id, None)
-            if batch and sent is not None and batch[0].kind == P.Kind.FORWARD:
+            if batch and sent is not None and batch[0].kind in HEAVY:
                 self.last_forward_s = time.monotonic() - sent
         if batch is None:
             log.warning("reply to unknown request %s", request_id)
             return
         if kind is P.Kind.ERROR:
             message = reply.message  # type: ignore[attr-defined]
-            for command in batch:
-                _settle(command, message, None)
-            return
-        resolve_batch(batch, reply)
+            if batch[0].kind == P.Kind.PASS:
+                fail(batch, HostError(ErrorKind.INFERENCE_FAILED, f"pass: {message}"))  # type: ignore[arg-type]
+            else:
+                for command in batch:
+                    _settle(command, message, None)
+        elif kind is P.Kind.PASS:
+            self._continue(settle(batch, reply))  # type: ignore[arg-type]
+        else:
+            resolve_batch(batch, reply)
+        self._settled(request_id)
+
+    def _continue(self, runs: list[Pass]) -> None:
+        """Runs that go on: their next step heads their queue, so it leaves in the next batch."""
+        closed = []
+        with self.lock:
+            for p in runs:
+                if p.queue.closed:
+                    closed.append(p)
+                else:
+                    p.queue.pending.appendleft(p)  # type: ignore[arg-type]
+        fail(closed, HostError(ErrorKind.INVALID_HANDLE, "instance terminated"))
+
+    def cancel(self, p: Pass) -> None:
+        """A waiting pass never runs; one in flight (a run's step) is the run's last."""
+        with self.lock:
+            waiting = p in p.queue.pending
+            if waiting:
+                p.queue.pending.remove(p)  # type: ignore[arg-type]
+            p.cancelled = True
+        if waiting:
+            p.queue.results.publish(p, Status.CANCELLED)
+
+    def when_settled(self, instance_id: str, callback: Callable[[], Any]) -> None:
+        """Run `callback` once no batch in flight holds a call of `instance_id` (at once if
+        none does): an ending instance's pages must not be reused while a batch still
+        writes them."""
+        with self.lock:
+            waiting = {rid for rid, batch in self.in_flight.items()
+                       if any(c.queue.instance_id == instance_id for c in batch)}
+            if waiting:
+                self.settle_callbacks.append((waiting, callback))
+                return
+        callback()
+
+    def _settled(self, request_id: int) -> None:
+        with self.lock:
+            ready = []
+            for waiting, callback in self.settle_callbacks:
+                waiting.discard(request_id)
+                if not waiting:
+                    ready.append(callback)
+            self.settle_callbacks = [e for e in self.settle_callbacks if e[0]]
+        for callback in ready:
+            callback()
 
 
 # --- batch <-> protocol messages ----------------------------------------------------------
 
 
 def build_batch(kind: str, batch: list[Command]) -> P.Message:
+    if kind == P.Kind.PASS:
+        return encode(batch)  # type: ignore[arg-type]
     items = [c.item for c in batch]
     if kind == P.Kind.EMBED_TEXT:
         return P.EmbedText(*(sum((i[f] for i in items), []) for f in ("token_ids", "positions", "embed_ids")))
@@ -442,6 +506,9 @@ def resolve_batch(batch: list[Command], reply: P.Message) -> None:
 
 def _abandon(command: Command, error: HostError) -> None:
     """A command that will never run: it fails, but a deferred release still releases."""
+    if command.kind == P.Kind.PASS:
+        fail([command], error)  # type: ignore[list-item]
+        return
     if command.on_head:
         command.on_head()
     command.future.set_error(error)

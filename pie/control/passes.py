@@ -1,0 +1,402 @@
+"""The fused pass (`inference.execute` / `inference.run`): one typed object from the host
+binding to the wire.
+
+A `Pass` is made by the binding with physical ids, checked once by `Pass.validate`,
+queued on its `CommandQueue` like a `Command`, packed with its batch into one
+`protocol.Passes` request by `encode`, and settled by `settle` on the scheduler thread. A
+host-side run is one `Pass` that `settle` advances by itself (`Pass.advance`) and puts back
+at the head of its queue, so the next step leaves in the batch right after the reply,
+without waking the inferlet (docs/fused-pass.md §2.4, §3). Results reach the inferlet
+through its queue's `PassResults` (`take`, `results-ready`), not one future per pass.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from array import array
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+from pie import protocol as P
+from pie.control.errors import ErrorKind, HostError
+from pie.control.grammar import Matcher
+
+if TYPE_CHECKING:
+    from pie.control.scheduler import CommandQueue
+
+
+class Status(StrEnum):
+    """`inference.pass-status`, by its WIT case names."""
+
+    RUNNING = "running"
+    DONE = "done"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+@dataclass(slots=True, eq=False)
+class Output:
+    """What one output row computes (`inference.output`), with physical ids."""
+
+    index: int
+    sample: bool = False
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = -1  # -1: the backend's generator
+    dist_k: int = 0
+    logprob_ids: list[int] = field(default_factory=list)
+    entropy: bool = False
+    allowed: bytes | None = None
+    matcher: Matcher | None = None
+    advance: bool = False  # accept the drawn token into `matcher` on the reply
+    matcher_id: int = 0  # as the guest named it (`matcher.id`); the session resolves it
+    keep: int = -1  # physical embed that also receives the hidden state
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What `Pass.validate` checks against (from the handshake and the config)."""
+
+    page_size: int
+    vocab_size: int
+    max_batch_tokens: int
+    max_dist_k: int
+
+
+def _invalid(message: str) -> HostError:
+    return HostError(ErrorKind.INVALID_ARGUMENT, message)
+
+
+@dataclass(slots=True, eq=False)
+class Pass:
+    """One fused pass, or the current step of a host-side run (`steps_left` > 1)."""
+
+    queue: CommandQueue
+    pass_id: int
+    page_size: int
+    token_ids: list[int]
+    positions: list[int]
+    embeds: list[int]  # physical input embeds (new tokens before token_ids)
+    kv_pages: list[int]  # physical
+    last_len: int
+    out_pages: list[int]  # physical, writable
+    out_offset: int
+    mask: bytes | None
+    outputs: list[Output]
+    stop_tokens: frozenset[int] = frozenset()
+    steps_left: int = 1
+    kind: str = P.Kind.PASS  # what the scheduler batches by
+    tokens: int = 0  # new tokens: counts toward max_batch_tokens
+    reads: frozenset = frozenset()
+    writes: frozenset = frozenset()
+    enqueued: float = 0.0
+    on_head: None = None  # (the scheduler's Command protocol: passes are never markers,
+    future: None = None  # and their results go through queue.results, not a future)
+    # Results, guarded by queue.results.lock once the pass is submitted.
+    status: Status = Status.RUNNING
+    fresh: list[int] = field(default_factory=list)  # drawn tokens not yet taken
+    details: list[dict[str, Any]] = field(default_factory=list)
+    error: HostError | None = None
+    cancelled: bool = False  # asked to stop (a run stops after the step in flight)
+    listed: bool = False  # in queue.results.ready
+    taken: int = 0  # tokens the instance has taken (its thread only; usage accounting)
+    # A run's own bookkeeping: every page it may use in order, slots filled, last position.
+    run_pages: list[int] = field(default_factory=list)
+    filled: int = 0
+    last_position: int = 0
+
+    def __post_init__(self) -> None:
+        self._derive()
+
+    def _derive(self) -> None:
+        self.tokens = len(self.embeds) + len(self.token_ids)
+        keep = [o.keep for o in self.outputs if o.keep >= 0]
+        self.reads = frozenset([("p", p) for p in self.kv_pages] + [("e", e) for e in self.embeds])
+        self.writes = frozenset([("p", p) for p in self.out_pages] + [("e", e) for e in keep])
+        self.enqueued = time.monotonic()
+
+    # --- checks at the call ---------------------------------------------------------------
+
+    def validate(self, limits: Limits, run_steps: int | None = None) -> None:
+        """Every semantic check of a pass, once, at the call (HostError names the field);
+        with `run_steps`, of a run's first step. The backend keeps only bounds checks: any
+        ZeroMQ peer can reach it."""
+        ps, vocab, n_new = limits.page_size, limits.vocab_size, self.tokens
+        if n_new == 0:
+            raise _invalid("a pass needs at least one new token (input-embeds or input-tokens)")
+        if n_new > limits.max_batch_tokens:
+            raise _invalid(f"{n_new} tokens in one call exceed the backend's max_batch_tokens = "
+                           f"{limits.max_batch_tokens}; split the call into chunks")
+        if len(self.positions) != len(self.token_ids):
+            raise _invalid(f"{len(self.token_ids)} input tokens but {len(self.positions)} positions")
+        for i, t in enumerate(self.token_ids):
+            if t >= vocab:
+                raise _invalid(f"input token {i} is {t}, not below the vocabulary size {vocab}")
+        if self.kv_pages and not 1 <= self.last_len <= ps:
+            raise _invalid(f"input-kv-last-page-len {self.last_len} must be in [1, {ps}]")
+        if self.out_pages and (self.out_offset >= ps or len(self.out_pages) * ps - self.out_offset < n_new):
+            raise _invalid(f"output pages from offset {self.out_offset} hold "
+                           f"{max(0, len(self.out_pages) * ps - self.out_offset)} slots, {n_new} needed")
+        n_keys = self.context_slots() + n_new
+        if self.mask is not None and len(self.mask) != math.ceil(n_new * n_keys / 8):
+            raise _invalid(f"attention mask must be {math.ceil(n_new * n_keys / 8)} bytes "
+                           f"(packed bits of {n_new} x {n_keys}), got {len(self.mask)}")
+        seen: set[int] = set()
+        words = (vocab + 31) // 32
+        for o in self.outputs:
+            if o.index >= n_new or o.index in seen:
+                raise _invalid(f"output index {o.index} is out of range [0, {n_new}) or repeated")
+            seen.add(o.index)
+            if o.sample:
+                if not (math.isfinite(o.temperature) and o.temperature >= 0):
+                    raise _invalid(f"temperature {o.temperature} must be a finite number >= 0")
+                if not 0 < o.top_p <= 1:
+                    raise _invalid(f"top-p {o.top_p} must be in (0, 1]")
+                if not 0 <= o.min_p <= 1:
+                    raise _invalid(f"min-p {o.min_p} must be in [0, 1]")
+            if o.dist_k > limits.max_dist_k:
+                raise _invalid(f"top-k {o.dist_k} is over control.max_dist_k = {limits.max_dist_k}")
+            if any(t >= vocab for t in o.logprob_ids):
+                raise _invalid(f"a logprobs-of id is not below the vocabulary size {vocab}")
+            if o.allowed is not None and len(o.allowed) != 4 * words:
+                raise _invalid(f"allowed must be {words} words (ceil(vocab / 32)), "
+                               f"got {len(o.allowed) // 4}")
+        if run_steps is not None:
+            self._validate_run(ps, run_steps)
+
+    def context_slots(self) -> int:
+        return (len(self.kv_pages) - 1) * self.page_size + self.last_len if self.kv_pages else 0
+
+    def _validate_run(self, ps: int, steps: int) -> None:
+        if steps < 1:
+            raise _invalid("steps must be at least 1")
+        last = self.tokens - 1
+        if len(self.outputs) != 1 or not self.outputs[0].sample or self.outputs[0].index != last:
+            raise _invalid(f"a run's pass needs exactly one output, with a sampler, at its last "
+                           f"new token (index {last})")
+        partial = bool(self.kv_pages) and self.last_len < ps
+        if partial and (not self.out_pages or self.out_pages[0] != self.kv_pages[-1]
+                        or self.out_offset != self.last_len):
+            raise _invalid(f"a run's output pages must continue the context: the partial last "
+                           f"input page first, from offset {self.last_len}")
+        if not partial and self.out_offset != 0:
+            raise _invalid("a run's output pages must continue the context: offset 0 after a full page")
+        fresh = self.out_pages[1:] if partial else self.out_pages
+        if set(fresh) & set(self.kv_pages) or len(set(fresh)) != len(fresh):
+            raise _invalid("a run's output pages must be new pages, each once")
+        room = len(self.out_pages) * ps - self.out_offset
+        if room < self.tokens + steps - 1:
+            raise _invalid(f"output pages hold {room} slots from the offset; the run needs "
+                           f"{self.tokens + steps - 1} (n-new + steps - 1)")
+        self.run_pages = self.kv_pages + fresh
+        self.filled = self.context_slots()
+        self.last_position = max(self.positions) if self.positions else 0
+        self.steps_left = steps
+
+    # --- a run's next step ----------------------------------------------------------------
+
+    def advance(self, token: int) -> None:
+        """Make this pass the run's next step: `token` in at the next position and slot."""
+        ps = self.page_size
+        self.filled += self.tokens
+        self.last_position = (self.positions[-1] if self.positions else self.last_position) + 1
+        n_pages = math.ceil(self.filled / ps)
+        self.kv_pages = self.run_pages[:n_pages]
+        self.last_len = self.filled - (n_pages - 1) * ps
+        self.out_pages = [self.run_pages[self.filled // ps]]
+        self.out_offset = self.filled % ps
+        self.token_ids, self.positions, self.embeds, self.mask = [token], [self.last_position], [], None
+        out = self.outputs[0]
+        out.index = 0
+        if out.seed >= 0:
+            out.seed = (out.seed + 1) % (1 << 63)
+        self.steps_left -= 1
+        self._derive()
+
+
+class PassResults:
+    """One queue's passes with something for `take`, in the order they got it.
+
+    It is also the queue's `results-ready` future: level-triggered (ready while anything
+    is listed), duck-typing `HostFuture` for `wait_any`, so one pollable serves every pass.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.ready: list[Pass] = []
+        self.open = 0  # passes submitted and not yet finished
+        self._waiters: list[threading.Event] = []
+
+    def opened(self) -> None:
+        with self.lock:
+            self.open += 1
+
+    def publish(self, p: Pass, status: Status, tokens: list[int] = (),  # type: ignore[assignment]
+                details: list[dict[str, Any]] | None = None, error: HostError | None = None) -> None:
+        """Record progress of `p` (scheduler thread) and wake whoever waits for the queue."""
+        with self.lock:
+            if p.status is not Status.RUNNING:
+                return  # already final (cancelled before it ran, or failed)
+            p.fresh.extend(tokens)
+            if details is not None:
+                p.details = details
+            p.status, p.error = status, error
+            if status is not Status.RUNNING:
+                self.open -= 1
+            if not p.listed:
+                p.listed = True
+                self.ready.append(p)
+            waiters, self._waiters = self._waiters, []
+        for event in waiters:
+            event.set()
+
+    def take(self) -> list[tuple[int, Status, list[int], list[dict[str, Any]], HostError | None]]:
+        with self.lock:
+            out = []
+            for p in self.ready:
+                out.append((p.pass_id, p.status, p.fresh, p.details, p.error))
+                p.fresh, p.listed = [], False
+            self.ready = []
+            return out
+
+    def idle(self) -> bool:
+        """Nothing to take and nothing that will produce anything."""
+        with self.lock:
+            return not self.ready and self.open == 0
+
+    # HostFuture's interface, as `wait_any` uses it
+    def done(self) -> bool:
+        return bool(self.ready)
+
+    def _add_waiter(self, event: threading.Event) -> bool:
+        with self.lock:
+            if self.ready:
+                return False
+            self._waiters.append(event)
+            return True
+
+    def _remove_waiter(self, event: threading.Event) -> None:
+        with self.lock:
+            if event in self._waiters:
+                self._waiters.remove(event)
+
+
+# --- the wire --------------------------------------------------------------------------------
+
+
+def _i32(values: list[int]) -> bytes:
+    return array("i", values).tobytes()
+
+
+def _f32(values: list[float]) -> bytes:
+    return array("f", values).tobytes()
+
+
+def encode(batch: list[Pass]) -> P.Passes:
+    """The batch as one `Passes` request (packed columns; x86 and ARM are little-endian)."""
+    tok, emb, pos, tptr = [], [], [], [0]
+    kv, kvptr, lens, out, outptr, offs, masks = [], [0], [], [], [0], [], []
+    oidx, flags, temp, topk, topp, minp, seed, distk, keep, lp, lpptr = ([] for _ in range(11))
+    allowed: list[bytes | None] = []
+    lpptr.append(0)
+    oindptr = [0]
+    for p in batch:
+        emb += p.embeds + [-1] * len(p.token_ids)
+        tok += [-1] * len(p.embeds) + p.token_ids
+        pos += [0] * len(p.embeds) + p.positions
+        tptr.append(len(tok))
+        kv += p.kv_pages
+        kvptr.append(len(kv))
+        lens.append(p.last_len if p.kv_pages else 0)
+        out += p.out_pages
+        outptr.append(len(out))
+        offs.append(p.out_offset)
+        masks.append(p.mask)
+        for o in p.outputs:
+            oidx.append(o.index)
+            flags.append((P.FLAG_SAMPLE if o.sample else 0) | (P.FLAG_ENTROPY if o.entropy else 0))
+            temp.append(o.temperature)
+            topk.append(o.top_k)
+            topp.append(o.top_p)
+            minp.append(o.min_p)
+            seed.append(o.seed)
+            distk.append(o.dist_k)
+            keep.append(o.keep)
+            lp += o.logprob_ids
+            lpptr.append(len(lp))
+            allowed.append(o.matcher.allowed_mask() if o.matcher is not None else o.allowed)
+        oindptr.append(len(oidx))
+    return P.Passes(
+        token_ids=_i32(tok), embed_ids=_i32(emb), positions=_i32(pos), token_indptr=_i32(tptr),
+        kv_page_ids=_i32(kv), kv_page_indptr=_i32(kvptr), kv_last_page_lens=_i32(lens),
+        out_kv_page_ids=_i32(out), out_kv_page_indptr=_i32(outptr), out_kv_offsets=_i32(offs),
+        attention_masks=masks if any(m is not None for m in masks) else [],
+        out_indptr=_i32(oindptr), out_index=_i32(oidx), flags=bytes(flags), temperature=_f32(temp),
+        top_k=_i32(topk), top_p=_f32(topp), min_p=_f32(minp), seed=array("q", seed).tobytes(),
+        dist_k=_i32(distk), keep_embed=_i32(keep), logprob_ids=_i32(lp), logprob_indptr=_i32(lpptr),
+        allowed=allowed if any(a is not None for a in allowed) else [],
+    )
+
+
+def _unpack(code: str, data: bytes) -> list:
+    values = array(code)
+    values.frombytes(data)
+    return values.tolist()
+
+
+def settle(batch: list[Pass], reply: P.PassesReply) -> list[Pass]:
+    """Publish each pass's results (scheduler thread); return the runs that go on, advanced
+    to their next step, for the scheduler to put back at the head of their queues."""
+    tokens = _unpack("i", reply.tokens)
+    entropy = _unpack("f", reply.entropy)
+    logprobs = _unpack("f", reply.logprobs)
+    dist_ids, dist_probs = _unpack("i", reply.dist_ids), _unpack("f", reply.dist_probs)
+    dist_ptr = _unpack("i", reply.dist_indptr)
+    again: list[Pass] = []
+    row = lp = 0
+    for item, p in enumerate(batch):
+        rows = range(row, row + len(p.outputs))
+        row += len(p.outputs)
+        lp_start = lp
+        lp += sum(len(o.logprob_ids) for o in p.outputs)
+        results = p.queue.results
+        if item in reply.errors:
+            results.publish(p, Status.FAILED, error=HostError(
+                ErrorKind.INFERENCE_FAILED, f"pass {p.pass_id}: {reply.errors[item]}"))
+            continue
+        drawn, details, at = [], [], lp_start
+        for r, o in zip(rows, p.outputs):
+            n_lp = len(o.logprob_ids)
+            if o.sample:
+                drawn.append(tokens[r])
+                if o.advance and o.matcher is not None:
+                    try:
+                        o.matcher.accept([tokens[r]])
+                    except HostError as e:
+                        results.publish(p, Status.FAILED, drawn, error=e)
+                        break
+            if o.dist_k or n_lp or o.entropy:
+                details.append({"index": o.index, "top_ids": dist_ids[dist_ptr[r]:dist_ptr[r + 1]],
+                                "top_probs": dist_probs[dist_ptr[r]:dist_ptr[r + 1]],
+                                "logprobs": logprobs[at:at + n_lp],
+                                "entropy": entropy[r] if o.entropy else None})
+            at += n_lp
+        else:
+            going = p.steps_left > 1 and not p.cancelled and drawn[0] not in p.stop_tokens
+            ended = Status.CANCELLED if p.cancelled and p.steps_left > 1 else Status.DONE
+            results.publish(p, Status.RUNNING if going else ended, drawn, details)
+            if going:
+                p.advance(drawn[0])
+                again.append(p)
+    return again
+
+
+def fail(batch: list[Pass], error: HostError) -> None:
+    """Passes that will not run (whole request refused, backend gone, instance ended)."""
+    for p in batch:
+        p.queue.results.publish(p, Status.FAILED, error=error)

@@ -1,0 +1,224 @@
+"""The fused pass in the control layer (`pie/control/passes.py` + the scheduler), on the fake
+backend of test_control.py: checks at the call, results through `take`, host-side runs that
+advance without the instance, cancellation, and teardown with passes in flight."""
+
+from __future__ import annotations
+
+import time
+from array import array
+
+import pytest
+from test_control import controller_on_fake_backend
+
+from pie.config import PieConfig
+from pie.control.errors import ErrorKind, HostError
+from pie.control.passes import Output
+
+PS = 16  # the fake model's page size
+
+
+@pytest.fixture
+def fake(tmp_path, model_dir):
+    controller, backend = controller_on_fake_backend(PieConfig(), tmp_path, model_dir)
+    yield controller, backend
+    controller.shutdown()
+    backend.close()
+
+
+def sampled(index: int, **kw) -> Output:
+    return Output(index=index, sample=True, **kw)
+
+
+def submit(session, q, tokens, *, run=None, kv=(), last_len=0, out=(), offset=0,
+           outputs=None, stop=(), mask=None):
+    n = len(tokens)
+    outputs = [sampled(n - 1)] if outputs is None else outputs
+    return session.submit_pass(q, run, token_ids=list(tokens), positions=list(range(n)), embeds=[],
+                               kv_pages=list(kv), last_len=last_len, out_pages=list(out),
+                               out_offset=offset, mask=mask, outputs=outputs, stop_tokens=list(stop))
+
+
+def take_all(session, q) -> list:
+    """Take until every pass of q has a final result."""
+    results = []
+    while True:
+        got = session.take(q, True)
+        if not got:
+            return results
+        results += got
+
+
+def wait_for(condition, limit_s: float = 30.0) -> None:
+    """Poll a condition on counters (never a timing assertion: the limit only ends a hang)."""
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition never held"
+        time.sleep(0.005)
+
+
+def columns(msg, name: str, code: str = "i") -> list:
+    values = array(code)
+    values.frombytes(getattr(msg, name))
+    return values.tolist()
+
+
+def test_execute_returns_one_result_through_take(fake):
+    controller, backend = fake
+    a = controller.session("a", [])
+    q = a.create_queue("m")
+    pages = a.alloc_kvpage(q, 1)
+    pid = submit(a, q, [5, 6, 7], out=pages, outputs=[sampled(2), Output(index=0, entropy=True)])
+    ((got_id, status, tokens, details, error),) = take_all(a, q)
+    assert (got_id, status, tokens, error) == (pid, "done", [7], None)
+    assert details == [{"index": 0, "top_ids": [], "top_probs": [], "logprobs": [], "entropy": 0.5}]
+    assert backend.batches == [("pass", 1)]
+    msg = backend.passes[0]
+    assert columns(msg, "token_ids") == [5, 6, 7] and columns(msg, "out_index") == [2, 0]
+    assert a.usage()["sampled_tokens"] == 1 and a.usage()["forward_tokens"] == 3
+    assert a.take(q, True) == []  # nothing in flight: returns at once
+    a.close()
+
+
+def test_run_advances_on_the_host_until_steps_or_a_stop_token(fake):
+    controller, backend = fake
+    a = controller.session("a", [])
+    q = a.create_queue("m")
+    pages = a.alloc_kvpage(q, 2)  # prompt 14 + 5 steps - 1 = 18 slots
+    pid = submit(a, q, list(range(1, 15)), run=5, out=pages)
+    results = take_all(a, q)
+    assert [t for r in results for t in r[2]] == [7] * 5 and results[-1][1] == "done"
+    assert all(r[0] == pid for r in results)
+    assert backend.batches == [("pass", 1)] * 5
+    steps = backend.passes
+    physical = a.resources.pages.resolve(pages)
+    # step k (k >= 1) feeds the drawn token at position 13 + k, written at slot 13 + k
+    for k, msg in enumerate(steps[1:], 1):
+        slot = 13 + k
+        assert columns(msg, "token_ids") == [7] and columns(msg, "positions") == [slot]
+        assert columns(msg, "out_kv_page_ids") == [physical[slot // PS]]
+        assert columns(msg, "out_kv_offsets") == [slot % PS]
+        assert columns(msg, "kv_page_ids") == physical[: (slot - 1) // PS + 1]
+        assert columns(msg, "kv_last_page_lens") == [slot - (slot - 1) // PS * PS]
+    assert a.usage()["sampled_tokens"] == 5 and a.usage()["forward_tokens"] == 14 + 4
+
+    backend.batches.clear()
+    pages2 = a.alloc_kvpage(q, 1)
+    submit(a, q, [1, 2], run=8, out=pages2, stop=[7])
+    assert [t for r in take_all(a, q) for t in r[2]] == [7]  # the stop token ends it
+    assert backend.batches == [("pass", 1)]
+    a.close()
+
+
+def test_runs_of_many_instances_share_every_step(fake):
+    """Each reply queues every run's next step at once: one batch per step, all instances."""
+    controller, backend = fake
+    backend.hold.clear()  # the first batch stays in flight until the others are queued
+    sessions = [controller.session(f"i{k}", []) for k in range(4)]
+    queues = [s.create_queue("m") for s in sessions]
+    for k, (s, q) in enumerate(zip(sessions, queues)):
+        submit(s, q, [1, 2, 3], run=6, out=s.alloc_kvpage(q, 1))
+        wait_for(lambda: backend.batches)  # the first one left alone
+    backend.hold.set()
+    for s, q in zip(sessions, queues):
+        assert sum(len(r[2]) for r in take_all(s, q)) == 6
+    # the others catch up with the first's second step, then every step is one batch
+    assert [n for kind, n in backend.batches] == [1, 4, 4, 4, 4, 4, 3]
+    for s in sessions:
+        s.close()
+
+
+def test_bad_passes_fail_at_the_call_with_the_field_named(fake):
+    controller, backend = fake
+    a, b = controller.session("a", []), controller.session("b", [])
+    q, qb = a.create_queue("m"), b.create_queue("m")
+    page = a.alloc_kvpage(q, 1)
+    (matcher,) = [a.compile_grammar(q, "regex", "[ab]+")]
+    cases = [
+        (lambda: submit(a, q, []), ErrorKind.INVALID_ARGUMENT, "at least one new token"),
+        (lambda: submit(a, q, [60000]), ErrorKind.INVALID_ARGUMENT, "not below the vocabulary size"),
+        (lambda: submit(a, q, [1], outputs=[sampled(1)]), ErrorKind.INVALID_ARGUMENT, "output index 1"),
+        (lambda: submit(a, q, [1, 2], outputs=[sampled(0), sampled(0)]), ErrorKind.INVALID_ARGUMENT,
+         "repeated"),
+        (lambda: submit(a, q, [1], outputs=[sampled(0, top_p=0)]), ErrorKind.INVALID_ARGUMENT, "top-p"),
+        (lambda: submit(a, q, [1], outputs=[sampled(0, temperature=-1)]), ErrorKind.INVALID_ARGUMENT,
+         "temperature"),
+        (lambda: submit(a, q, [1], outputs=[Output(0, dist_k=10_000)]), ErrorKind.INVALID_ARGUMENT,
+         "max_dist_k"),
+        (lambda: submit(a, q, [1], outputs=[Output(0, allowed=b"\0" * 8)]), ErrorKind.INVALID_ARGUMENT,
+         "1536 words"),
+        (lambda: submit(a, q, [1], mask=b"\0\0"), ErrorKind.INVALID_ARGUMENT, "attention mask must be 1 bytes"),
+        (lambda: submit(a, q, [1] * 65), ErrorKind.INVALID_ARGUMENT, "max_batch_tokens = 64"),
+        (lambda: submit(a, q, [1], kv=[99], last_len=1), ErrorKind.INVALID_HANDLE, "kv page 99"),
+        (lambda: submit(b, qb, [1], kv=page, last_len=1), ErrorKind.INVALID_HANDLE, "not a live kv page"),
+        (lambda: submit(a, qb, [1]), ErrorKind.INVALID_HANDLE, "another instance"),
+        (lambda: submit(a, q, [1], outputs=[sampled(0, matcher_id=matcher.id + 1)]),
+         ErrorKind.INVALID_HANDLE, "matcher"),
+        (lambda: submit(a, q, [1], run=0, out=page), ErrorKind.INVALID_ARGUMENT, "at least 1"),
+        (lambda: submit(a, q, [1] * 10, run=8, out=page), ErrorKind.INVALID_ARGUMENT, "needs 17"),
+        (lambda: submit(a, q, [1], run=2, out=page, outputs=[Output(0)]), ErrorKind.INVALID_ARGUMENT,
+         "exactly one output"),
+        (lambda: submit(a, q, [1], run=2, kv=page, last_len=3, out=a.alloc_kvpage(q, 1)),
+         ErrorKind.INVALID_ARGUMENT, "continue the context"),
+        (lambda: a.cancel_pass(q, 12345), ErrorKind.INVALID_HANDLE, "pass 12345"),
+    ]
+    for call, kind, text in cases:
+        with pytest.raises(HostError) as e:
+            call()
+        assert e.value.kind == kind and text in e.value.message, (text, e.value.message)
+    assert backend.batches == [] and not q.pending
+    a.close()
+    b.close()
+
+
+def test_cancel_stops_a_run_after_its_step_in_flight(fake):
+    controller, backend = fake
+    a = controller.session("a", [])
+    q = a.create_queue("m")
+    backend.hold.clear()
+    first = submit(a, q, [1, 2], run=10, out=a.alloc_kvpage(q, 1))
+    wait_for(lambda: backend.batches)
+    second = submit(a, q, [3], out=[])
+    a.cancel_pass(q, second)  # still waiting behind the run: never runs
+    a.cancel_pass(q, first)  # in flight: its step ends the run
+    backend.hold.set()
+    results = {r[0]: r for r in take_all(a, q)}
+    assert results[second][1:3] == ("cancelled", [])
+    assert results[first][1:3] == ("cancelled", [7])
+    assert backend.batches == [("pass", 1)]
+    a.close()
+
+
+def test_a_failed_item_fails_only_its_pass(fake):
+    controller, backend = fake
+    backend.hold.clear()
+    a, b = controller.session("a", []), controller.session("b", [])
+    qa, qb = a.create_queue("m"), b.create_queue("m")
+    submit(a, qa, [1], out=[])
+    wait_for(lambda: backend.batches)
+    submit(a, qa, [2], out=[])
+    submit(b, qb, [3], run=3, out=b.alloc_kvpage(qb, 1))
+    backend.pass_errors = {1: {0: "embed id 999 out of range"}}  # batch 1, item 0: a's
+    backend.hold.set()
+    first, second = take_all(a, qa)
+    assert first[1] == "done" and second[1] == "failed"
+    assert second[4].kind == ErrorKind.INFERENCE_FAILED and "embed id 999" in second[4].message
+    assert [t for r in take_all(b, qb) for t in r[2]] == [7, 7, 7]
+
+
+def test_teardown_waits_for_the_batch_in_flight_before_freeing_pages(fake):
+    """An ending instance's pages go back to the pool only after the batch writing them
+    replies: a page handed to another instance is never overwritten by a late write."""
+    controller, backend = fake
+    a = controller.session("a", [])
+    q = a.create_queue("m")
+    backend.hold.clear()
+    submit(a, q, [1, 2, 3], run=4, out=a.alloc_kvpage(q, 1))
+    submit(a, q, [4], out=[])  # queued behind it
+    total = controller.resources.pages.size
+    wait_for(lambda: backend.batches)
+    a.close()
+    assert controller.resources.pages.available == total - 1  # still held by the batch
+    backend.hold.set()
+    wait_for(lambda: controller.resources.pages.available == total)
+    assert controller.resources.embeds.available == controller.resources.embeds.size
+    assert not q.pending and not a.passes or all(p.queue.closed for p in a.passes.values())
