@@ -4,14 +4,10 @@ Every batchable call is a `Command` on a `CommandQueue`; commands of one queue r
 One thread owns the backend socket. It forms a batch of one call kind from the heads of all
 queues (horizontal batching) plus, per queue, the following commands of the same kind that
 do not conflict with the ones before them (vertical batching); higher-priority queues come
-first and the batch is cut at the backend's token budget. *When* to dispatch is the policy:
-
-- adaptive (default, work-conserving): as soon as the backend reports idle;
-- eager: no batching (the paper's baseline): every call is sent alone, at once;
-- k: once `batch_k` calls of one kind wait (a call never waits longer than 100 ms);
-- t: once the oldest waiting call has waited `batch_t_ms`.
-
-Among kinds with eligible calls, the kind whose oldest call has waited longest goes first.
+first and the batch is cut at the backend's token budget. *When* to dispatch, and which
+kind, is the policy's (`pie/control/policies.py`: adaptive, eager, k, t). Fused passes
+(`pie/control/passes.py`) ride the same queues; a host-side run's next step is put back at
+the head of its queue by the reply that ends its last one.
 Markers (synchronize, deferred release) complete when they reach the head of their queue.
 """
 
@@ -34,12 +30,11 @@ from pie.config import ControlConfig
 from pie.control.errors import ErrorKind, HostError
 from pie.control.future import HostFuture
 from pie.control.passes import Pass, PassResults, Status, encode, fail, settle
+from pie.control.policies import HEAVY, ReadyView, policy_for
 
 log = logging.getLogger("pie.control")
 
-K_POLICY_MAX_WAIT_S = 0.1
 MARKER = "marker"
-HEAVY = (P.Kind.FORWARD, P.Kind.PASS)  # kinds that run the model: batched together, gathered
 
 
 @dataclass(eq=False)
@@ -101,6 +96,7 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, endpoint: str, config: ControlConfig, max_batch_tokens: int):
         self.config = config
+        self.policy = policy_for(config)
         self.max_batch_tokens = max_batch_tokens
         self.lock = threading.Lock()
         self.queues: list[CommandQueue] = []
@@ -238,10 +234,10 @@ class Scheduler:
                 heads = self._eligible_heads()
                 if not heads:
                     return None
-                kind, wait_ms = self._choose(heads)
+                kind, wait_ms = self.policy.choose(self._view(heads))
                 if kind is None:
                     return wait_ms
-                batch = self._form_batch(kind, single=self.config.scheduler == "eager")
+                batch = self._form_batch(kind, single=self.policy.single)
                 request_id = next(self.request_ids)
                 if kind in HEAVY:
                     sent = time.monotonic()
@@ -282,70 +278,21 @@ class Scheduler:
         return [q.pending[0] for q in self.queues
                 if q.pending and q.pending[0].kind != MARKER and id(q) not in busy]
 
-    def _choose(self, heads: list[Command]) -> tuple[str | None, int | None]:
-        """The kind to dispatch now, or (None, ms to wait before asking again)."""
+    def _view(self, heads: list[Command]) -> ReadyView:
+        """What the policy decides on (under the lock)."""
+        now = time.monotonic()
         oldest: dict[str, float] = {}
         count: Counter = Counter()
+        ready: dict[str, set[int]] = {}
         for command in heads:
             count[command.kind] += 1
             oldest[command.kind] = min(oldest.get(command.kind, command.enqueued), command.enqueued)
-        kind = self._preferred_kind(oldest)
-        policy = self.config.scheduler
-        if policy == "eager":
-            return kind, None
-        if not self.backend_idle:
-            return None, None  # the idle signal wakes the loop
-        if policy == "adaptive":
-            return self._gather_forwards(heads, kind, oldest)
-        waited = time.monotonic() - oldest[kind]
-        if policy == "k":
-            ready = [k for k in count if count[k] >= self.config.batch_k]
-            if ready:
-                return min(ready, key=oldest.get), None
-            if waited >= K_POLICY_MAX_WAIT_S:
-                return kind, None
-            return None, max(1, int((K_POLICY_MAX_WAIT_S - waited) * 1e3))
-        limit = self.config.batch_t_ms / 1e3  # policy t
-        if waited >= limit:
-            return kind, None
-        return None, max(1, int((limit - waited) * 1e3))
-
-    def _preferred_kind(self, oldest: dict[str, float]) -> str:
-        """The oldest-waiting kind, except that the model-running kinds yield to cheaper ones.
-
-        embed_text, sample and the rest cost a fraction of a forward; running them first
-        lets their queues reach their next forward, so forwards gather into one batch instead
-        of splitting across rounds (measured: 8 concurrent decoders went from +156% to
-        near-direct time per token). A forward that has waited longer than the last forward
-        batch took goes first anyway, so it cannot starve.
-        """
-        heavy = {k: t for k, t in oldest.items() if k in HEAVY}
-        others = {k: t for k, t in oldest.items() if k not in HEAVY}
-        if not heavy or not others:
-            return min(oldest, key=oldest.get)
-        first = min(heavy, key=heavy.get)
-        if time.monotonic() - heavy[first] > self.last_forward_s:
-            return first
-        return min(others, key=others.get)
-
-    def _gather_forwards(self, heads: list[Command], kind: str,
-                         oldest: dict[str, float]) -> tuple[str | None, int | None]:
-        """Adaptive's one exception to dispatching at once: while queues that ran a forward
-        recently are still between calls (about to submit their next forward), wait for
-        them — at most half a forward's duration — so decoding inferlets share one batch
-        instead of drifting into groups that each pay a full forward. (Host-side runs need
-        no waiting: every run's next step is queued by the reply that ends its last.)"""
-        if kind not in HEAVY:
-            return kind, None
-        now = time.monotonic()
+            ready.setdefault(command.kind, set()).add(id(command.queue))
         recent = {q for q, t in self.recent_forwards.items() if now - t < 3 * self.last_forward_s}
-        ready = {id(c.queue) for c in heads if c.kind == kind}
-        open_queues = {id(q) for q in self.queues if not q.closed}
-        patience = 0.5 * self.last_forward_s
-        waited = now - oldest[kind]
-        if not (recent & open_queues) - ready or waited >= patience:
-            return kind, None
-        return None, max(1, int((patience - waited) * 1e3))
+        if recent:
+            recent &= {id(q) for q in self.queues if not q.closed}
+        stragglers = frozenset(k for k in HEAVY if k in ready and recent - ready[k])
+        return ReadyView(dict(count), oldest, self.backend_idle, self.last_forward_s, now, stragglers)
 
     def _form_batch(self, kind: str, single: bool = False) -> list[Command]:
         """The waiting commands of `kind` to send together (just the oldest one if `single`)."""

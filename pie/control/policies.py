@@ -1,0 +1,141 @@
+"""Batching policies (paper Table 5): *when* the scheduler sends a batch, and of which kind.
+
+A policy sees a `ReadyView` of the calls that could go now and answers with a kind to send
+or how long to wait before asking again. It does no I/O and holds no scheduler state, so
+each is tested on synthetic views (tests/test_policies.py). `control.scheduler` names one
+of `POLICIES`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from pie import protocol as P
+from pie.config import ControlConfig
+
+HEAVY = (P.Kind.FORWARD, P.Kind.PASS)  # kinds that run the model: batched together, gathered
+K_POLICY_MAX_WAIT_S = 0.1
+
+
+@dataclass(frozen=True)
+class ReadyView:
+    """What a policy decides on: per kind, how many heads could go and when the oldest was
+    enqueued; the backend's state; and, per heavy kind, whether queues that ran the model
+    within the last three forwards are about to submit again (`stragglers`)."""
+
+    count: dict[str, int]
+    oldest: dict[str, float]
+    backend_idle: bool
+    last_forward_s: float
+    now: float
+    stragglers: frozenset[str] = frozenset()
+
+    def preferred(self) -> str:
+        """The oldest-waiting kind, except that the model-running kinds yield to cheaper ones.
+
+        embed_text, sample and the rest cost a fraction of a forward; running them first
+        lets their queues reach their next forward, so forwards gather into one batch instead
+        of splitting across rounds (measured: 8 concurrent decoders went from +156% to
+        near-direct time per token). A forward that has waited longer than the last forward
+        batch took goes first anyway, so it cannot starve.
+        """
+        heavy = {k: t for k, t in self.oldest.items() if k in HEAVY}
+        others = {k: t for k, t in self.oldest.items() if k not in HEAVY}
+        if not heavy or not others:
+            return min(self.oldest, key=self.oldest.__getitem__)
+        first = min(heavy, key=heavy.__getitem__)
+        if self.now - heavy[first] > self.last_forward_s:
+            return first
+        return min(others, key=others.__getitem__)
+
+    def waited(self, kind: str) -> float:
+        return self.now - self.oldest[kind]
+
+
+Decision = tuple[str | None, int | None]  # (kind to send, or None and ms to wait; None = until woken)
+
+
+class Policy(Protocol):
+    single: bool  # one call per batch
+
+    def choose(self, view: ReadyView) -> Decision: ...
+
+
+class Adaptive:
+    """Work-conserving (the default): send as soon as the backend is idle. One exception:
+    while queues that ran the model recently are still between calls (about to submit their
+    next one), wait for them — at most half a forward's duration — so decoders share one
+    batch instead of drifting into groups that each pay a full forward. (Host-side runs need
+    no waiting: the reply that ends a run's step queues its next one.)"""
+
+    single = False
+
+    def choose(self, view: ReadyView) -> Decision:
+        if not view.backend_idle:
+            return None, None  # the idle signal wakes the loop
+        kind = view.preferred()
+        patience = 0.5 * view.last_forward_s
+        if kind not in view.stragglers or view.waited(kind) >= patience:
+            return kind, None
+        return None, max(1, int((patience - view.waited(kind)) * 1e3))
+
+
+class Eager:
+    """No batching (the paper's baseline): every call alone, at once, even while the
+    backend is busy."""
+
+    single = True
+
+    def choose(self, view: ReadyView) -> Decision:
+        return view.preferred(), None
+
+
+@dataclass
+class CountK:
+    """Once `k` calls of one kind wait; a call never waits longer than `max_wait_s`."""
+
+    k: int
+    max_wait_s: float = K_POLICY_MAX_WAIT_S
+    single = False
+
+    def choose(self, view: ReadyView) -> Decision:
+        if not view.backend_idle:
+            return None, None
+        ready = [kind for kind, n in view.count.items() if n >= self.k]
+        if ready:
+            return min(ready, key=view.oldest.__getitem__), None
+        kind = view.preferred()
+        if view.waited(kind) >= self.max_wait_s:
+            return kind, None
+        return None, max(1, int((self.max_wait_s - view.waited(kind)) * 1e3))
+
+
+@dataclass
+class TimeT:
+    """Once the oldest waiting call has waited `t_s`."""
+
+    t_s: float
+    single = False
+
+    def choose(self, view: ReadyView) -> Decision:
+        if not view.backend_idle:
+            return None, None
+        kind = view.preferred()
+        if view.waited(kind) >= self.t_s:
+            return kind, None
+        return None, max(1, int((self.t_s - view.waited(kind)) * 1e3))
+
+
+POLICIES = ("adaptive", "eager", "k", "t")
+
+
+def policy_for(config: ControlConfig) -> Policy:
+    """The policy `control.scheduler` names."""
+    if config.scheduler == "eager":
+        return Eager()
+    if config.scheduler == "k":
+        return CountK(config.batch_k)
+    if config.scheduler == "t":
+        return TimeT(config.batch_t_ms / 1e3)
+    return Adaptive()
