@@ -85,7 +85,7 @@ BAD_ITEMS = [
     (_forward([10**6], 1, [0], [], 0, [], []), {0: "input page id 1000000 out of range"}),
     (_forward([0], 17, [0], [], 0, [], []), {0: "kv_last_page_len 17 must be in"}),
     (_forward([], 0, [-1], [], 0, [], []), {0: "input embed id -1 out of range"}),
-    (_forward([], 0, [], [], 0, [], []), {0: "no input embeds"}),
+    (_forward([], 0, [], [], 0, [], []), {0: "no new tokens"}),
     (_forward([], 0, [0, 1], [5], 15, [], []), {0: "output pages hold 1 slots"}),
     (_forward([], 0, [0], [5, 5], 0, [], []), {0: "output pages repeat a page"}),
     (_forward([5], 4, [0], [5], 2, [], []), {0: "output slots overlap the input context"}),

@@ -2,6 +2,7 @@ import msgpack
 import pytest
 
 from pie import protocol as P
+from pie.control.passes import Output, Pass, encode
 
 
 def test_round_trip_of_every_request():
@@ -13,6 +14,8 @@ def test_round_trip_of_every_request():
         P.Sample([1], [0.7], [40], [0.9], [3]),
         P.CopyKvPage([1], [2], [0], [0], [16]),
         P.MaskKvPage([1], [[True] * 16]),
+        encode([Pass(None, 1, 16, [5, 6], [0, 1], [], [], 0, [3], 0, None,  # type: ignore[arg-type]
+                     [Output(1, sample=True, seed=9, logprob_ids=[4]), Output(0, dist_k=3)])]),
         P.StatsRequest(),
     ]
     assert set(P.REQUESTS) == {m.kind for m in samples}

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from pie import protocol as P
+from pie.backend import sampling
 from pie.backend.attention import (
     AttentionPlan,
     CpuKernelAttention,
@@ -26,6 +27,7 @@ from pie.backend.attention import (
 )
 from pie.backend.kv_cache import EmbedPool, KvCache
 from pie.backend.llama import Llama
+from pie.backend.passes import run_passes
 from pie.config import BackendConfig
 
 TRAITS = ["allocate", "forward", "input-text", "tokenize", "output-text"]
@@ -87,12 +89,13 @@ def check_indptr(kind: str, indptr: np.ndarray, flat_len: int, n_items: int, nam
 
 
 @dataclass
-class _ForwardItem:
+class ForwardItem:
+    """One item's attention layout, shared by `forward` and fused passes: the KV slots it
+    reads (its context), how many new tokens it runs, where their K/V go, its mask."""
+
     context_slots: np.ndarray
-    embed_ids: np.ndarray
+    n_new: int
     write_slots: np.ndarray
-    out_embed_ids: np.ndarray
-    out_token_indices: np.ndarray
     mask: torch.Tensor | None
 
 
@@ -217,40 +220,47 @@ class Engine:
             check_indptr(kind, flat[indptr], len(flat[data]), n_items, indptr)
 
         errors: dict[int, str] = {}
-        items: list[_ForwardItem] = []
-        scratch_cursor = self.kv.scratch_start
-        budget = self.config.max_batch_tokens
+        items: list[ForwardItem] = []
+        embed_ids, out_ids, out_rows = [], [], []
+        layout = self.layout()
         for b in range(n_items):
             try:
                 span = lambda name: slice(flat[name][b], flat[name][b + 1])  # noqa: E731
-                item = self._forward_item(
-                    pages=flat["kv_page_ids"][span("kv_page_indptr")],
-                    last_len=int(last_lens[b]),
-                    embed_ids=flat["embed_ids"][span("embed_indptr")],
-                    out_pages=flat["out_kv_page_ids"][span("out_kv_page_indptr")],
-                    out_offset=int(flat["out_kv_offsets"][b]),
-                    out_embed_ids=flat["out_embed_ids"][span("out_embed_indptr")],
-                    out_token_indices=flat["out_token_indices"][span("out_embed_indptr")],
-                    mask=msg.attention_masks[b],
-                    scratch_cursor=scratch_cursor,
-                )
-                n_new = len(item.embed_ids)
-                if n_new > budget:
-                    raise ItemError(
-                        f"batch exceeds max_batch_tokens={self.config.max_batch_tokens} "
-                        f"({n_new} new tokens, {budget} left)"
-                    )
+                embeds = flat["embed_ids"][span("embed_indptr")]
+                outs = flat["out_embed_ids"][span("out_embed_indptr")]
+                rows = flat["out_token_indices"][span("out_embed_indptr")]
+                self._check_embeds(embeds, "input")
+                self._check_embeds(outs, "output")
+                bad = rows[(rows < 0) | (rows >= len(embeds))]
+                if len(bad):
+                    raise ItemError(f"out_token_index {bad[0]} out of range [0, {len(embeds)})")
+                q0 = layout.tokens
+                item = layout.add(
+                    pages=flat["kv_page_ids"][span("kv_page_indptr")], last_len=int(last_lens[b]),
+                    n_new=len(embeds), out_pages=flat["out_kv_page_ids"][span("out_kv_page_indptr")],
+                    out_offset=int(flat["out_kv_offsets"][b]), mask=msg.attention_masks[b])
             except ItemError as e:
                 errors[b] = str(e)
                 continue
-            budget -= n_new
-            if len(item.write_slots) and item.write_slots[0] >= self.kv.scratch_start:
-                scratch_cursor += n_new
             items.append(item)
+            embed_ids.append(embeds)
+            out_ids.append(outs)
+            out_rows.append(rows + q0)
         if items:
-            self._run_forward(items)
-        self._count(kind, n_items, len(errors), sum(len(i.embed_ids) for i in items))
+            ids = self._tensor(np.concatenate(embed_ids))
+            rows = self._tensor(np.concatenate(out_rows))
+            positions = self.embeds.positions[ids]
+            hidden = self.run_items(items, self.embeds.vectors[ids], positions, rows)
+            out = self._tensor(np.concatenate(out_ids))
+            if len(out):
+                self.embeds.vectors[out] = hidden
+                self.embeds.positions[out] = positions[rows]
+        self._count(kind, n_items, len(errors), layout.tokens)
         return P.BatchReply(errors=errors)
+
+    def layout(self) -> "BatchLayout":
+        """A fresh per-batch token budget and scratch cursor for `ForwardItem`s."""
+        return BatchLayout(self)
 
     def _page_slots(self, pages: np.ndarray) -> np.ndarray:
         return (pages[:, None] * self.page_size + np.arange(self.page_size)).ravel()
@@ -265,20 +275,18 @@ class Engine:
         if len(bad):
             raise ItemError(f"{what} embed id {bad[0]} out of range [0, {self.embeds.size})")
 
-    def _forward_item(
-        self, pages: np.ndarray, last_len: int, embed_ids: np.ndarray, out_pages: np.ndarray,
-        out_offset: int, out_embed_ids: np.ndarray, out_token_indices: np.ndarray,
-        mask: bytes | None, scratch_cursor: int,
-    ) -> _ForwardItem:
+    def forward_item(
+        self, pages: np.ndarray, last_len: int, n_new: int, out_pages: np.ndarray,
+        out_offset: int, mask: bytes | None, scratch_cursor: int,
+    ) -> ForwardItem:
+        """Check one item's pages, offsets and mask (ItemError says what is wrong)."""
         ps = self.page_size
         self._check_pages(pages, "input")
         if len(pages) and not 1 <= last_len <= ps:
             raise ItemError(f"kv_last_page_len {last_len} must be in [1, {ps}]")
         context = self._page_slots(pages)[: max(0, (len(pages) - 1) * ps + last_len)] if len(pages) else np.zeros(0, np.int64)
-        n_new = len(embed_ids)
         if n_new == 0:
-            raise ItemError("no input embeds")
-        self._check_embeds(embed_ids, "input")
+            raise ItemError("no new tokens")
         if len(out_pages):
             self._check_pages(out_pages, "output")
             if len(np.unique(out_pages)) != len(out_pages):
@@ -293,10 +301,6 @@ class Engine:
                 raise ItemError("output slots overlap the input context")
         else:
             write = np.arange(scratch_cursor, scratch_cursor + n_new, dtype=np.int64)
-        self._check_embeds(out_embed_ids, "output")
-        bad = out_token_indices[(out_token_indices < 0) | (out_token_indices >= n_new)]
-        if len(bad):
-            raise ItemError(f"out_token_index {bad[0]} out of range [0, {n_new})")
         dense = None
         if mask is not None:
             n_keys = len(context) + n_new
@@ -312,14 +316,16 @@ class Engine:
                                  torch.ones(n_new, dtype=torch.bool, device=self.device)])
             if not (dense & visible).any(dim=1).all():
                 raise ItemError("attention mask leaves a new token with nothing to attend to")
-        return _ForwardItem(context, embed_ids, write, out_embed_ids, out_token_indices, dense)
+        return ForwardItem(context, n_new, write, dense)
 
-    def _run_forward(self, items: list[_ForwardItem]) -> None:
+    def run_items(self, items: list[ForwardItem], x: torch.Tensor, positions: torch.Tensor,
+                  out_rows: torch.Tensor) -> torch.Tensor:
+        """One model forward over the items' new tokens (inputs `x` at `positions`, item
+        after item); the final hidden states of rows `out_rows`."""
         q_indptr, kv_indptr = [0], [0]
         for item in items:
-            q_indptr.append(q_indptr[-1] + len(item.embed_ids))
-            kv_indptr.append(kv_indptr[-1] + len(item.context_slots) + len(item.embed_ids))
-        embed_ids = self._tensor(np.concatenate([i.embed_ids for i in items]))
+            q_indptr.append(q_indptr[-1] + item.n_new)
+            kv_indptr.append(kv_indptr[-1] + len(item.context_slots) + item.n_new)
         write_slots = self._tensor(np.concatenate([i.write_slots for i in items]))
         context = self._tensor(np.concatenate([i.context_slots for i in items]))
         # Slots written by this batch are fresh: clear their mask bits first, so an item that
@@ -340,17 +346,7 @@ class Engine:
             kv_visible=torch.cat(kv_visible),
             custom_masks=[item.mask for item in items],
         )
-        out_rows = self._tensor(np.concatenate(
-            [i.out_token_indices + q0 for i, q0 in zip(items, q_indptr)]))
-        out_ids = self._tensor(np.concatenate([i.out_embed_ids for i in items]))
-        positions = self.embeds.positions[embed_ids]
-        hidden = self.model.forward(
-            self.embeds.vectors[embed_ids], positions, write_slots, plan, self.attention,
-            self.kv, out_rows,
-        )
-        if len(out_ids):
-            self.embeds.vectors[out_ids] = hidden
-            self.embeds.positions[out_ids] = positions[out_rows]
+        return self.model.forward(x, positions, write_slots, plan, self.attention, self.kv, out_rows)
 
     # --- next_dist / sample ------------------------------------------------------------
 
@@ -414,7 +410,8 @@ class Engine:
                         errors[int(i)] = "the allowed-token mask allows no token"
                         continue
                     row_logits = row_logits.masked_fill(~allowed[i].to(row_logits.device), float("-inf"))
-                out[i] = self._sample_row(row_logits, temps[i], int(top_ks[i]), top_ps[i], int(seeds[i]))
+                out[i] = sampling.draw(row_logits, temps[i], int(top_ks[i]), top_ps[i], 0.0,
+                                       int(seeds[i]), self.rng)
         self._count("sample", n, len(errors))
         return P.SampleReply(token_ids=out, errors=errors)
 
@@ -425,7 +422,7 @@ class Engine:
         if len(allowed) != n:
             raise P.ProtocolError(f"sample: {len(allowed)} allowed masks for {n} items")
         vocab = self.model.config.vocab_size
-        size = (vocab + 31) // 32 * 4
+        size = sampling.mask_bytes(vocab)
         masks: list[torch.Tensor | None] = []
         for i, mask in enumerate(allowed):
             if mask is None:
@@ -434,27 +431,8 @@ class Engine:
             if not isinstance(mask, bytes) or len(mask) != size:
                 raise P.ProtocolError(f"sample: allowed[{i}] must be {size} bytes (a bitmask over "
                                       f"{vocab} tokens)")
-            bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")[:vocab]
-            masks.append(torch.from_numpy(bits.astype(bool)))
+            masks.append(sampling.allowed_mask(mask, vocab))
         return masks
-
-    def _sample_row(self, logits: torch.Tensor, temperature: float, top_k: int, top_p: float, seed: int) -> int:
-        if temperature == 0:
-            return int(torch.argmax(logits))
-        probs = torch.softmax(logits / temperature, dim=-1)
-        if top_k or top_p < 1:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            keep = torch.ones_like(sorted_probs, dtype=torch.bool)
-            if top_k:
-                keep[top_k:] = False
-            if top_p < 1:
-                # Keep the smallest prefix whose mass reaches top_p (the top token always).
-                keep &= (torch.cumsum(sorted_probs, 0) - sorted_probs) < top_p
-            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
-        generator = self.rng
-        if seed >= 0:
-            generator = torch.Generator(device="cpu").manual_seed(_seed32(seed))
-        return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
     # --- KV page operations ------------------------------------------------------------
 
@@ -511,16 +489,30 @@ class Engine:
             P.Kind.SAMPLE: self.sample,
             P.Kind.COPY_KVPAGE: self.copy_kvpage,
             P.Kind.MASK_KVPAGE: self.mask_kvpage,
+            P.Kind.PASS: lambda msg: run_passes(self, msg),
             P.Kind.STATS: self.stats,
         }[message.kind]
         return handler(message)  # type: ignore[arg-type]
 
 
-def _seed32(seed: int) -> int:
-    """torch's CPU generator (mt19937) keeps only the low 32 bits of a seed, so seeds that
-    differ above them would draw alike: mix all 64 bits in first (splitmix64's finalizer)."""
-    mask = (1 << 64) - 1
-    z = (seed + 0x9E3779B97F4A7C15) & mask
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
-    return (z ^ (z >> 31)) & 0xFFFFFFFF
+class BatchLayout:
+    """Items of one batch as they are admitted: the token budget left (max_batch_tokens)
+    and the scratch slots that items without output pages write to."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.tokens = 0
+        self.scratch = engine.kv.scratch_start
+
+    def add(self, pages: np.ndarray, last_len: int, n_new: int, out_pages: np.ndarray,
+            out_offset: int, mask: bytes | None) -> ForwardItem:
+        limit = self.engine.config.max_batch_tokens
+        if self.tokens + n_new > limit:
+            raise ItemError(f"batch exceeds max_batch_tokens={limit} "
+                            f"({n_new} new tokens, {limit - self.tokens} left)")
+        item = self.engine.forward_item(pages, last_len, n_new, out_pages, out_offset, mask,
+                                        self.scratch)
+        if not len(out_pages):
+            self.scratch += n_new
+        self.tokens += n_new
+        return item

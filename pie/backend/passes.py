@@ -1,0 +1,230 @@
+"""The fused-pass handler (`protocol.Passes`): embedding, one forward and every sampler of a
+batch in one request, where the 42 paper calls need three (embed_text, forward, sample).
+
+Columns arrive packed and are read with `numpy.frombuffer`; every value a peer could get
+wrong becomes an error of its item (the rest of the batch runs), and only a malformed
+message (columns of the wrong length, offsets that do not rise) fails the whole request.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from pie import protocol as P
+from pie.backend import sampling
+
+if TYPE_CHECKING:
+    from pie.backend.engine import Engine
+
+_TYPES = {
+    "token_ids": "<i4", "embed_ids": "<i4", "positions": "<i4", "token_indptr": "<i4",
+    "kv_page_ids": "<i4", "kv_page_indptr": "<i4", "kv_last_page_lens": "<i4",
+    "out_kv_page_ids": "<i4", "out_kv_page_indptr": "<i4", "out_kv_offsets": "<i4",
+    "out_indptr": "<i4", "out_index": "<i4", "flags": "u1", "temperature": "<f4", "top_k": "<i4",
+    "top_p": "<f4", "min_p": "<f4", "seed": "<i8", "dist_k": "<i4", "keep_embed": "<i4",
+    "logprob_ids": "<i4", "logprob_indptr": "<i4",
+}
+
+
+def _columns(msg: P.Passes) -> dict[str, np.ndarray]:
+    cols = {}
+    for name, dtype in _TYPES.items():
+        data = getattr(msg, name)
+        if len(data) % np.dtype(dtype).itemsize:
+            raise P.ProtocolError(f"pass.{name} is not a whole number of {dtype} values")
+        values = np.frombuffer(data, dtype=dtype)
+        cols[name] = values.astype(np.int64) if dtype[1] == "i" else values
+    n = len(cols["kv_last_page_lens"])
+    rows = len(cols["out_index"])
+    for name in ("out_kv_offsets",):
+        if len(cols[name]) != n:
+            raise P.ProtocolError(f"pass.{name} must have {n} entries, has {len(cols[name])}")
+    for name in ("embed_ids", "positions"):
+        if len(cols[name]) != len(cols["token_ids"]):
+            raise P.ProtocolError(f"pass.{name} must be as long as token_ids")
+    for name in ("flags", "temperature", "top_k", "top_p", "min_p", "seed", "dist_k", "keep_embed"):
+        if len(cols[name]) != rows:
+            raise P.ProtocolError(f"pass.{name} must have {rows} entries (one per output row)")
+    for ptr, data, items in (("token_indptr", "token_ids", n), ("kv_page_indptr", "kv_page_ids", n),
+                             ("out_kv_page_indptr", "out_kv_page_ids", n), ("out_indptr", "out_index", n),
+                             ("logprob_indptr", "logprob_ids", rows)):
+        indptr = cols[ptr]
+        if len(indptr) != items + 1 or indptr[0] != 0 or indptr[-1] != len(cols[data]) \
+                or np.any(np.diff(indptr) < 0):
+            raise P.ProtocolError(f"pass.{ptr} must have {items + 1} entries rising from 0 to "
+                                  f"{len(cols[data])}")
+    if msg.attention_masks and len(msg.attention_masks) != n:
+        raise P.ProtocolError(f"pass.attention_masks must have {n} entries or none")
+    if msg.allowed and len(msg.allowed) != rows:
+        raise P.ProtocolError(f"pass.allowed must have {rows} entries or none")
+    return cols
+
+
+def _check_rows(engine: Engine, c: dict[str, np.ndarray], msg: P.Passes, rows: slice,
+                n_new: int) -> None:
+    """The item's output rows (ItemError on the first bad value)."""
+    from pie.backend.engine import ItemError
+
+    vocab = engine.model.config.vocab_size
+    index = c["out_index"][rows]
+    if np.any((index < 0) | (index >= n_new)):
+        raise ItemError(f"output index out of range [0, {n_new})")
+    temp, top_p, min_p = c["temperature"][rows], c["top_p"][rows], c["min_p"][rows]
+    draw = (c["flags"][rows] & P.FLAG_SAMPLE) != 0
+    if np.any(draw & ~(np.isfinite(temp) & (temp >= 0))):
+        raise ItemError("temperature must be a finite number >= 0")
+    if np.any(draw & ~((top_p > 0) & (top_p <= 1))):
+        raise ItemError("top_p must be in (0, 1]")
+    if np.any(draw & ~((min_p >= 0) & (min_p <= 1))):
+        raise ItemError("min_p must be in [0, 1]")
+    if np.any(draw & (c["top_k"][rows] < 0)) or np.any(c["seed"][rows] < -1):
+        raise ItemError("top_k must be >= 0 and seed >= -1")
+    if np.any((c["dist_k"][rows] < 0) | (c["dist_k"][rows] > vocab)):
+        raise ItemError(f"dist_k out of range [0, {vocab}]")
+    keep = c["keep_embed"][rows]
+    engine._check_embeds(keep[keep != -1], "keep")
+    lp = c["logprob_ids"][c["logprob_indptr"][rows.start]:c["logprob_indptr"][rows.stop]]
+    if np.any((lp < 0) | (lp >= vocab)):
+        raise ItemError(f"logprob id out of range [0, {vocab})")
+    for r in range(rows.start, rows.stop) if msg.allowed else ():
+        mask = msg.allowed[r]
+        if mask is not None and (not isinstance(mask, bytes) or len(mask) != sampling.mask_bytes(vocab)):
+            raise ItemError(f"allowed mask must be {sampling.mask_bytes(vocab)} bytes")
+
+
+def run_passes(engine: Engine, msg: P.Passes) -> P.PassesReply:
+    from pie.backend.engine import ItemError
+
+    c = _columns(msg)
+    n, vocab = len(c["kv_last_page_lens"]), engine.model.config.vocab_size
+    errors: dict[int, str] = {}
+    items, token_rows, out_rows, row_items = [], [], [], []
+    layout = engine.layout()
+    for b in range(n):
+        t0, t1 = int(c["token_indptr"][b]), int(c["token_indptr"][b + 1])
+        r0, r1 = int(c["out_indptr"][b]), int(c["out_indptr"][b + 1])
+        try:
+            tok, emb, pos = c["token_ids"][t0:t1], c["embed_ids"][t0:t1], c["positions"][t0:t1]
+            is_tok = emb == -1
+            if np.any(is_tok & ((tok < 0) | (tok >= vocab))):
+                raise ItemError(f"token id out of range [0, {vocab})")
+            if np.any(is_tok & (pos < 0)):
+                raise ItemError("a position is negative")
+            engine._check_embeds(emb[~is_tok], "input")
+            _check_rows(engine, c, msg, slice(r0, r1), t1 - t0)
+            q0 = layout.tokens
+            k0, k1 = c["kv_page_indptr"][b], c["kv_page_indptr"][b + 1]
+            o0, o1 = c["out_kv_page_indptr"][b], c["out_kv_page_indptr"][b + 1]
+            item = layout.add(c["kv_page_ids"][k0:k1], int(c["kv_last_page_lens"][b]), t1 - t0,
+                              c["out_kv_page_ids"][o0:o1], int(c["out_kv_offsets"][b]),
+                              msg.attention_masks[b] if msg.attention_masks else None)
+        except ItemError as e:
+            errors[b] = str(e)
+            continue
+        items.append(item)
+        token_rows.append(np.arange(t0, t1))
+        out_rows.append(c["out_index"][r0:r1] + q0)
+        row_items.append((b, np.arange(r0, r1)))
+    rows_total = len(c["out_index"])
+    tokens = np.full(rows_total, -1, dtype=np.int32)
+    entropy = np.full(rows_total, np.nan, dtype=np.float32)
+    logprobs = np.full(len(c["logprob_ids"]), np.nan, dtype=np.float32)
+    dist_counts = np.zeros(rows_total, dtype=np.int64)
+    dist_ids: list[np.ndarray] = []
+    dist_probs: list[np.ndarray] = []
+    if items:
+        t = np.concatenate(token_rows)
+        rows = np.concatenate([r for _, r in row_items])
+        hidden = _forward(engine, items, c, t, np.concatenate(out_rows))
+        keep = c["keep_embed"][rows]
+        kept = np.flatnonzero(keep != -1)
+        if len(kept):
+            ids = engine._tensor(keep[kept])
+            engine.embeds.vectors[ids] = hidden[0][engine._tensor(kept)]
+            engine.embeds.positions[ids] = hidden[1][engine._tensor(kept)]
+        logits = engine.model.logits(hidden[0])
+        _outputs(engine, msg, c, rows, logits, errors, row_items, tokens, entropy, logprobs,
+                 dist_counts, dist_ids, dist_probs)
+    engine._count("pass", n, len(errors), layout.tokens)
+    indptr = np.concatenate([[0], np.cumsum(dist_counts)]).astype(np.int32)
+    cat = (lambda parts, dt: np.concatenate(parts).astype(dt) if parts else np.zeros(0, dt))
+    return P.PassesReply(tokens=tokens.tobytes(), entropy=entropy.tobytes(), logprobs=logprobs.tobytes(),
+                         dist_ids=cat(dist_ids, np.int32).tobytes(),
+                         dist_probs=cat(dist_probs, np.float32).tobytes(),
+                         dist_indptr=indptr.tobytes(), errors=errors)
+
+
+def _forward(engine: Engine, items: list, c: dict[str, np.ndarray], t: np.ndarray,
+             out_rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Embed the admitted token rows inside the pass, run them; (hidden of the output rows,
+    their positions)."""
+    emb = c["embed_ids"][t]
+    is_tok = emb == -1
+    hidden_size = engine.model.config.hidden_size
+    if is_tok.all():
+        x = engine.model.embed(engine._tensor(c["token_ids"][t]))
+        positions = engine._tensor(c["positions"][t])
+    else:
+        x = torch.empty(len(t), hidden_size, dtype=engine.dtype, device=engine.device)
+        positions = torch.empty(len(t), dtype=torch.long, device=engine.device)
+        tok_rows, emb_rows = engine._tensor(np.flatnonzero(is_tok)), engine._tensor(np.flatnonzero(~is_tok))
+        x[tok_rows] = engine.model.embed(engine._tensor(c["token_ids"][t][is_tok]))
+        positions[tok_rows] = engine._tensor(c["positions"][t][is_tok])
+        ids = engine._tensor(emb[~is_tok])
+        x[emb_rows] = engine.embeds.vectors[ids]
+        positions[emb_rows] = engine.embeds.positions[ids].to(torch.long)
+    rows = engine._tensor(out_rows)
+    hidden = engine.run_items(items, x, positions, rows)
+    return hidden, positions[rows]
+
+
+def _outputs(engine: Engine, msg: P.Passes, c: dict[str, np.ndarray], rows: np.ndarray,
+             logits: torch.Tensor, errors: dict[int, str], row_items: list[tuple[int, np.ndarray]],
+             tokens: np.ndarray, entropy: np.ndarray, logprobs: np.ndarray,
+             dist_counts: np.ndarray, dist_ids: list, dist_probs: list) -> None:
+    """Masks, draws and scores of the admitted rows (`rows[i]` is logits row i)."""
+    vocab = engine.model.config.vocab_size
+    if msg.allowed:
+        for i, r in enumerate(rows.tolist()):
+            if msg.allowed[r] is not None:
+                allowed = sampling.allowed_mask(msg.allowed[r], vocab).to(logits.device)
+                if not allowed.any():
+                    item = next(b for b, its in row_items if r in its)
+                    errors.setdefault(item, "the allowed-token mask allows no token")
+                    allowed[:] = True
+                logits[i] = logits[i].masked_fill(~allowed, float("-inf"))
+    flags = c["flags"][rows]
+    draw = np.flatnonzero(flags & P.FLAG_SAMPLE)
+    if len(draw):
+        picked = sampling.draw_rows(logits[engine._tensor(draw)], *(c[k][rows][draw] for k in (
+            "temperature", "top_k", "top_p", "min_p", "seed")), rng=engine.rng)
+        tokens[rows[draw]] = picked
+    dist_k = c["dist_k"][rows]
+    lp_counts = np.diff(c["logprob_indptr"])[rows]
+    want = np.flatnonzero((dist_k > 0) | (lp_counts > 0) | (flags & P.FLAG_ENTROPY))
+    if len(want):
+        logp = torch.log_softmax(logits[engine._tensor(want)], dim=-1)
+        probs = logp.exp()
+        if np.any(flags[want] & P.FLAG_ENTROPY):
+            ent = -(probs * torch.nan_to_num(logp, neginf=0.0)).sum(-1)
+            on = (flags[want] & P.FLAG_ENTROPY) != 0
+            entropy[rows[want][on]] = ent.float().cpu().numpy()[on]
+        k_max = int(dist_k[want].max())
+        top = torch.topk(probs, k_max, dim=-1) if k_max else None
+        for j, i in enumerate(want.tolist()):
+            r = int(rows[i])
+            lo, hi = c["logprob_indptr"][r], c["logprob_indptr"][r + 1]
+            if hi > lo:
+                logprobs[lo:hi] = logp[j, engine._tensor(c["logprob_ids"][lo:hi])].float().cpu().numpy()
+            if top is not None and dist_k[i]:
+                k = int(dist_k[i])
+                dist_counts[r] = k
+                dist_ids.append(top.indices[j, :k].cpu().numpy())
+                dist_probs.append(top.values[j, :k].float().cpu().numpy())
+    failed = [its for b, its in row_items if b in errors]  # (an allowed mask emptied)
+    for its in failed:
+        tokens[its] = -1
+

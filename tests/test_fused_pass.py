@@ -1,0 +1,124 @@
+"""The backend's fused pass (`protocol.Passes`, pie/backend/passes.py) against the three
+handlers it replaces (embed_text + forward + sample), on an in-process engine in fp32."""
+
+from __future__ import annotations
+
+from array import array
+
+import numpy as np
+import pytest
+import torch
+
+from pie import protocol as P
+from pie.backend.engine import Engine
+from pie.config import BackendConfig
+from pie.control.passes import Output, Pass, encode
+
+PS = 16
+TOKENS = [504, 3575, 282, 4649, 314, 7042, 30, 198, 504, 2988, 314, 42, 216, 34, 32, 33,
+          40, 29, 32, 33, 29, 34]
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir) -> Engine:
+    return Engine(model_dir, BackendConfig(dtype="float32", num_kv_pages=64, num_embeds=512,
+                                           page_size=PS))
+
+
+def item(tokens, pages=(), last_len=0, out=(), offset=0, outputs=(), start=0, embeds=(), mask=None) -> Pass:
+    return Pass(None, 0, PS, list(tokens), list(range(start, start + len(tokens))), list(embeds),  # type: ignore[arg-type]
+                list(pages), last_len, list(out), offset, mask, list(outputs))
+
+
+def run(engine: Engine, *items: Pass) -> P.PassesReply:
+    return engine.handle(encode(list(items)))  # type: ignore[return-value]
+
+
+def ints(data: bytes, code: str = "i") -> list:
+    values = array(code)
+    values.frombytes(data)
+    return values.tolist()
+
+
+def legacy_step(engine: Engine, tokens, pages, last_len, out, offset, start, sampler=(0.0, 0, 1.0, -1)):
+    n = len(tokens)
+    assert engine.embed_text(P.EmbedText(list(tokens), list(range(start, start + n)),
+                                         list(range(200, 200 + n)))).errors == {}
+    assert engine.forward(P.Forward(
+        list(pages), [0, len(pages)], [last_len], list(range(200, 200 + n)), [0, n], list(out),
+        [0, len(out)], [offset], [300], [n - 1], [0, 1], [None])).errors == {}
+    t, k, p, seed = sampler
+    return engine.sample(P.Sample([300], [t], [k], [p], [seed])).token_ids[0], engine.embeds.vectors[300].clone()
+
+
+def test_a_fused_step_equals_embed_forward_sample(engine):
+    n = len(TOKENS)
+    want, want_hidden = legacy_step(engine, TOKENS, [], 0, [0, 1], 0, 0)
+    reply = run(engine, item(TOKENS, out=[2, 3], outputs=[Output(n - 1, sample=True, keep=301)]))
+    assert reply.errors == {} and ints(reply.tokens) == [want]
+    torch.testing.assert_close(engine.embeds.vectors[301], want_hidden, rtol=1e-5, atol=1e-5)
+    # a decode step on top of each: same token again
+    want2, _ = legacy_step(engine, [want], [0, 1], n - PS, [1], n - PS, n)
+    reply = run(engine, item([want], pages=[2, 3], last_len=n - PS, out=[3], offset=n - PS, start=n,
+                             outputs=[Output(0, sample=True)]))
+    assert ints(reply.tokens) == [want2]
+
+
+def test_seeded_and_filtered_draws_match_sample(engine):
+    for sampler in [(0.8, 0, 1.0, 7), (1.0, 5, 1.0, 123), (0.7, 0, 0.9, 99), (1.3, 40, 0.95, 2**40)]:
+        want, _ = legacy_step(engine, TOKENS[:5], [], 0, [10], 0, 0, sampler)
+        t, k, p, seed = sampler
+        reply = run(engine, item(TOKENS[:5], out=[11], outputs=[
+            Output(4, sample=True, temperature=t, top_k=k, top_p=p, seed=seed)]))
+        assert ints(reply.tokens) == [want], sampler
+
+
+def test_scores_and_min_p_follow_the_logits(engine):
+    _, hidden = legacy_step(engine, TOKENS[:7], [], 0, [12], 0, 0)
+    logits = engine.model.logits(hidden[None])[0]
+    logp = torch.log_softmax(logits, -1)
+    ids = [5, 504, 30]
+    reply = run(engine, item(TOKENS[:7], out=[13], outputs=[
+        Output(6, dist_k=4, logprob_ids=ids, entropy=True)]))
+    top = torch.topk(logp.exp(), 4)
+    assert ints(reply.dist_ids) == top.indices.tolist() and ints(reply.dist_indptr) == [0, 4]
+    np.testing.assert_allclose(ints(reply.dist_probs, "f"), top.values.numpy(), rtol=1e-4)
+    np.testing.assert_allclose(ints(reply.logprobs, "f"), logp[ids].numpy(), rtol=1e-4)
+    np.testing.assert_allclose(ints(reply.entropy, "f"), [float(-(logp.exp() * logp).sum())], rtol=1e-4)
+    assert ints(reply.tokens) == [-1]  # nothing asked to draw
+    # min-p 0.5 at temperature 1: every draw is a token at least half as likely as the top
+    probs = logp.exp()
+    allowed = set(torch.nonzero(probs >= 0.5 * probs.max()).flatten().tolist())
+    for seed in range(20):
+        reply = run(engine, item(TOKENS[:7], out=[13], outputs=[
+            Output(6, sample=True, temperature=1.0, min_p=0.5, seed=seed)]))
+        assert ints(reply.tokens)[0] in allowed
+
+
+def test_bad_items_fail_alone(engine):
+    good = item(TOKENS[:3], out=[20], outputs=[Output(2, sample=True)])
+    alone = ints(run(engine, good).tokens)
+    bad = [
+        (item([60000], out=[21], outputs=[Output(0, sample=True)]), "token id"),
+        (item([5], pages=[999], last_len=1, out=[21], outputs=[Output(0, sample=True)]), "page id"),
+        (item([5], out=[21], outputs=[Output(3, sample=True)]), "output index"),
+        (item([5], out=[21], embeds=[10**6], outputs=[Output(0, sample=True)]), "embed id"),
+        (item([5], out=[21], mask=b"\0\0\0", outputs=[Output(0, sample=True)]), "attention mask"),
+        (item([5], out=[21], outputs=[Output(0, sample=True, temperature=-1.0)]), "temperature"),
+        (item([5], out=[21], outputs=[Output(0, logprob_ids=[10**6])]), "logprob id"),
+    ]
+    for b, text in bad:
+        reply = run(engine, b, good)
+        assert list(reply.errors) == [0] and text in reply.errors[0], (text, reply.errors)
+        assert ints(reply.tokens) == [-1] + alone
+
+
+def test_malformed_columns_fail_the_request(engine):
+    msg = encode([item(TOKENS[:3], out=[20], outputs=[Output(2, sample=True)])])
+    msg.token_indptr = array("i", [0, 5]).tobytes()
+    with pytest.raises(P.ProtocolError, match="token_indptr"):
+        engine.handle(msg)
+    msg = encode([item(TOKENS[:3], out=[20], outputs=[Output(2, sample=True)])])
+    msg.top_p = b"\0\0"
+    with pytest.raises(P.ProtocolError, match="top_p"):
+        engine.handle(msg)
