@@ -34,9 +34,10 @@ from pie.config import PieConfig
 from pie.control.controller import Controller, InstanceSession
 from pie.control.errors import HostError
 from pie.control.quotas import ANONYMOUS
-from pie.runtime.host import Budgets, HostState, LimitExceeded, Terminated, build_linker
-from pie.runtime.limits import DeadlineCallback
 from pie.runtime import wasmtime_compat
+from pie.runtime.bindings import build_linker
+from pie.runtime.host import Budgets, HostState, LimitExceeded, Terminated
+from pie.runtime.limits import DeadlineCallback
 from pie.runtime.programs import InvalidProgram, ProgramStore
 
 log = logging.getLogger("pie.runtime")

@@ -1,0 +1,35 @@
+"""`runtime`: arguments, identity, logging, clock, randomness, models and queues."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pie.runtime.bindings.common import PACKAGE, Bindings, Kind
+from pie.runtime.host import HostState
+
+log = logging.getLogger("pie.inferlet")
+LEVELS = {"debug": 10, "info": 20, "warn": 30, "error": 40}
+
+
+def _log(st: HostState, store: Any, level: str, message: str) -> None:
+    log.log(LEVELS.get(level, 20), "[%s] %s", st.session.instance_id[:8], message)
+
+
+def register(root: Any, b: Bindings) -> None:
+    with root.add_instance(PACKAGE.format("runtime")) as runtime:
+        b.counted(runtime)
+        runtime.add_func("get-arguments", b.call(lambda st, store: list(st.session.arguments), False))
+        runtime.add_func("instance-id", b.call(lambda st, store: st.session.instance_id, False))
+        runtime.add_func("version", b.call(lambda st, store: st.session.version(), False))
+        runtime.add_func("log", b.call(_log, False))
+        runtime.add_func("now", b.call(lambda st, store: st.session.now_ns(), False))
+        runtime.add_func("random-bytes", b.call(lambda st, store, n: list(st.session.random_bytes(n))))
+        runtime.add_func("available-models", b.call(lambda st, store: st.session.available_models(), False))
+        runtime.add_func("available-traits", b.call(lambda st, store, m: st.session.available_traits(m)))
+        runtime.add_func("create-queue",
+                         b.call(lambda st, store, m: st.own(Kind.QUEUE, st.session.create_queue(m))))
+        runtime.add_func("synchronize", b.call(lambda st, store, q: st.own(
+            Kind.FUTURE_UNIT, st.session.synchronize(b.queue(st, store, q))), False))
+        runtime.add_func("set-queue-priority", b.call(
+            lambda st, store, q, p: st.session.set_queue_priority(b.queue(st, store, q), p), False))
