@@ -47,6 +47,9 @@ def to_toml(tables: dict[str, dict]) -> str:
                    for name, keys in tables.items())
 
 
+
+MODEL_KINDS = ("forward", "pass")  # scheduler call kinds that run the model
+
 class Server:
     """`pie serve` on a free loopback port with the test config, `overrides` merged in
     per table (e.g. {"quota.user": {"kv_pages": 40}})."""
@@ -103,8 +106,13 @@ class Server:
             os.kill(pid, signal.SIGCONT)
 
     def queued(self, kind: str) -> int:
-        """Calls of `kind` (e.g. "forward") waiting in the scheduler's queues now."""
+        """Calls of `kind` (e.g. "sample") waiting in the scheduler's queues now."""
         return self.scheduler()["queued"].get(kind, 0)
+
+    def model_calls_queued(self) -> int:
+        """Calls that run the model (legacy `forward`s and fused passes) waiting now."""
+        queued = self.scheduler()["queued"]
+        return sum(queued.get(kind, 0) for kind in MODEL_KINDS)
 
     def rss_mib(self) -> float:
         """Resident memory of the `pie serve` process (the control process: server, runtime
@@ -155,10 +163,11 @@ async def until_async(predicate, timeout_s: float = HANG_S, what="condition", in
 
 
 def forward_batches(before: dict, after: dict) -> tuple[int, int]:
-    """(forward calls, forward batches) the scheduler sent between two /stats snapshots."""
-    calls = after["calls"].get("forward", 0) - before.get("calls", {}).get("forward", 0)
-    batches = after["batches"].get("forward", 0) - before.get("batches", {}).get("forward", 0)
-    return calls, batches
+    """(calls, batches) that ran the model (forwards and fused passes) between two /stats
+    snapshots."""
+    def delta(field: str) -> int:
+        return sum(after[field].get(k, 0) - before.get(field, {}).get(k, 0) for k in MODEL_KINDS)
+    return delta("calls"), delta("batches")
 
 
 def slow_reader(url: str, **kwargs):
@@ -223,7 +232,7 @@ def run_inferlet_batched(server: Server, program: bytes | str, args: list[str], 
             name = await client.upload(program) if isinstance(program, bytes) else program
             with server.backend_paused():
                 instance = await client.launch(name, args)
-                await until_async(lambda: server.queued("forward") >= forwards,
+                await until_async(lambda: server.model_calls_queued() >= forwards,
                                   what=f"{forwards} forward calls queued")
             messages = [m async for m in instance]
             return Run(messages, await instance.wait(), instance.usage)

@@ -74,7 +74,7 @@ def test_sixteen_concurrent_inferlets_are_batched(server, expected):
                 instances = [await client.launch("text_completion", ["--prompt", p, "--max-tokens", "16"])
                              for p in prompts]
                 # One call may be in flight (the first one the scheduler sent); the rest wait.
-                await until_async(lambda: server.queued("forward") >= len(prompts) - 1,
+                await until_async(lambda: server.model_calls_queued() >= len(prompts) - 1,
                                   what="every prefill forward queued")
 
             async def collect(instance):
@@ -238,7 +238,7 @@ def test_backend_death_is_survived(tmp_path, expected):
                 instance = await client.launch("text_completion", ["--prompt", "Write a long story.",
                                                                    "--max-tokens", "4000"])
                 # Decoding: the prefill and a few decode steps ran (of 4000: minutes of work).
-                await until_async(lambda: victim.scheduler()["calls"].get("forward", 0) >= 4,
+                await until_async(lambda: sum(victim.scheduler()["calls"].get(k, 0) for k in ("forward", "pass")) >= 4,
                                   what="decoding under way")
                 os.kill(victim.backend_pid(), signal.SIGKILL)
                 return [m async for m in instance], await instance.wait()

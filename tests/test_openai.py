@@ -146,7 +146,7 @@ def test_sixteen_concurrent_requests_are_all_answered(pie_server, hf_chat):
                     client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0,
                                                    messages=[{"role": "user", "content": p}])
                     for p in prompts))
-                await until_async(lambda: pie_server.queued("forward") >= len(prompts) - 1,
+                await until_async(lambda: pie_server.model_calls_queued() >= len(prompts) - 1,
                                   what="every request's prefill forward queued")
             return await answers
 

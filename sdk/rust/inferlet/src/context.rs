@@ -16,8 +16,10 @@ use std::rc::Rc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use crate::bindings::forward::{self, ForwardPass};
+use crate::bindings::inference::{self, Output, PassResult, PassStatus};
 use crate::bindings::types::{Embed, Error, ErrorKind, KvPage};
 use crate::bindings::{allocate, input_text, kvs};
+use crate::executor::{claim, PassWait};
 use crate::{ChatMessage, Queue, Sampler, Stop};
 
 /// A KV page, freed when the last context holding it drops it.
@@ -55,13 +57,16 @@ pub struct Context {
     embeds: Vec<Embed>,
     /// Output embeds, reused likewise: valid until the next forward of this context.
     outputs: Vec<Embed>,
+    /// Fused passes enqueued without awaiting their result (prefill chunks): claimed, and
+    /// their failure reported, when this context next awaits a pass.
+    unclaimed: Vec<u64>,
 }
 
 impl Context {
     /// An empty context whose calls go to `queue`.
     pub fn new(queue: Rc<Queue>) -> Context {
         Context { queue, pages: Vec::new(), last_len: 0, committed: Vec::new(), pending: Vec::new(),
-                  embeds: Vec::new(), outputs: Vec::new() }
+                  embeds: Vec::new(), outputs: Vec::new(), unclaimed: Vec::new() }
     }
 
     pub fn queue(&self) -> &Rc<Queue> {
@@ -126,7 +131,7 @@ impl Context {
         if self.pending.len() > 1 {
             let last = self.pending.pop().unwrap();
             let tokens = std::mem::replace(&mut self.pending, vec![last]);
-            self.forward(&tokens, &[])?;
+            self.execute(&tokens, None)?;
         }
         Ok(())
     }
@@ -137,13 +142,18 @@ impl Context {
     /// first (`Queue::sample`, `Queue::next_dist`).
     pub fn forward_pending(&mut self, indices: &[u32]) -> Result<Vec<Embed>, Error> {
         let tokens = std::mem::take(&mut self.pending);
+        if indices.is_empty() {
+            self.execute(&tokens, None)?;
+            return Ok(Vec::new());
+        }
         self.forward(&tokens, indices)
     }
 
-    /// Runs the pending tokens, samples the next token on the host, and leaves it pending.
+    /// Runs the pending tokens, samples the next token on the host, and leaves it pending:
+    /// one fused pass (`inference.execute`) and one blocking `take` — two host calls.
     pub async fn decode_step(&mut self, sampler: &Sampler) -> Result<u32, Error> {
-        let output = self.step_output()?;
-        let token = self.queue.sample(output, sampler).await?;
+        let result = self.step(Output { sample: Some(pass_sampler(sampler)), ..output(0) }).await?;
+        let token = result.tokens[0];
         self.pending.push(token);
         Ok(token)
     }
@@ -151,8 +161,123 @@ impl Context {
     /// Runs the pending tokens and returns the `k` most likely next tokens with their
     /// probabilities, most likely first. Nothing is appended: `fill_tokens` the choice.
     pub async fn next_dist(&mut self, k: u32) -> Result<(Vec<u32>, Vec<f32>), Error> {
-        let output = self.step_output()?;
-        self.queue.next_dist(output, k).await
+        let mut result = self.step(Output { top_k: k, ..output(0) }).await?;
+        let detail = result.details.pop().ok_or_else(|| Error {
+            kind: ErrorKind::InferenceFailed, message: "the pass returned no distribution".into() })?;
+        Ok((detail.top_ids, detail.top_probs))
+    }
+
+    /// Runs every pending token, with `out` computed at the last of them; its result.
+    async fn step(&mut self, mut out: Output) -> Result<PassResult, Error> {
+        if self.pending.is_empty() {
+            return Err(Error { kind: ErrorKind::InvalidArgument,
+                               message: "no pending token to predict from; fill the context first".into() });
+        }
+        let tokens = std::mem::take(&mut self.pending);
+        out.index = tokens.len() as u32 - 1;
+        let id = self.execute(&tokens, Some(out))?;
+        let mut results = PassWait { id, queue: self.queue.clone() }.await;
+        self.claim_unclaimed()?;
+        let result = results.pop().expect("a pass's results are never empty");
+        check(&result)?;
+        Ok(result)
+    }
+
+    /// Enqueues fused passes over `tokens` (appended to the committed ones): one, or one
+    /// per chunk of at most the backend's max_batch_tokens; `out` at the last chunk. Earlier
+    /// chunks' results are claimed later (`unclaimed`); the last pass's id is returned.
+    fn execute(&mut self, tokens: &[u32], out: Option<Output>) -> Result<u64, Error> {
+        let mut start = 0;
+        loop {
+            let size = (tokens.len() - start).min(chunk_limit() as usize);
+            let end = start + size;
+            let last = end == tokens.len();
+            let outputs = match (&out, last) {
+                (Some(o), true) => vec![Output { index: o.index - start as u32, ..o.clone() }],
+                _ => Vec::new(),
+            };
+            match self.execute_chunk(&tokens[start..end], outputs) {
+                Ok(id) if last => return Ok(id),
+                Ok(id) => {
+                    self.unclaimed.push(id);
+                    start = end;
+                }
+                Err(e) if size > 1 && e.kind == ErrorKind::InvalidArgument && e.message.contains(LIMIT_NAME) => {
+                    learn_limit(&e, size);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// One fused pass over `tokens`, written after the committed tokens.
+    fn execute_chunk(&mut self, tokens: &[u32], outputs: Vec<Output>) -> Result<u64, Error> {
+        let (pass, new_pages) = self.pass_over(tokens, tokens.len() as u32, outputs, Vec::new())?;
+        let id = inference::execute(self.queue.raw(), pass)?;
+        self.commit(tokens, new_pages);
+        Ok(id)
+    }
+
+    /// The pass record writing `tokens` after the committed ones, into pages with room for
+    /// `room` tokens (the partial last page, copied first if shared, then new pages).
+    fn pass_over(&mut self, tokens: &[u32], room: u32, outputs: Vec<Output>,
+                 stop_tokens: Vec<u32>) -> Result<(inference::ForwardPass, Vec<Rc<Page>>), Error> {
+        let page_size = self.queue.page_size();
+        let free = if self.pages.is_empty() { 0 } else { page_size - self.last_len };
+        if free > 0 {
+            self.make_exclusive(self.pages.len() - 1)?;
+        }
+        let needed = room.saturating_sub(free);
+        let new_pages = if needed > 0 { self.alloc_pages(needed.div_ceil(page_size))? } else { Vec::new() };
+        let mut output_pages: Vec<KvPage> = if free > 0 { vec![self.pages.last().unwrap().page.id] } else { vec![] };
+        output_pages.extend(new_pages.iter().map(|p| p.id));
+        let start = self.committed.len() as u32;
+        Ok((inference::ForwardPass {
+            input_embeds: Vec::new(),
+            input_tokens: tokens.to_vec(),
+            positions: (start..start + tokens.len() as u32).collect(),
+            input_kv_pages: self.page_ids(),
+            input_kv_last_page_len: self.last_len,
+            output_kv_pages: output_pages,
+            output_kv_offset: if free > 0 { self.last_len } else { 0 },
+            attention_mask: None,
+            outputs,
+            stop_tokens,
+        }, new_pages))
+    }
+
+    /// Records `tokens` as written after the committed ones, keeping the new pages they
+    /// reached (the rest are released).
+    fn commit(&mut self, tokens: &[u32], new_pages: Vec<Rc<Page>>) {
+        let page_size = self.queue.page_size();
+        let n = tokens.len() as u32;
+        let free = if self.pages.is_empty() { 0 } else { page_size - self.last_len };
+        let first_new = self.committed.len() as u32 + free.min(n);
+        let used = n.saturating_sub(free).div_ceil(page_size) as usize;
+        for (i, page) in new_pages.into_iter().take(used).enumerate() {
+            self.pages.push(Held { page, first: first_new + i as u32 * page_size,
+                                   masked: vec![false; page_size as usize] });
+        }
+        self.committed.extend_from_slice(tokens);
+        if let Some(last) = self.pages.last() {
+            self.last_len = self.committed.len() as u32 - last.first;
+        }
+    }
+
+    /// Claims the results of earlier passes enqueued without awaiting them (they ran before
+    /// the pass just awaited: a queue's passes run in order); reports the first failure.
+    fn claim_unclaimed(&mut self) -> Result<(), Error> {
+        let mut failure = None;
+        self.unclaimed.retain(|&id| match claim(id) {
+            Some(results) => {
+                if failure.is_none() {
+                    failure = results.iter().find_map(|r| check(r).err());
+                }
+                false
+            }
+            None => true,
+        });
+        failure.map_or(Ok(()), Err)
     }
 
     /// Forward the pending tokens with one output embed at the last of them.
@@ -167,21 +292,78 @@ impl Context {
 
     /// Decodes until `stop`, returning the generated text (without the EOS token or the
     /// stop string). With a seeded sampler, step i uses seed + i.
+    ///
+    /// The decoding runs on the host (`inference.run`): the inferlet only takes the tokens
+    /// as they come (about one host call per token), and the next step is queued by the
+    /// reply to the last one, without waiting for this inferlet. Runs are at most
+    /// `RUN_STEPS` long, so a large `max_tokens` does not reserve the whole KV pool.
     pub async fn generate(&mut self, sampler: &Sampler, stop: &Stop) -> Result<String, Error> {
-        let mut sampler = sampler.clone();
-        let mut generated = Vec::new();
+        if self.pending.is_empty() {
+            return Err(Error { kind: ErrorKind::InvalidArgument,
+                               message: "no pending token to predict from; fill the context first".into() });
+        }
+        let mut sampler = pass_sampler(sampler);
+        let mut generated: Vec<u32> = Vec::new();
         while generated.len() < stop.max_tokens {
-            let token = self.decode_step(&sampler).await?;
-            sampler.seed = sampler.seed.map(|seed| seed.wrapping_add(1));
-            if stop.eos_tokens.contains(&token) {
-                break;
+            let mut tokens = std::mem::take(&mut self.pending);
+            if tokens.len() > chunk_limit() as usize {  // a long prompt: prefill all but the end
+                let tail = tokens.split_off(tokens.len() - 1);
+                self.execute(&tokens, None)?;
+                tokens = tail;
             }
-            generated.push(token);
-            if !stop.strings.is_empty() {
-                let text = self.queue.detokenize(&generated)?;
-                if let Some(cut) = stop.cut(&text) {
-                    return Ok(cut.to_string());
+            let steps = (stop.max_tokens - generated.len()).min(RUN_STEPS) as u32;
+            let out = Output { index: tokens.len() as u32 - 1, sample: Some(sampler.clone()), ..output(0) };
+            let n = tokens.len() as u32;
+            let (pass, new_pages) = self.pass_over(&tokens, n + steps - 1, vec![out], stop.eos_tokens.clone())?;
+            let id = match inference::run(self.queue.raw(), pass, steps) {
+                Ok(id) => id,
+                Err(e) => {
+                    self.pending = tokens;
+                    return Err(e);
                 }
+            };
+            let mut drawn: Vec<u32> = Vec::new();
+            let mut cut: Option<String> = None;
+            let mut cancelled = false;
+            loop {
+                let results = PassWait { id, queue: self.queue.clone() }.await;
+                let mut done = false;
+                for result in &results {
+                    drawn.extend_from_slice(&result.tokens);
+                    if result.status == PassStatus::Failed {
+                        check(result)?;
+                    }
+                    done |= result.status != PassStatus::Running;
+                }
+                if cut.is_none() && !stop.strings.is_empty() {
+                    let visible: Vec<u32> = generated.iter().chain(&drawn).copied()
+                        .take_while(|t| !stop.eos_tokens.contains(t)).collect();
+                    let text = self.queue.detokenize(&visible)?;
+                    cut = stop.cut(&text).map(str::to_string);
+                    if cut.is_some() && !done && !cancelled {
+                        inference::cancel(self.queue.raw(), id)?;
+                        cancelled = true;
+                    }
+                }
+                if done {
+                    break;
+                }
+            }
+            self.claim_unclaimed()?;
+            // every drawn token but the last was fed back and written; the last stays pending
+            let last = *drawn.last().expect("a run draws at least one token");
+            tokens.extend_from_slice(&drawn[..drawn.len() - 1]);
+            self.commit(&tokens, new_pages);
+            self.pending.push(last);
+            sampler.seed = sampler.seed.map(|seed| seed.wrapping_add(drawn.len() as u64));
+            if let Some(text) = cut {
+                return Ok(text);
+            }
+            for &token in &drawn {
+                if stop.eos_tokens.contains(&token) {
+                    return self.queue.detokenize(&generated);
+                }
+                generated.push(token);
             }
         }
         self.queue.detokenize(&generated)
@@ -194,7 +376,7 @@ impl Context {
     pub fn fork(&self) -> Context {
         Context { queue: self.queue.clone(), pages: self.pages.clone(), last_len: self.last_len,
                   committed: self.committed.clone(), pending: self.pending.clone(),
-                  embeds: Vec::new(), outputs: Vec::new() }
+                  embeds: Vec::new(), outputs: Vec::new(), unclaimed: Vec::new() }
     }
 
     /// `n` forks of this context.
@@ -329,7 +511,7 @@ impl Context {
             return Err(corrupt());
         }
         Ok(Some(Context { queue, pages, last_len, committed, pending: Vec::new(),
-                          embeds: Vec::new(), outputs: Vec::new() }))
+                          embeds: Vec::new(), outputs: Vec::new(), unclaimed: Vec::new() }))
     }
 
     /// Removes an export made by `export` (pages already imported stay valid).
@@ -366,10 +548,7 @@ impl Context {
                 Ok(()) => start = end,
                 // The host refused the chunk before running anything: learn its limit, retry.
                 Err(e) if size > 1 && e.kind == ErrorKind::InvalidArgument && e.message.contains(LIMIT_NAME) => {
-                    let told = e.message.split(LIMIT_NAME).nth(1)
-                        .map(|rest| rest.trim_start_matches([' ', '=']))
-                        .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next()?.parse::<u32>().ok());
-                    CHUNK_LIMIT.store(told.unwrap_or(size as u32 / 2).clamp(1, size as u32 - 1), Ordering::Relaxed);
+                    learn_limit(&e, size);
                 }
                 Err(e) => return Err(e),
             }
@@ -443,6 +622,9 @@ impl Context {
     }
 
     fn alloc_pages(&self, count: u32) -> Result<Vec<Rc<Page>>, Error> {
+        if count == 0 {
+            return Ok(Vec::new());
+        }
         let ids = allocate::alloc_kvpage(self.queue.raw(), count)?;
         Ok(ids.into_iter().map(|id| Rc::new(Page { id, queue: self.queue.clone(), foreign: Cell::new(false) })).collect())
     }
@@ -450,6 +632,37 @@ impl Context {
 
 /// Input embeds a context keeps between forwards (decode steps and short drafts need few).
 const KEPT_EMBEDS: usize = 16;
+
+/// The most steps of one host-side run (`generate`): its pages are reserved up front.
+const RUN_STEPS: usize = 256;
+
+/// An output request at new token `index` that computes nothing yet.
+fn output(index: u32) -> Output {
+    Output { index, sample: None, top_k: 0, logprobs_of: Vec::new(), entropy: false, allowed: None,
+             grammar: None, keep: None }
+}
+
+fn pass_sampler(s: &Sampler) -> inference::Sampler {
+    inference::Sampler { temperature: s.temperature, top_k: s.top_k, top_p: s.top_p, min_p: 0.0, seed: s.seed }
+}
+
+/// A failed pass's error.
+fn check(result: &PassResult) -> Result<(), Error> {
+    match (&result.status, &result.failure) {
+        (PassStatus::Failed, Some(e)) => Err(e.clone()),
+        (PassStatus::Failed, None) => Err(Error { kind: ErrorKind::InferenceFailed,
+                                                  message: format!("pass {} failed", result.pass) }),
+        _ => Ok(()),
+    }
+}
+
+/// The host refused a chunk as too long: remember its limit (from its message, or half).
+fn learn_limit(e: &Error, size: usize) {
+    let told = e.message.split(LIMIT_NAME).nth(1)
+        .map(|rest| rest.trim_start_matches([' ', '=']))
+        .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next()?.parse::<u32>().ok());
+    CHUNK_LIMIT.store(told.unwrap_or(size as u32 / 2).clamp(1, size as u32 - 1), Ordering::Relaxed);
+}
 
 /// The most tokens `Context` runs in one forward pass. The host API does not tell the
 /// backend's max_batch_tokens, so this starts at its default (4096: every prompt that fits

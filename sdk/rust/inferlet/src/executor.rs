@@ -14,10 +14,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
 
+use std::collections::HashMap;
+
 use crate::bindings::futures::{self as host, FutureString, FutureUnit, Pollable};
 use crate::bindings::http::{FutureResponse, Response};
+use crate::bindings::inference::{self, PassResult};
 use crate::bindings::output_text::{Distribution, FutureDist, FutureToken};
 use crate::bindings::types::Error;
+use crate::model::Queue;
 
 type Task = Pin<Box<dyn Future<Output = ()>>>;
 
@@ -28,6 +32,10 @@ thread_local! {
     static NEXT_KEY: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
     /// Spawned tasks not yet polled by `block_on`.
     static SPAWNED: RefCell<Vec<(Task, Arc<Flag>)>> = RefCell::new(Vec::new());
+    /// Results of fused passes taken from the host and not yet claimed, by pass id.
+    static RESULTS: RefCell<HashMap<u64, Vec<PassResult>>> = RefCell::new(HashMap::new());
+    /// Tasks awaiting a pass: its id, its queue, the task's waker.
+    static PASS_WAITERS: RefCell<Vec<(u64, Rc<Queue>, Waker)>> = RefCell::new(Vec::new());
 }
 
 /// A waker that just raises a flag: "poll this task again".
@@ -73,7 +81,11 @@ pub fn block_on<T>(future: impl Future<Output = T>) -> T {
             task.as_mut().poll(&mut Context::from_waker(&waker)).is_pending()
         });
         if !progressed {
-            wait_for_host();
+            if PASS_WAITERS.with(|w| w.borrow().is_empty()) {
+                wait_for_host();
+            } else {
+                wait_for_passes();
+            }
         }
     }
 }
@@ -92,6 +104,99 @@ fn wait_for_host() {
             !is_ready
         })
     });
+}
+
+/// Blocks until a result of an awaited pass arrives. With no host future pending, that is
+/// one host call, a blocking `take` — a decode step costs `execute` + `take`. Otherwise the
+/// queues' `results-ready` pollables join the host's wait set and `wait` serves both.
+fn wait_for_passes() {
+    let mut queues: Vec<Rc<Queue>> = Vec::new();
+    PASS_WAITERS.with(|w| {
+        for (_, queue, _) in w.borrow().iter() {
+            if !queues.iter().any(|q| Rc::ptr_eq(q, queue)) {
+                queues.push(queue.clone());
+            }
+        }
+    });
+    if WAITING.with(|w| w.borrow().is_empty()) {
+        let got = inference::take(queues[0].raw(), true);
+        assert!(!got.is_empty(), "inferlet deadlock: a pass is awaited but none is in flight on its queue");
+        distribute(got);
+        return;
+    }
+    let keys: Vec<(u32, Rc<Queue>)> = queues.into_iter().map(|queue| {
+        let key = NEXT_KEY.with(|k| k.replace(k.get().wrapping_add(1)));
+        queue.results_pollable().watch(key);
+        (key, queue)
+    }).collect();
+    let ready = host::wait();
+    WAITING.with(|w| {
+        w.borrow_mut().retain(|(key, _, waker)| {
+            let is_ready = ready.binary_search(key).is_ok();
+            if is_ready {
+                waker.wake_by_ref();
+            }
+            !is_ready
+        })
+    });
+    for (key, queue) in keys {
+        if ready.binary_search(&key).is_ok() {
+            distribute(inference::take(queue.raw(), false));
+        }
+    }
+}
+
+/// Files taken results by pass and wakes the tasks awaiting them.
+fn distribute(results: Vec<PassResult>) {
+    RESULTS.with(|r| {
+        let mut r = r.borrow_mut();
+        for result in results {
+            r.entry(result.pass).or_default().push(result);
+        }
+    });
+    PASS_WAITERS.with(|w| {
+        w.borrow_mut().retain(|(id, _, waker)| {
+            let arrived = RESULTS.with(|r| r.borrow().contains_key(id));
+            if arrived {
+                waker.wake_by_ref();
+            }
+            !arrived
+        })
+    });
+}
+
+/// Results of pass `id` taken so far and not yet claimed (a run has one per take).
+pub(crate) fn claim(id: u64) -> Option<Vec<PassResult>> {
+    RESULTS.with(|r| r.borrow_mut().remove(&id))
+}
+
+/// The next results of pass `id` (a run's progress, or a pass's one final result).
+pub(crate) struct PassWait {
+    pub id: u64,
+    pub queue: Rc<Queue>,
+}
+
+impl Future for PassWait {
+    type Output = Vec<PassResult>;
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Vec<PassResult>> {
+        if let Some(results) = claim(self.id) {
+            return Poll::Ready(results);
+        }
+        PASS_WAITERS.with(|w| {
+            let mut waiters = w.borrow_mut();
+            match waiters.iter_mut().find(|(id, _, _)| *id == self.id) {
+                Some(entry) => entry.2 = cx.waker().clone(),
+                None => waiters.push((self.id, self.queue.clone(), cx.waker().clone())),
+            }
+        });
+        Poll::Pending
+    }
+}
+
+impl Drop for PassWait {
+    fn drop(&mut self) {
+        PASS_WAITERS.with(|w| w.borrow_mut().retain(|(id, _, _)| *id != self.id));
+    }
 }
 
 /// Starts `future` as a concurrent task of the running `block_on`; await the handle for

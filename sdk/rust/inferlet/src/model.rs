@@ -1,8 +1,10 @@
 //! Models and their command queues.
 
+use crate::bindings::futures::Pollable;
 use crate::bindings::types::{self, Embed, Error};
-use crate::bindings::{allocate, output_text, runtime, tokenize};
+use crate::bindings::{allocate, inference, output_text, runtime, tokenize};
 use crate::{join_all, ChatMessage, Context, Sampler};
+use std::cell::OnceCell;
 use std::rc::Rc;
 
 /// A model the server serves, by name.
@@ -36,7 +38,7 @@ impl Model {
     pub fn create_queue(&self) -> Result<Queue, Error> {
         let raw = runtime::create_queue(&self.name)?;
         let page_size = allocate::kv_page_size(&raw);
-        Ok(Queue { raw, page_size })
+        Ok(Queue { raw, page_size, ready: OnceCell::new() })
     }
 
     /// An empty context on a new queue.
@@ -47,6 +49,8 @@ impl Model {
 
 /// A command queue of one model, with the model's tokenizer at hand.
 pub struct Queue {
+    // Declared first: the pollable is dropped before the queue it reports on.
+    ready: OnceCell<Pollable>,
     raw: types::Queue,
     page_size: u32,
 }
@@ -55,6 +59,11 @@ impl Queue {
     /// The WIT queue resource, for calling `bindings` directly.
     pub fn raw(&self) -> &types::Queue {
         &self.raw
+    }
+
+    /// The queue's `results-ready` pollable, made on first use.
+    pub(crate) fn results_pollable(&self) -> &Pollable {
+        self.ready.get_or_init(|| inference::results_ready(&self.raw))
     }
 
     /// Token slots per KV page.
