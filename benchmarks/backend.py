@@ -43,8 +43,8 @@ ROUNDS, QUICK_ROUNDS = 5, 2  # alternating rounds per measurement: full run, --q
 
 
 class PieSide:
-    """B sequences of L cached tokens in a real backend; a decode step is the three calls
-    the control layer issues (sample, embed_text, forward), as the direct driver makes them."""
+    """B sequences of L cached tokens in a real backend; a decode step is the one fused
+    `pass` request the control layer issues, as the direct driver makes it."""
 
     def __init__(self, link: BackendLink, hs: P.HandshakeReply, steps: int):
         self.link, self.hs, self.steps = link, hs, steps

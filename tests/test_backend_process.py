@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from array import array
+
 import msgpack
 import pytest
+from conftest import HF_PROMPTS, hf_greedy
 
 from pie import protocol as P
 from pie.control.backend_link import BackendError, BackendLink, BackendProcess
 from pie.control.chat_template import chat_prompt
-from pie.control.direct import DirectBatch, DirectDriver, SamplingParams
-
-from conftest import HF_PROMPTS, hf_greedy
+from pie.control.direct import DirectDriver, SamplingParams
+from pie.control.passes import Output, Pass, encode
 
 NEW_TOKENS = 32
 
@@ -61,16 +63,21 @@ def test_sampling_controls(backend, tokenizer):
 
 
 def test_next_dist_is_sorted_topk_consistent_with_greedy(backend, tokenizer):
+    """The fused pass draws the greedy token and keeps the hidden state; next_dist on it
+    (the paper's get-next-dist) agrees with the draw and with the pass's own top-k."""
     link, hs = backend
-    batch = DirectBatch(link, hs, [tokenizer.encode("The capital of France is").ids], 1)
-    batch.prefill()  # leaves the last token's hidden state in the output slot
-    out = batch.seqs[0].out_embed
-    reply = link.call(P.NextDist([out, out], [5, 1]))
-    greedy = batch.step()[0]
+    ids = tokenizer.encode("The capital of France is").ids
+    out = hs.num_embeds - 1
+    reply = link.call(encode([Pass(None, 0, hs.page_size, ids, list(range(len(ids))), [], [], 0,  # type: ignore[arg-type]
+                                   [0], 0, None, [Output(len(ids) - 1, sample=True, dist_k=5, keep=out)])]))
     assert reply.errors == {}
-    assert reply.token_ids[0][0] == greedy and reply.token_ids[1] == [greedy]
-    assert reply.probs[0] == sorted(reply.probs[0], reverse=True)
-    assert 0 < sum(reply.probs[0]) <= 1.0 + 1e-6
+    greedy = array("i", reply.tokens)[0]
+    dist = link.call(P.NextDist([out, out], [5, 1]))
+    assert dist.errors == {}
+    assert dist.token_ids[0][0] == greedy and dist.token_ids[1] == [greedy]
+    assert dist.token_ids[0] == list(array("i", reply.dist_ids))
+    assert dist.probs[0] == sorted(dist.probs[0], reverse=True)
+    assert 0 < sum(dist.probs[0]) <= 1.0 + 1e-6
 
 
 def _forward(pages, last, embeds, out_pages, offset, out, idx, mask=None):

@@ -1,19 +1,22 @@
 """Drive the backend's handlers straight from a Python loop, without inferlets.
 
-Several sequences advance in lockstep: per step one sample, one embed_text and one forward
-for all of them. `pie generate`, the backend tests and benchmarks (the "backend driven
-directly" baseline, and the backend's own step time) use it. Pages and embed slots are
-split statically between the sequences: this is a driver, not the control layer.
+Several sequences advance in lockstep: one fused `pass` request per step embeds every live
+sequence's last token, runs the model and draws the next tokens — the best this backend
+does per step, so "the backend driven directly" (`pie generate`, benchmarks/overhead.py,
+benchmarks/backend.py) is the bar Pie's control layer is held to. Pages are split
+statically between the sequences: this is a driver, not the control layer.
 """
 
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pie import protocol as P
 from pie.control.backend_link import BackendError, BackendLink
+from pie.control.passes import Output, Pass, encode
 
 
 @dataclass
@@ -28,9 +31,8 @@ class SamplingParams:
 class _Sequence:
     prompt: list[int]
     pages: list[int]
-    token_embed: int  # the slot the next input token is embedded into
-    out_embed: int  # the slot forward writes the last token's hidden state to
     length: int = 0  # tokens whose K/V are in the pages
+    drawn: int | None = None  # the token drawn last, not yet returned by `step`
     output: list[int] = field(default_factory=list)
     done: bool = False
 
@@ -44,62 +46,37 @@ class DirectBatch:
         n, ps = len(prompts), hs.page_size
         longest = max(len(p) for p in prompts) + max_new_tokens
         pages_each = math.ceil(longest / ps)
-        # Embed slots: two per sequence, the rest a scratch area that prefill chunks reuse.
-        self.scratch = min(hs.max_batch_tokens, hs.num_embeds - 2 * n)
-        if pages_each * n > hs.num_kv_pages or self.scratch < max(len(p) for p in prompts):
+        if pages_each * n > hs.num_kv_pages or hs.max_batch_tokens < max(len(p) for p in prompts):
             raise BackendError(
                 f"{n} sequences of up to {longest} tokens do not fit the backend's pools "
-                f"({hs.num_kv_pages} pages of {ps}, {hs.num_embeds} embeds, "
-                f"{hs.max_batch_tokens} tokens per batch)")
-        self.seqs = [
-            _Sequence(p, list(range(i * pages_each, (i + 1) * pages_each)),
-                      hs.num_embeds - 2 * i - 1, hs.num_embeds - 2 * i - 2)
-            for i, p in enumerate(prompts)
-        ]
-        self.steps = 0
+                f"({hs.num_kv_pages} pages of {ps}, {hs.max_batch_tokens} tokens per batch)")
+        self.seqs = [_Sequence(p, list(range(i * pages_each, (i + 1) * pages_each)))
+                     for i, p in enumerate(prompts)]
+        self.draws = 0  # passes that drew tokens: a seeded sampler uses seed + draws
+        self.sampling = SamplingParams()
 
-    def _call(self, message: P.Message) -> P.Message:
-        reply = self.link.call(message)
-        errors = getattr(reply, "errors", None)
-        if errors:
-            raise BackendError(f"{message.kind} failed: {errors}")
-        return reply
-
-    def prefill(self) -> None:
-        """Run every prompt through the model, in chunks of whole prompts that fit a batch."""
+    def prefill(self, sampling: SamplingParams = SamplingParams()) -> None:
+        """Run every prompt through the model (in groups that fit a batch) and draw each
+        sequence's first token."""
+        self.sampling = sampling
         group: list[_Sequence] = []
         for seq in self.seqs + [None]:  # type: ignore[list-item]
-            if seq is None or sum(len(s.prompt) for s in group) + len(seq.prompt) > self.scratch:
+            if seq is None or sum(len(s.prompt) for s in group) + len(seq.prompt) > self.hs.max_batch_tokens:
                 if group:
-                    self._prefill_group(group)
+                    self._run(group, [s.prompt for s in group])
                 group = []
             if seq is not None:
                 group.append(seq)
+        self.draws += 1
 
-    def _prefill_group(self, group: list[_Sequence]) -> None:
-        tokens = [t for s in group for t in s.prompt]
-        self._call(P.EmbedText(tokens, [i for s in group for i in range(len(s.prompt))],
-                               list(range(len(tokens)))))
-        start, embeds = 0, []
-        for s in group:
-            embeds.append(list(range(start, start + len(s.prompt))))
-            start += len(s.prompt)
-        self._forward(group, embeds)
-
-    def step(self, sampling: SamplingParams = SamplingParams(),
+    def step(self, sampling: SamplingParams | None = None,
              stop_token_ids: tuple[int, ...] = (), limit: int | None = None) -> dict[int, int]:
-        """Sample the next token of every live sequence and run it through the model;
-        returns {sequence index: token}. A sequence stops at a stop token or `limit` tokens."""
-        live = [i for i, s in enumerate(self.seqs) if not s.done]
-        if not live:
-            return {}
-        seed = -1 if sampling.seed < 0 else sampling.seed + self.steps
-        reply = self._call(P.Sample(
-            embed_ids=[self.seqs[i].out_embed for i in live],
-            temperatures=[sampling.temperature] * len(live), top_ks=[sampling.top_k] * len(live),
-            top_ps=[sampling.top_p] * len(live), seeds=[seed] * len(live)))
-        self.steps += 1
-        tokens = dict(zip(live, reply.token_ids))  # type: ignore[attr-defined]
+        """Return the token each live sequence drew last, and feed it back to draw the next
+        (one pass for all); {sequence index: token}. A sequence stops at a stop token or
+        `limit` tokens."""
+        if sampling is not None:
+            self.sampling = sampling
+        tokens = {i: s.drawn for i, s in enumerate(self.seqs) if not s.done and s.drawn is not None}
         feed = []
         for i, token in tokens.items():
             seq = self.seqs[i]
@@ -108,30 +85,31 @@ class DirectBatch:
             if not seq.done:
                 feed.append(seq)
         if feed:
-            self._call(P.EmbedText([s.output[-1] for s in feed], [s.length for s in feed],
-                                   [s.token_embed for s in feed]))
-            self._forward(feed, [[s.token_embed] for s in feed])
-        return tokens
+            self._run(feed, [[s.drawn] for s in feed])
+            self.draws += 1
+        return tokens  # type: ignore[return-value]
 
-    def _forward(self, seqs: list[_Sequence], inputs: list[list[int]]) -> None:
-        """Append each sequence's input embeds to its pages; output embed = last token."""
-        ps = self.hs.page_size
-        msg = P.Forward([], [0], [], [], [0], [], [0], [], [], [], [0], [])
-        for seq, embeds in zip(seqs, inputs):
-            msg.kv_page_ids += seq.pages[: math.ceil(seq.length / ps)]
-            msg.kv_page_indptr.append(len(msg.kv_page_ids))
-            msg.kv_last_page_lens.append((seq.length - 1) % ps + 1 if seq.length else 0)
-            msg.embed_ids += embeds
-            msg.embed_indptr.append(len(msg.embed_ids))
-            msg.out_kv_page_ids += seq.pages[seq.length // ps : math.ceil((seq.length + len(embeds)) / ps)]
-            msg.out_kv_page_indptr.append(len(msg.out_kv_page_ids))
-            msg.out_kv_offsets.append(seq.length % ps)
-            msg.out_embed_ids.append(seq.out_embed)
-            msg.out_token_indices.append(len(embeds) - 1)
-            msg.out_embed_indptr.append(len(msg.out_embed_ids))
-            msg.attention_masks.append(None)
-            seq.length += len(embeds)
-        self._call(msg)
+    def _run(self, seqs: list[_Sequence], inputs: list[list[int]]) -> None:
+        """One pass: append each sequence's input tokens to its pages, draw its next token."""
+        ps, sp = self.hs.page_size, self.sampling
+        seed = -1 if sp.seed < 0 else sp.seed + self.draws
+        passes = []
+        for seq, tokens in zip(seqs, inputs):
+            end = seq.length + len(tokens)
+            passes.append(Pass(
+                None, 0, ps, tokens, list(range(seq.length, end)), [],  # type: ignore[arg-type]
+                seq.pages[: math.ceil(seq.length / ps)], (seq.length - 1) % ps + 1 if seq.length else 0,
+                seq.pages[seq.length // ps : math.ceil(end / ps)], seq.length % ps, None,
+                [Output(len(tokens) - 1, sample=True, temperature=sp.temperature, top_k=sp.top_k,
+                        top_p=sp.top_p, seed=seed)]))
+            seq.length = end
+        reply = self.link.call(encode(passes))
+        if getattr(reply, "errors", None):
+            raise BackendError(f"pass failed: {reply.errors}")  # type: ignore[attr-defined]
+        drawn = array("i")
+        drawn.frombytes(reply.tokens)  # type: ignore[attr-defined]
+        for seq, token in zip(seqs, drawn):
+            seq.drawn = token
 
 
 class DirectDriver:
@@ -148,7 +126,7 @@ class DirectDriver:
     ) -> list[list[int]]:
         """Greedy (or sampled) continuations of `prompts`, at most `max_new_tokens` each."""
         batch = DirectBatch(self.link, self.hs, prompts, max_new_tokens)
-        batch.prefill()
+        batch.prefill(sampling)
         while tokens := batch.step(sampling, stop_token_ids, limit=max_new_tokens):
             if on_step:
                 on_step(tokens)
