@@ -11,8 +11,12 @@
 - Time per output token (Tables 3-4): `text_completion` inferlets vs the backend driven
   directly by a Python loop (pie.control.direct) at the same batch size and tokens; the two
   alternate (Pie first in even rounds, the direct driver first in odd ones), each warmed up
-  once before the timed rounds; tokens are counted (the `sample` calls made, the tokens the
-  driver returned), not assumed.
+  once before the timed rounds; tokens are counted (the instances' `sampled_tokens`, the
+  tokens the driver returned), not assumed; with the mean number of items per
+  model-running batch in Pie's rounds.
+- Control-process CPU per generated token: 16 `text_completion`s decoding 64 tokens each
+  at once, CPU time of this process, of its scheduler thread and of the backend, from
+  /proc around each wave (target: 0.3 ms per token for the control process).
 
 The runtime and control layer run in this process against a real `pie backend` process
 (the WebSocket server is left out: it adds one message per event, not per token).
@@ -30,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import threading
@@ -57,21 +62,54 @@ PROMPTS = ["Write a short story about a robot learning to paint.",
            "Describe the water cycle to a ten-year-old."]
 TIMEOUT_S = 300.0  # for one inferlet or one wave: a run that takes longer fails loudly
 ROUNDS, QUICK_ROUNDS = 3, 2  # rounds per measurement: full run, --quick
+MODEL_KINDS = ("forward", "pass")  # scheduler call kinds that run the model
+CONTROL_CPU_TARGET_MS = 0.3  # issue 15: control-process CPU per generated token
 
 
-def run_to_end(runtime: Runtime, program: str, args: list[str], timeout: float = TIMEOUT_S) -> list[str]:
-    """Launch, wait for termination, return the messages (raises if it did not finish)."""
+def run_to_end(runtime: Runtime, program: str, args: list[str], timeout: float = TIMEOUT_S,
+               usage: dict | None = None) -> list[str]:
+    """Launch, wait for termination, return the messages (raises if it did not finish);
+    the instance's usage goes into `usage` if given."""
     done, messages, reason = threading.Event(), [], []
 
-    def on_event(_: str, kind: str, data: str, usage: dict | None) -> None:  # runtime.EventSink
+    def on_event(_: str, kind: str, data: str, used: dict | None) -> None:  # runtime.EventSink
         (messages if kind == "message" else reason).append(data)
         if kind == "terminated":
+            if usage is not None:
+                usage.update(used or {})
             done.set()
 
     runtime.launch(program, args, on_event)
     if not done.wait(timeout) or reason != ["finished"]:
         raise RuntimeError(f"{program} {args}: {reason or 'timed out'}")
     return messages
+
+
+def run_wave(runtime: Runtime, prompts: list[str], tokens: int) -> int:
+    """`text_completion` on every prompt at once, to the end; the tokens they generated
+    (from each instance's usage: tokens drawn on the host, whatever calls drew them)."""
+    done, reasons, generated = threading.Semaphore(0), [], []
+
+    def on_event(_: str, kind: str, data: str, usage: dict | None) -> None:  # runtime.EventSink
+        if kind == "terminated":
+            reasons.append(data)
+            generated.append((usage or {}).get("sampled_tokens", 0))
+            done.release()
+
+    for p in prompts:
+        runtime.launch("text_completion", ["--prompt", p, "--max-tokens", str(tokens)], on_event)
+    for _ in prompts:
+        if not done.acquire(timeout=TIMEOUT_S):
+            raise RuntimeError(f"text_completion x{len(prompts)}: not all ended in {TIMEOUT_S:.0f} s")
+    if reasons != ["finished"] * len(prompts):
+        raise RuntimeError(f"text_completion x{len(prompts)}: {reasons}")
+    return sum(generated)
+
+
+def model_batches(stats: dict) -> tuple[int, int]:
+    """(calls, batches) that ran the model — legacy forwards and fused passes — so far."""
+    return (sum(stats["calls"].get(k, 0) for k in MODEL_KINDS),
+            sum(stats["batches"].get(k, 0) for k in MODEL_KINDS))
 
 
 def host_calls(runtime: Runtime, program: str) -> dict[str, int]:
@@ -91,13 +129,17 @@ def api_latency(runtime: Runtime, n: int, rounds: int) -> tuple[dict[str, float]
 
 
 def calls_per_token(runtime: Runtime, tokens: int) -> dict:
+    """Every host call of one `text_completion` (per-request ones included) over the
+    tokens it generated (its usage's `sampled_tokens`)."""
     before = host_calls(runtime, "text_completion")
-    run_to_end(runtime, "text_completion", ["--prompt", PROMPTS[0], "--max-tokens", str(tokens)])
+    usage: dict = {}
+    run_to_end(runtime, "text_completion", ["--prompt", PROMPTS[0], "--max-tokens", str(tokens)],
+               usage=usage)
     after = host_calls(runtime, "text_completion")
     delta = {name: after[name] - before.get(name, 0) for name in after if after[name] > before.get(name, 0)}
-    generated = delta.get("sample", 0)  # one `sample` call per generated token
+    generated = usage.get("sampled_tokens", 0)
     if not generated:
-        raise RuntimeError(f"text_completion made no `sample` call: {delta}")
+        raise RuntimeError(f"text_completion generated nothing: usage {usage}, calls {delta}")
     return {"tokens_asked": tokens, "tokens": generated, "calls": sum(delta.values()),
             "calls_per_token": sum(delta.values()) / generated,
             "by_function": dict(sorted(delta.items())),
@@ -167,26 +209,17 @@ def per_token(runtime: Runtime, driver: DirectDriver, tokenizer: TextTokenizer, 
     ids = [tokenizer.encode(chat_prompt(template, p)) for p in prompts]
     eos = tuple(tokenizer.eos_token_ids)
 
+    batches: list[float] = []
+
     def pie() -> tuple[float, int]:
-        """`batch` text_completion inferlets at once: seconds, and tokens sampled."""
-        done, reasons = threading.Semaphore(0), []
-
-        def on_event(_: str, kind: str, data: str, usage: dict | None) -> None:  # runtime.EventSink
-            if kind == "terminated":
-                reasons.append(data)
-                done.release()
-
-        before = host_calls(runtime, "text_completion").get("sample", 0)
+        """`batch` text_completion inferlets at once: seconds, and tokens generated."""
+        calls0, batches0 = model_batches(runtime.stats()["scheduler"])
         t0 = time.perf_counter()
-        for p in prompts:
-            runtime.launch("text_completion", ["--prompt", p, "--max-tokens", str(tokens)], on_event)
-        for _ in prompts:
-            if not done.acquire(timeout=TIMEOUT_S):
-                raise RuntimeError(f"text_completion x{batch}: not all ended in {TIMEOUT_S:.0f} s")
+        generated = run_wave(runtime, prompts, tokens)
         elapsed = time.perf_counter() - t0
-        if reasons != ["finished"] * batch:
-            raise RuntimeError(f"text_completion x{batch}: {reasons}")
-        return elapsed, host_calls(runtime, "text_completion").get("sample", 0) - before
+        calls1, batches1 = model_batches(runtime.stats()["scheduler"])
+        batches.append((calls1 - calls0) / max(1, batches1 - batches0))
+        return elapsed, generated
 
     def direct() -> tuple[float, int]:
         t0 = time.perf_counter()
@@ -196,6 +229,7 @@ def per_token(runtime: Runtime, driver: DirectDriver, tokenizer: TextTokenizer, 
     paths = {"pie": pie, "direct": direct}
     for run in paths.values():  # warm-up: first forwards at this batch size, caches, threads
         run()
+    batches.clear()
     seconds: dict[str, list[float]] = {name: [] for name in paths}
     generated: dict[str, list[int]] = {name: [] for name in paths}
     for r in range(rounds):
@@ -210,8 +244,41 @@ def per_token(runtime: Runtime, driver: DirectDriver, tokenizer: TextTokenizer, 
     return {"batch": batch, "tokens": tokens, "pie_ms_per_token": ms["pie"],
             "direct_ms_per_token": ms["direct"], "overhead": ms["pie"] / ms["direct"] - 1,
             "pie_tokens": generated["pie"], "direct_tokens": generated["direct"],
+            # items per model-running batch in Pie's rounds: = batch when every decoder
+            # rides every forward (median over rounds)
+            "mean_forward_batch": statistics.median(batches),
             "pie_round_s": [round(s, 4) for s in seconds["pie"]],
             "direct_round_s": [round(s, 4) for s in seconds["direct"]]}
+
+
+def cpu_s(pid: int | str, task: int | None = None) -> float:
+    """utime + stime of a process (or one of its threads) from /proc, in seconds."""
+    path = f"/proc/{pid}/task/{task}/stat" if task is not None else f"/proc/{pid}/stat"
+    with open(path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def control_cpu(runtime: Runtime, backend_pid: int, instances: int, tokens: int, rounds: int) -> dict:
+    """CPU time per generated token while `instances` text_completions decode `tokens`
+    each at once: this process (the control process: runtime, control layer, inferlets),
+    its scheduler thread alone, and the backend process — from /proc around each wave."""
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(instances)]
+    scheduler = runtime.controller.scheduler.thread.native_id
+    run_wave(runtime, prompts, tokens)  # warm-up
+    per_round = []
+    for _ in range(rounds):
+        before = (cpu_s("self"), cpu_s("self", scheduler), cpu_s(backend_pid))
+        generated = run_wave(runtime, prompts, tokens)
+        after = (cpu_s("self"), cpu_s("self", scheduler), cpu_s(backend_pid))
+        per_round.append({"tokens": generated, **{
+            name: 1e3 * (a - b) / generated for name, a, b in zip(
+                ("control_ms_per_token", "scheduler_ms_per_token", "backend_ms_per_token"), after, before)}})
+    out = {"instances": instances, "tokens_each": tokens, "rounds": per_round,
+           "target_control_ms_per_token": CONTROL_CPU_TARGET_MS}
+    for name in ("control_ms_per_token", "scheduler_ms_per_token", "backend_ms_per_token"):
+        out[name] = statistics.median(r[name] for r in per_round)
+    return out
 
 
 def main() -> None:
@@ -245,14 +312,19 @@ def main() -> None:
 
         results["launch"] = launches(runtime, [1, 4] if args.quick else [1, 4, 16, 64, 256], rounds)
 
+        results["control_cpu"] = control_cpu(runtime, backend.process.pid, 4 if args.quick else 16,
+                                             4 if args.quick else 64, rounds)
+        print("control-process CPU per token:", {k: v for k, v in results["control_cpu"].items()
+                                                 if k.endswith("per_token")}, flush=True)
+
         results["per_token"] = []
-        for batch in ([1, 2] if args.quick else [1, 8]):
+        for batch in ([1, 2] if args.quick else [1, 8, 32]):
             row = per_token(runtime, driver, tokenizer, hs.chat_template, batch,
                             4 if args.quick else 32, rounds)
             results["per_token"].append(row)
             print(f"per token, batch {batch}: pie {row['pie_ms_per_token']:.1f} ms, direct "
-                  f"{row['direct_ms_per_token']:.1f} ms, overhead {100 * row['overhead']:+.1f}%",
-                  flush=True)
+                  f"{row['direct_ms_per_token']:.1f} ms, overhead {100 * row['overhead']:+.1f}%, "
+                  f"mean forward batch {row['mean_forward_batch']:.1f}", flush=True)
         results["scheduler"] = runtime.stats()["scheduler"]
         runtime.shutdown()
         link.close()

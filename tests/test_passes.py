@@ -30,10 +30,10 @@ def sampled(index: int, **kw) -> Output:
 
 
 def submit(session, q, tokens, *, run=None, kv=(), last_len=0, out=(), offset=0,
-           outputs=None, stop=(), mask=None):
+           outputs=None, stop=(), mask=None, stream=True):
     n = len(tokens)
     outputs = [sampled(n - 1)] if outputs is None else outputs
-    return session.submit_pass(q, run, token_ids=list(tokens), positions=list(range(n)), embeds=[],
+    return session.submit_pass(q, run, stream=stream, token_ids=list(tokens), positions=list(range(n)), embeds=[],
                                kv_pages=list(kv), last_len=last_len, out_pages=list(out),
                                out_offset=offset, mask=mask, outputs=outputs, stop_tokens=list(stop))
 
@@ -100,6 +100,12 @@ def test_run_advances_on_the_host_until_steps_or_a_stop_token(fake):
         assert columns(msg, "kv_page_ids") == physical[: (slot - 1) // PS + 1]
         assert columns(msg, "kv_last_page_lens") == [slot - (slot - 1) // PS * PS]
     assert a.usage()["sampled_tokens"] == 5 and a.usage()["forward_tokens"] == 14 + 4
+
+    backend.batches.clear()
+    pages3 = a.alloc_kvpage(q, 1)
+    submit(a, q, [1, 2], run=6, out=pages3, stream=False)  # one result, at the end
+    ((_, status, tokens, _, _),) = take_all(a, q)
+    assert (status, tokens) == ("done", [7] * 6) and backend.batches == [("pass", 1)] * 6
 
     backend.batches.clear()
     pages2 = a.alloc_kvpage(q, 1)

@@ -332,7 +332,7 @@ class InstanceSession:
 
     # --- inference (the fused pass) ---------------------------------------------------------
 
-    def submit_pass(self, q: CommandQueue, run_steps: int | None, *, token_ids: list[int],
+    def submit_pass(self, q: CommandQueue, run_steps: int | None, *, stream: bool = True, token_ids: list[int],
                     positions: list[int], embeds: list[int], kv_pages: list[int], last_len: int,
                     out_pages: list[int], out_offset: int, mask: bytes | None,
                     outputs: list[Output], stop_tokens: list[int]) -> int:
@@ -356,7 +356,7 @@ class InstanceSession:
         p = Pass(q, self.next_pass_id, self.page_size, list(token_ids), list(positions),
                  self.resources.embeds.resolve(embeds), self.resources.pages.resolve(kv_pages),
                  last_len, self.c.resources.writable_pages(self.resources, out_pages), out_offset,
-                 mask, outputs, frozenset(stop_tokens))
+                 mask, outputs, frozenset(stop_tokens), stream=stream)
         p.validate(self.limits, run_steps)
         self.next_pass_id += 1
         self.passes[p.pass_id] = p

@@ -89,6 +89,7 @@ class Pass:
     mask: bytes | None
     outputs: list[Output]
     stop_tokens: frozenset[int] = frozenset()
+    stream: bool = True  # a run reports each step's token (else once, at its end)
     steps_left: int = 1
     kind: str = P.Kind.PASS  # what the scheduler batches by
     tokens: int = 0  # new tokens: counts toward max_batch_tokens
@@ -248,6 +249,8 @@ class PassResults:
             p.status, p.error = status, error
             if status is not Status.RUNNING:
                 self.open -= 1
+            if status is Status.RUNNING and not p.stream:
+                return  # kept for the end of the run: nobody is woken per token
             if not p.listed:
                 p.listed = True
                 self.ready.append(p)

@@ -29,10 +29,10 @@ def _output(o: Any) -> Output:
     return out
 
 
-def _submit(st: HostState, q: Any, p: Any, run_steps: int | None) -> int:
+def _submit(st: HostState, q: Any, p: Any, run_steps: int | None, stream: bool = True) -> int:
     mask = getattr(p, "attention-mask")
     return st.session.submit_pass(
-        q, run_steps, token_ids=getattr(p, "input-tokens"), positions=p.positions,
+        q, run_steps, stream=stream, token_ids=getattr(p, "input-tokens"), positions=p.positions,
         embeds=getattr(p, "input-embeds"), kv_pages=getattr(p, "input-kv-pages"),
         last_len=getattr(p, "input-kv-last-page-len"), out_pages=getattr(p, "output-kv-pages"),
         out_offset=getattr(p, "output-kv-offset"), mask=None if mask is None else bytes(mask),
@@ -55,7 +55,7 @@ def register(root: Any, b: Bindings) -> None:
         inference.add_func("execute", b.call(
             lambda st, store, q, p: _submit(st, b.queue(st, store, q), p, None)))
         inference.add_func("run", b.call(
-            lambda st, store, q, p, steps: _submit(st, b.queue(st, store, q), p, steps)))
+            lambda st, store, q, p, steps, stream: _submit(st, b.queue(st, store, q), p, steps, stream)))
 
         def take(st: HostState, store: Any, q: Any, block: bool) -> list[Any]:
             taken = st.session.take(b.queue(st, store, q), block, st.cancelled)

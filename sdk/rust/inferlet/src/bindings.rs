@@ -2352,8 +2352,11 @@ pub mod inference {
     ///   the output pages continue the context (the partial last input page first, from
     ///   the slot after the context) and hold n-new + steps - 1 slots from the offset.
     /// - steps: the most tokens to draw, at least 1.
+    /// - streaming: report the tokens drawn at every step (to check stop strings, or to
+    ///   stream them to a client); false reports them once, when the run ends, so the
+    ///   inferlet is not woken per token.
     ///
-    /// Returns: the run's id; `take` streams its tokens.
+    /// Returns: the run's id; `take` returns its tokens.
     ///
     /// Layer: inference
     ///
@@ -2363,7 +2366,7 @@ pub mod inference {
     ///   exactly one sampled output at the last new token; output pages that do not
     ///   continue the context or are too few for the steps); `steps` is 0.
     /// - out-of-resources: as for `execute`.
-    pub fn run(q: &Queue, pass: ForwardPass, steps: u32) -> Result<PassId, Error> {
+    pub fn run(q: &Queue, pass: ForwardPass, steps: u32, streaming: bool) -> Result<PassId, Error> {
         #[link(wasm_import_module = "pie:inferlet/inference@0.1.0")]
         extern "C" {
             #[link_name = "run"]
@@ -2372,7 +2375,7 @@ pub mod inference {
         unsafe {
             let mut cleanup = crate::abi::Cleanup::new();
             let mut ret_area = crate::abi::RetArea::<24>::new();
-            let args = cleanup.alloc(84, 4);
+            let args = cleanup.alloc(88, 4);
             args.cast::<i32>().write(q.handle());
             args.add(4).cast::<i32>().write((&pass.input_embeds).as_ptr() as i32);
             args.add(8).cast::<i32>().write((&pass.input_embeds).len() as i32);
@@ -2394,6 +2397,7 @@ pub mod inference {
             args.add(72).cast::<i32>().write((&pass.stop_tokens).as_ptr() as i32);
             args.add(76).cast::<i32>().write((&pass.stop_tokens).len() as i32);
             args.add(80).cast::<u32>().write(*(&steps));
+            args.add(84).cast::<u8>().write(*(&streaming) as u8);
             import(args as i32, ret_area.ptr() as i32);
             match ret_area.ptr().cast::<u8>().read() { 0 => Ok(ret_area.ptr().add(8).cast::<u64>().read()), 1 => Err(Error { kind: super::types::ErrorKind::_lift(ret_area.ptr().add(8).cast::<u8>().read() as u32), message: crate::abi::take_string(ret_area.ptr().add(12).cast::<i32>().read(), ret_area.ptr().add(16).cast::<i32>().read()) }), _ => unreachable!() }
         }

@@ -315,7 +315,7 @@ impl Context {
             let out = Output { index: tokens.len() as u32 - 1, sample: Some(sampler.clone()), ..output(0) };
             let n = tokens.len() as u32;
             let (pass, new_pages) = self.pass_over(&tokens, n + steps - 1, vec![out], stop.eos_tokens.clone())?;
-            let id = match inference::run(self.queue.raw(), pass, steps) {
+            let id = match inference::run(self.queue.raw(), pass, steps, !stop.strings.is_empty()) {
                 Ok(id) => id,
                 Err(e) => {
                     self.pending = tokens;
