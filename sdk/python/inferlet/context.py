@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from wit_world.imports import allocate, forward, input_text, kvs
+from wit_world.imports import allocate, forward, inference, input_text, kvs
 
 from inferlet.errors import Error, host
 from inferlet.model import Queue
@@ -38,6 +38,7 @@ class Context:
         self.pending: list[int] = []
         self._embeds: list[int] = []
         self._outputs: list[int] = []
+        self._unclaimed: list[int] = []  # prefill passes whose result is not awaited
 
     @property
     def tokens(self) -> list[int]:
@@ -63,37 +64,77 @@ class Context:
         """Run every pending token but the last (which the next decode step needs)."""
         if len(self.pending) > 1:
             tokens, self.pending = self.pending[:-1], self.pending[-1:]
-            self._forward(tokens, [])
+            self._execute(tokens, None)
 
     def forward_pending(self, indices: list[int]) -> list[int]:
         """Run all pending tokens; output embeds at `indices` (valid until the next forward)."""
         tokens, self.pending = self.pending, []
+        if not indices:
+            self._execute(tokens, None)
+            return []
         return self._forward(tokens, indices)
 
     def decode_step(self, sampler: Sampler) -> int:
-        """Run the pending tokens, draw the next token, leave it pending."""
-        token = self.queue.sample(self._step_output(), sampler).result()
+        """Run the pending tokens, draw the next token, leave it pending: one fused pass
+        and one blocking take (two host calls)."""
+        token = self._step(_output(sample=_pass_sampler(sampler))).tokens[0]
         self.pending.append(token)
         return token
 
     def next_dist(self, k: int) -> tuple[list[int], list[float]]:
         """Run the pending tokens; the k most likely next tokens (nothing is appended)."""
-        return self.queue.next_dist(self._step_output(), k).result()
+        (detail,) = self._step(_output(top_k=k)).details
+        return list(detail.top_ids), list(detail.top_probs)
 
     def generate(self, sampler: Sampler, stop: Stop) -> str:
-        """Decode until `stop`; the text without the EOS token or the stop string."""
+        """Decode until `stop`; the text without the EOS token or the stop string.
+
+        The decoding runs on the host (`inference.run`, at most RUN_STEPS steps a run): the
+        next step is queued by the reply to the last, without waking this inferlet; tokens
+        come back per step only when stop strings must be checked."""
+        if not self.pending:
+            raise Error("invalid-argument", "no pending token to predict from; fill the context first")
         generated: list[int] = []
         seed = sampler.seed
         while len(generated) < stop.max_tokens:
-            token = self.decode_step(sampler.with_seed(seed))
-            seed = None if seed is None else seed + 1
-            if token in stop.eos:
-                break
-            generated.append(token)
-            if stop.strings:
-                cut = stop.cut(self.queue.detokenize(generated))
-                if cut is not None:
-                    return cut
+            tokens, self.pending = self.pending, []
+            if len(tokens) > _chunk_limit:  # a long prompt: prefill all but the end first
+                self._execute(tokens[:-1], None)
+                tokens = tokens[-1:]
+            steps = min(stop.max_tokens - len(generated), RUN_STEPS)
+            out = _output(index=len(tokens) - 1, sample=_pass_sampler(sampler.with_seed(seed)))
+            record, new = self._pass_over(tokens, len(tokens) + steps - 1, [out], list(stop.eos))
+            try:
+                pass_id = host(inference.run, self.queue.raw, record, steps, bool(stop.strings))
+            except Error:
+                self.pending = tokens
+                raise
+            drawn: list[int] = []
+            cut, status = None, "running"
+            while status == "running":
+                for result in _await(self.queue, pass_id):
+                    drawn += result.tokens
+                    status = _status(result)
+                    _check(result)
+                if cut is None and stop.strings:
+                    visible = []
+                    for t in generated + drawn:
+                        if t in stop.eos:
+                            break
+                        visible.append(t)
+                    cut = stop.cut(self.queue.detokenize(visible))
+                    if cut is not None and status == "running":
+                        host(inference.cancel, self.queue.raw, pass_id)
+            self._claim_unclaimed()
+            self._commit(tokens + drawn[:-1], new)  # all but the last drawn token were fed back
+            self.pending = drawn[-1:]
+            seed = None if seed is None else seed + len(drawn)
+            if cut is not None:
+                return cut
+            for token in drawn:
+                if token in stop.eos:
+                    return self.queue.detokenize(generated)
+                generated.append(token)
         return self.queue.detokenize(generated)
 
     # --- branching and reuse ---------------------------------------------------------------
@@ -164,10 +205,81 @@ class Context:
 
     # --- internals -------------------------------------------------------------------------
 
-    def _step_output(self) -> int:
+    def _step(self, out) -> object:
+        """Run every pending token with `out` at the last; its (final) result."""
         if not self.pending:
             raise Error("invalid-argument", "no pending token to predict from; fill the context first")
-        return self.forward_pending([len(self.pending) - 1])[0]
+        tokens, self.pending = self.pending, []
+        out.index = len(tokens) - 1
+        pass_id = self._execute(tokens, out)
+        (result,) = _await(self.queue, pass_id)
+        self._claim_unclaimed()
+        _check(result)
+        return result
+
+    def _execute(self, tokens: list[int], out) -> int:
+        """Fused passes over `tokens` (chunks of at most max_batch_tokens), `out` at the
+        last; earlier chunks' results are claimed later. The last pass's id."""
+        global _chunk_limit
+        start = 0
+        while True:
+            end = min(len(tokens), start + max(1, _chunk_limit))
+            last = end == len(tokens)
+            outputs = []
+            if out is not None and last:
+                out.index -= start
+                outputs = [out]
+            try:
+                record, new = self._pass_over(tokens[start:end], end - start, outputs, [])
+                pass_id = host(inference.execute, self.queue.raw, record)
+            except Error as e:
+                size = end - start
+                if out is not None and last:
+                    out.index += start
+                if size == 1 or e.kind != "invalid-argument" or _LIMIT_NAME not in e.message:
+                    raise
+                told = re.search(_LIMIT_NAME + r"\D*(\d+)", e.message)
+                _chunk_limit = min(size - 1, max(1, int(told.group(1)) if told else size // 2))
+                continue
+            self._commit(tokens[start:end], new)
+            if last:
+                return pass_id
+            self._unclaimed.append(pass_id)
+            start = end
+
+    def _pass_over(self, tokens: list[int], room: int, outputs: list, stop_tokens: list[int]):
+        """The pass record writing `tokens` after the committed ones, into pages with room
+        for `room` tokens; and the new pages (kept by `_commit` as far as used)."""
+        q, ps = self.queue, self.queue.page_size
+        free = ps - self.last_len if self.pages else 0
+        if free and self.pages[-1].shared:
+            self._copy_last_page()
+        need = -(-max(0, room - free) // ps)
+        new = [Page(q, i) for i in host(allocate.alloc_kvpage, q.raw, need)] if need else []
+        start = len(self.committed)
+        record = inference.ForwardPass(
+            input_embeds=[], input_tokens=list(tokens), positions=list(range(start, start + len(tokens))),
+            input_kv_pages=[p.id for p in self.pages], input_kv_last_page_len=self.last_len,
+            output_kv_pages=([self.pages[-1].id] if free else []) + [p.id for p in new],
+            output_kv_offset=self.last_len if free else 0, attention_mask=None,
+            outputs=outputs, stop_tokens=stop_tokens)
+        return record, new
+
+    def _commit(self, tokens: list[int], new: list[Page]) -> None:
+        """`tokens` were written after the committed ones; keep the new pages they reached."""
+        ps = self.queue.page_size
+        free = ps - self.last_len if self.pages else 0
+        self.pages += new[: -(-max(0, len(tokens) - free) // ps)]
+        self.committed += tokens
+        if self.pages:
+            self.last_len = len(self.committed) - (len(self.pages) - 1) * ps
+
+    def _claim_unclaimed(self) -> None:
+        failures = [r for pass_id in self._unclaimed for r in _RESULTS.pop(pass_id, [])
+                    if _status(r) == "failed"]
+        self._unclaimed = [i for i in self._unclaimed if i in _RESULTS]
+        if failures:
+            _check(failures[0])
 
     def _forward(self, tokens: list[int], indices: list[int]) -> list[int]:
         """Run `tokens`, in chunks of at most the backend's max_batch_tokens (one pass when
@@ -235,6 +347,46 @@ class Context:
 
 
 KEPT_EMBEDS = 16  # input embeds a context keeps between forwards
+RUN_STEPS = 256  # the most steps of one host-side run: its pages are reserved up front
+
+# Results taken from the host but not yet claimed, by pass id (pass ids are per instance).
+_RESULTS: dict[int, list] = {}
+
+
+def _output(index: int = 0, sample=None, top_k: int = 0):
+    return inference.Output(index=index, sample=sample, top_k=top_k, logprobs_of=[], entropy=False,
+                            allowed=None, grammar=None, keep=None)
+
+
+def _pass_sampler(s: Sampler):
+    return inference.Sampler(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=0.0,
+                             seed=s.seed)
+
+
+def _pass_id(result) -> int:
+    return getattr(result, "pass_", None) if hasattr(result, "pass_") else getattr(result, "pass")
+
+
+def _status(result) -> str:
+    return result.status.name.lower()
+
+
+def _check(result) -> None:
+    if _status(result) == "failed":
+        failure = result.failure
+        raise Error.from_host(failure) if failure is not None else Error("inference-failed", "pass failed")
+
+
+def _await(queue: Queue, pass_id: int) -> list:
+    """The next results of `pass_id` (a run's progress, or a pass's final result): blocking
+    takes on its queue, other passes' results kept for their owners."""
+    while pass_id not in _RESULTS:
+        got = inference.take(queue.raw, True)
+        if not got:
+            raise Error("inference-failed", f"pass {pass_id} is awaited but nothing is in flight on its queue")
+        for result in got:
+            _RESULTS.setdefault(_pass_id(result), []).append(result)
+    return _RESULTS.pop(pass_id)
 
 # The most tokens a Context runs in one forward pass. The host API does not tell the
 # backend's max_batch_tokens, so this starts at its default (4096: a prompt that fits runs in
