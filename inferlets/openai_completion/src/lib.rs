@@ -9,7 +9,7 @@
 //! come from the host's next-token distribution.
 //!
 //! Requirements: R2
-//! Host APIs: apply-chat-template, tokenize, forward, sample, get-next-dist, copy-kvpage (fork)
+//! Host APIs: apply-chat-template, tokenize, inference (execute, run, take, cancel), forward, sample, get-next-dist (log-probabilities), copy-kvpage (fork)
 //! Arguments: (--prompt TEXT | --message ROLE CONTENT ...) --max-tokens N [--temperature T] [--top-p P] [--seed S] [--stop TEXT ...] [--n N] [--logprobs K] [--ignore-eos]
 //! Output: JSON lines: {"prompt_tokens": n}, then per choice {"index", "text", "logprobs"?} deltas and a final {"index", "finish_reason", "completion_tokens"}.
 
@@ -87,6 +87,9 @@ async fn choice(index: usize, mut ctx: Context, r: &Request, eos: &[u32]) -> Res
     if let Some(seed) = sampler.seed.as_mut() {
         *seed = seed.wrapping_add(1_000_003 * index as u64);
     }
+    if r.logprobs.is_none() {
+        return streamed(index, ctx, r, eos, sampler).await;
+    }
     // `generated`: the tokens whose text is the completion (an EOS passed over with
     // --ignore-eos counts as a completion token but has no text, as in vLLM).
     let (mut generated, mut count, mut sent, mut finish) = (Vec::new(), 0usize, 0usize, "length");
@@ -134,7 +137,55 @@ async fn choice(index: usize, mut ctx: Context, r: &Request, eos: &[u32]) -> Res
             break;
         }
     }
-    let text = queue.detokenize(&generated)?;
+    end_choice(index, &queue.detokenize(&generated)?, sent, finish, count, r)
+}
+
+/// A choice without log-probabilities: one host-side run (`Context::run`), streamed — the
+/// host queues each step on the reply to the last, without waiting for this inferlet.
+async fn streamed(index: usize, mut ctx: Context, r: &Request, eos: &[u32], sampler: Sampler) -> Result<(), String> {
+    let queue = ctx.queue().clone();
+    let (mut generated, mut count, mut sent, mut finish) = (Vec::new(), 0usize, 0usize, "length");
+    if r.max_tokens > 0 {
+        let stop_tokens: &[u32] = if r.ignore_eos { &[] } else { eos };
+        let mut run = ctx.run(&sampler, r.max_tokens as u32, stop_tokens, true)?;
+        let mut ended = false;
+        while let Some(tokens) = run.next().await? {
+            for token in tokens {
+                if ended {
+                    continue;  // drawn before the cancel took effect: not part of the answer
+                }
+                let is_eos = eos.contains(&token);
+                if is_eos && !r.ignore_eos {
+                    finish = "stop";
+                    ended = true;
+                    continue;
+                }
+                count += 1;
+                if is_eos {
+                    continue;
+                }
+                generated.push(token);
+                let text = queue.detokenize(&generated)?;
+                let cut = r.stops.iter().filter_map(|s| text.find(s.as_str())).min();
+                let end = cut.unwrap_or_else(|| safe_len(&text, &r.stops));
+                if end > sent {
+                    inferlet::send(&format!("{{\"index\":{index},\"text\":{}}}", json_string(&text[sent..end])));
+                }
+                sent = sent.max(end);
+                if cut.is_some() {
+                    finish = "stop";
+                    ended = true;
+                    run.cancel()?;
+                }
+            }
+        }
+        run.finish()?;
+    }
+    end_choice(index, &queue.detokenize(&generated)?, sent, finish, count, r)
+}
+
+/// The rest of the text (up to a stop string) and the choice's finish line.
+fn end_choice(index: usize, text: &str, sent: usize, finish: &str, count: usize, r: &Request) -> Result<(), String> {
     let end = r.stops.iter().filter_map(|s| text.find(s.as_str())).min().unwrap_or(text.len());
     if end > sent {
         inferlet::send(&format!("{{\"index\":{index},\"text\":{}}}", json_string(&text[sent..end])));

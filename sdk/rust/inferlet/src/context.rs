@@ -293,73 +293,33 @@ impl Context {
     /// Decodes until `stop`, returning the generated text (without the EOS token or the
     /// stop string). With a seeded sampler, step i uses seed + i.
     ///
-    /// The decoding runs on the host (`inference.run`): the inferlet only takes the tokens
-    /// as they come (about one host call per token), and the next step is queued by the
-    /// reply to the last one, without waiting for this inferlet. Runs are at most
-    /// `RUN_STEPS` long, so a large `max_tokens` does not reserve the whole KV pool.
+    /// The decoding runs on the host (`Context::run`): the next step is queued by the
+    /// reply to the last one, without waiting for this inferlet, which is woken per token
+    /// only when stop strings must be checked. Runs are at most `RUN_STEPS` long, so a
+    /// large `max_tokens` does not reserve the whole KV pool at once.
     pub async fn generate(&mut self, sampler: &Sampler, stop: &Stop) -> Result<String, Error> {
-        if self.pending.is_empty() {
-            return Err(Error { kind: ErrorKind::InvalidArgument,
-                               message: "no pending token to predict from; fill the context first".into() });
-        }
-        let mut sampler = pass_sampler(sampler);
+        let mut sampler = sampler.clone();
         let mut generated: Vec<u32> = Vec::new();
         while generated.len() < stop.max_tokens {
-            let mut tokens = std::mem::take(&mut self.pending);
-            if tokens.len() > chunk_limit() as usize {  // a long prompt: prefill all but the end
-                let tail = tokens.split_off(tokens.len() - 1);
-                self.execute(&tokens, None)?;
-                tokens = tail;
-            }
             let steps = (stop.max_tokens - generated.len()).min(RUN_STEPS) as u32;
-            let out = Output { index: tokens.len() as u32 - 1, sample: Some(sampler.clone()), ..output(0) };
-            let n = tokens.len() as u32;
-            let (pass, new_pages) = self.pass_over(&tokens, n + steps - 1, vec![out], stop.eos_tokens.clone())?;
-            let id = match inference::run(self.queue.raw(), pass, steps, !stop.strings.is_empty()) {
-                Ok(id) => id,
-                Err(e) => {
-                    self.pending = tokens;
-                    return Err(e);
-                }
-            };
-            let mut drawn: Vec<u32> = Vec::new();
-            let mut cut: Option<String> = None;
-            let mut cancelled = false;
-            loop {
-                let results = PassWait { id, queue: self.queue.clone() }.await;
-                let mut done = false;
-                for result in &results {
-                    drawn.extend_from_slice(&result.tokens);
-                    if result.status == PassStatus::Failed {
-                        check(result)?;
-                    }
-                    done |= result.status != PassStatus::Running;
-                }
+            let mut run = self.run(&sampler, steps, &stop.eos_tokens, !stop.strings.is_empty())?;
+            let mut cut = None;
+            while run.next().await?.is_some() {
                 if cut.is_none() && !stop.strings.is_empty() {
-                    let visible: Vec<u32> = generated.iter().chain(&drawn).copied()
+                    let visible: Vec<u32> = generated.iter().chain(run.drawn()).copied()
                         .take_while(|t| !stop.eos_tokens.contains(t)).collect();
-                    let text = self.queue.detokenize(&visible)?;
-                    cut = stop.cut(&text).map(str::to_string);
-                    if cut.is_some() && !done && !cancelled {
-                        inference::cancel(self.queue.raw(), id)?;
-                        cancelled = true;
+                    cut = stop.cut(&run.queue().detokenize(&visible)?).map(str::to_string);
+                    if cut.is_some() {
+                        run.cancel()?;
                     }
-                }
-                if done {
-                    break;
                 }
             }
-            self.claim_unclaimed()?;
-            // every drawn token but the last was fed back and written; the last stays pending
-            let last = *drawn.last().expect("a run draws at least one token");
-            tokens.extend_from_slice(&drawn[..drawn.len() - 1]);
-            self.commit(&tokens, new_pages);
-            self.pending.push(last);
+            let drawn = run.finish()?;
             sampler.seed = sampler.seed.map(|seed| seed.wrapping_add(drawn.len() as u64));
             if let Some(text) = cut {
                 return Ok(text);
             }
-            for &token in &drawn {
+            for token in drawn {
                 if stop.eos_tokens.contains(&token) {
                     return self.queue.detokenize(&generated);
                 }
@@ -367,6 +327,40 @@ impl Context {
             }
         }
         self.queue.detokenize(&generated)
+    }
+
+    /// Starts a host-side decode run (`inference.run`): the pending tokens, then up to
+    /// `steps` tokens drawn with `sampler` (a seeded one uses seed + i at step i), each fed
+    /// back by the host, ending early after any of `stop_tokens` (which is returned). With
+    /// `streaming`, `Run::next` returns the tokens as each step draws them; without, once,
+    /// at the end (the inferlet is not woken per token). Call `Run::finish` at the end.
+    pub fn run(&mut self, sampler: &Sampler, steps: u32, stop_tokens: &[u32], streaming: bool) -> Result<Run<'_>, Error> {
+        if self.pending.is_empty() || steps == 0 {
+            return Err(Error { kind: ErrorKind::InvalidArgument,
+                               message: "a run needs a pending token to predict from and at least one step".into() });
+        }
+        let mut tokens = std::mem::take(&mut self.pending);
+        if tokens.len() > chunk_limit() as usize {  // a long prompt: prefill all but the end
+            let tail = tokens.split_off(tokens.len() - 1);
+            if let Err(e) = self.execute(&tokens, None) {
+                self.pending = [tokens, tail].concat();
+                return Err(e);
+            }
+            tokens = tail;
+        }
+        let n = tokens.len() as u32;
+        let out = Output { index: n - 1, sample: Some(pass_sampler(sampler)), ..output(0) };
+        let started = self.pass_over(&tokens, n + steps - 1, vec![out], stop_tokens.to_vec())
+            .and_then(|(pass, new_pages)| {
+                Ok((inference::run(self.queue.raw(), pass, steps, streaming)?, new_pages))
+            });
+        match started {
+            Ok((id, new_pages)) => Ok(Run { ctx: self, id, tokens, new_pages, drawn: Vec::new(), done: false }),
+            Err(e) => {
+                self.pending = tokens;
+                Err(e)
+            }
+        }
     }
 
     /// A copy of this context that can diverge from it. Every page is shared; whichever
@@ -627,6 +621,69 @@ impl Context {
         }
         let ids = allocate::alloc_kvpage(self.queue.raw(), count)?;
         Ok(ids.into_iter().map(|id| Rc::new(Page { id, queue: self.queue.clone(), foreign: Cell::new(false) })).collect())
+    }
+}
+
+/// A host-side decode run of a context (`Context::run`): its tokens as they are drawn.
+pub struct Run<'a> {
+    ctx: &'a mut Context,
+    id: u64,
+    /// The run's input tokens (the context's pending ones when it started).
+    tokens: Vec<u32>,
+    /// Pages reserved for the run; `finish` keeps those it reached.
+    new_pages: Vec<Rc<Page>>,
+    drawn: Vec<u32>,
+    done: bool,
+}
+
+impl Run<'_> {
+    /// The tokens drawn since the last call (at least one), or `None` once the run ended.
+    pub async fn next(&mut self) -> Result<Option<Vec<u32>>, Error> {
+        if self.done {
+            return Ok(None);
+        }
+        let mut fresh = Vec::new();
+        let results = PassWait { id: self.id, queue: self.ctx.queue.clone() }.await;
+        for result in results {
+            fresh.extend_from_slice(&result.tokens);
+            self.done |= result.status != PassStatus::Running;
+            if result.status == PassStatus::Failed {
+                self.drawn.extend_from_slice(&fresh);
+                return check(&result).map(|_| None);
+            }
+        }
+        self.drawn.extend_from_slice(&fresh);
+        Ok(Some(fresh))
+    }
+
+    /// The context's queue (its tokenizer, while the run borrows the context).
+    pub fn queue(&self) -> &Rc<Queue> {
+        &self.ctx.queue
+    }
+
+    /// Every token drawn so far.
+    pub fn drawn(&self) -> &[u32] {
+        &self.drawn
+    }
+
+    /// Stops the run after the step in flight; its tokens still come through `next`.
+    pub fn cancel(&mut self) -> Result<(), Error> {
+        if self.done { Ok(()) } else { inference::cancel(self.ctx.queue.raw(), self.id) }
+    }
+
+    /// Ends the run (after `next` returned `None`): the context now holds its input and
+    /// every drawn token but the last, which stays pending. Returns the drawn tokens.
+    pub fn finish(self) -> Result<Vec<u32>, Error> {
+        assert!(self.done, "Run::finish before the run ended (call next until it returns None)");
+        let Run { ctx, mut tokens, new_pages, drawn, .. } = self;
+        ctx.claim_unclaimed()?;
+        let Some(&last) = drawn.last() else {
+            return Err(Error { kind: ErrorKind::InferenceFailed, message: "the run drew no token".into() });
+        };
+        tokens.extend_from_slice(&drawn[..drawn.len() - 1]);
+        ctx.commit(&tokens, new_pages);
+        ctx.pending.push(last);
+        Ok(drawn)
     }
 }
 

@@ -39,7 +39,7 @@ pub use bindings::output_text::Sampler;
 pub use bindings::tokenize::ChatMessage;
 pub use bindings::types::{Embed, Error, ErrorKind, KvPage};
 pub use branch::{generate_branches, Branch};
-pub use context::Context;
+pub use context::{Context, Run};
 pub use executor::{block_on, join_all, spawn, HostFuture, HostResult, JoinHandle};
 pub use grammar::Grammar;
 pub use lines::Line;
