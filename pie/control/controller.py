@@ -380,8 +380,10 @@ class InstanceSession:
             if p is None:
                 continue
             self.sampled_tokens += len(tokens)
-            if p.run_pages:  # a run forwards every token it draws but the last
-                self.forward_tokens += len(tokens) - (1 if tokens and not p.taken else 0)
+            if p.run_pages:  # a run forwards every token it draws but the last, a step each
+                steps = len(tokens) - (1 if tokens and not p.taken else 0)
+                self.forward_tokens += steps
+                self.forward_calls += steps
             p.taken += len(tokens)
             if status != "running":
                 del self.passes[pass_id]

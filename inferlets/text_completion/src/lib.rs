@@ -7,7 +7,7 @@
 //! tokens.
 //!
 //! Requirements: R2
-//! Host APIs: apply-chat-template, tokenize, embed-text, forward, sample, detokenize
+//! Host APIs: apply-chat-template, tokenize, inference (execute, run, take), detokenize
 //! Arguments: --prompt TEXT --max-tokens N [--system TEXT] [--temperature T] [--top-p P] [--seed S]
 //! Output: one message, the completion.
 
