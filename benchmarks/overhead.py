@@ -4,7 +4,8 @@
   control process) vs inference-layer calls (batched to the backend), timed inside an
   inferlet (`probe calls N`); the median over rounds.
 - API calls per generated token (Fig. 11): host calls `text_completion` makes per token,
-  by WIT function name (the runtime counts each host function under its WIT name).
+  by WIT function name (the runtime counts each host function under its WIT name); the
+  tokens are the instance's `sampled_tokens` (a host-side run makes no `sample` call).
 - Launch latency (Fig. 9): launch → first message of `hello`, cold (the in-memory component
   forgotten, so the wave's first launch deserializes the on-disk artifact) and warm (in
   memory), 1-256 concurrent launches; cold and warm alternate round by round.
@@ -12,11 +13,14 @@
   directly by a Python loop (pie.control.direct) at the same batch size and tokens; the two
   alternate (Pie first in even rounds, the direct driver first in odd ones), each warmed up
   once before the timed rounds; tokens are counted (the instances' `sampled_tokens`, the
-  tokens the driver returned), not assumed; with the mean number of items per
-  model-running batch in Pie's rounds.
-- Control-process CPU per generated token: 16 `text_completion`s decoding 64 tokens each
-  at once, CPU time of this process, of its scheduler thread and of the backend, from
-  /proc around each wave (target: 0.3 ms per token for the control process).
+  tokens the driver returned), not assumed; batch 1, 8 and 32; with the mean number of
+  items per model-running backend batch (scheduler kinds `forward` and `pass`) in Pie's
+  timed rounds, from the scheduler's counters.
+- Control-process CPU per generated token (issue 15; target 0.3 ms): 16 `text_completion`s
+  decoding 64 tokens each at once, one untimed warm-up wave, then per wave the CPU time
+  (user + system) of this process (os.times()), of its scheduler thread and of the backend
+  process (/proc/<id>/stat utime + stime), read around the wave, over the tokens the
+  instances report; the median over rounds.
 
 The runtime and control layer run in this process against a real `pie backend` process
 (the WebSocket server is left out: it adds one message per event, not per token).
@@ -25,8 +29,9 @@ the order of each round, dtype, CPU model and flags, torch version.
 
     python benchmarks/overhead.py [--rounds 3] [--dtype bfloat16] [--quick] [--out FILE]
 
-`--quick` (a few tokens, batch 1 and 2, 1 and 4 launches, 2 rounds) is the smoke run
-tests/test_bench_scripts.py makes; it writes every field the full run does.
+`--quick` (a few tokens, batch 1 and 2, 1 and 4 launches, 4 x 8 tokens for the CPU
+figure, 2 rounds) is the smoke run tests/test_bench_scripts.py makes; it writes every
+field the full run does.
 """
 
 from __future__ import annotations
@@ -209,7 +214,7 @@ def per_token(runtime: Runtime, driver: DirectDriver, tokenizer: TextTokenizer, 
     ids = [tokenizer.encode(chat_prompt(template, p)) for p in prompts]
     eos = tuple(tokenizer.eos_token_ids)
 
-    batches: list[float] = []
+    batches: list[tuple[int, int]] = []  # per Pie round: (model-running calls, batches)
 
     def pie() -> tuple[float, int]:
         """`batch` text_completion inferlets at once: seconds, and tokens generated."""
@@ -218,7 +223,7 @@ def per_token(runtime: Runtime, driver: DirectDriver, tokenizer: TextTokenizer, 
         generated = run_wave(runtime, prompts, tokens)
         elapsed = time.perf_counter() - t0
         calls1, batches1 = model_batches(runtime.stats()["scheduler"])
-        batches.append((calls1 - calls0) / max(1, batches1 - batches0))
+        batches.append((calls1 - calls0, batches1 - batches0))
         return elapsed, generated
 
     def direct() -> tuple[float, int]:
@@ -244,9 +249,10 @@ def per_token(runtime: Runtime, driver: DirectDriver, tokenizer: TextTokenizer, 
     return {"batch": batch, "tokens": tokens, "pie_ms_per_token": ms["pie"],
             "direct_ms_per_token": ms["direct"], "overhead": ms["pie"] / ms["direct"] - 1,
             "pie_tokens": generated["pie"], "direct_tokens": generated["direct"],
-            # items per model-running batch in Pie's rounds: = batch when every decoder
-            # rides every forward (median over rounds)
-            "mean_forward_batch": statistics.median(batches),
+            # items per model-running batch (kinds `forward` and `pass`, prefills included)
+            # over Pie's timed rounds: = batch when every decoder rides every forward
+            "mean_forward_batch": sum(c for c, _ in batches) / max(1, sum(b for _, b in batches)),
+            "forward_calls": [c for c, _ in batches], "forward_batches": [b for _, b in batches],
             "pie_round_s": [round(s, 4) for s in seconds["pie"]],
             "direct_round_s": [round(s, 4) for s in seconds["direct"]]}
 
@@ -255,29 +261,46 @@ def cpu_s(pid: int | str, task: int | None = None) -> float:
     """utime + stime of a process (or one of its threads) from /proc, in seconds."""
     path = f"/proc/{pid}/task/{task}/stat" if task is not None else f"/proc/{pid}/stat"
     with open(path) as f:
-        fields = f.read().rsplit(")", 1)[1].split()
+        fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s() -> float:
+    """User + system CPU time of this process (every thread), in seconds."""
+    t = os.times()
+    return t.user + t.system
+
+
+CPU_PARTS = ("control", "scheduler", "backend")
 
 
 def control_cpu(runtime: Runtime, backend_pid: int, instances: int, tokens: int, rounds: int) -> dict:
     """CPU time per generated token while `instances` text_completions decode `tokens`
-    each at once: this process (the control process: runtime, control layer, inferlets),
-    its scheduler thread alone, and the backend process — from /proc around each wave."""
+    each at once: this process (the control process: runtime, control layer, inferlets;
+    os.times()), its scheduler thread alone and the backend process (/proc utime + stime),
+    read around each wave, after one untimed warm-up wave; the median over rounds."""
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(instances)]
     scheduler = runtime.controller.scheduler.thread.native_id
+
+    def read() -> tuple[float, float, float]:
+        return own_cpu_s(), cpu_s(os.getpid(), scheduler), cpu_s(backend_pid)
+
     run_wave(runtime, prompts, tokens)  # warm-up
     per_round = []
     for _ in range(rounds):
-        before = (cpu_s("self"), cpu_s("self", scheduler), cpu_s(backend_pid))
+        before = read()
         generated = run_wave(runtime, prompts, tokens)
-        after = (cpu_s("self"), cpu_s("self", scheduler), cpu_s(backend_pid))
-        per_round.append({"tokens": generated, **{
-            name: 1e3 * (a - b) / generated for name, a, b in zip(
-                ("control_ms_per_token", "scheduler_ms_per_token", "backend_ms_per_token"), after, before)}})
-    out = {"instances": instances, "tokens_each": tokens, "rounds": per_round,
+        after = read()
+        if not generated:
+            raise RuntimeError(f"text_completion x{instances}: no tokens generated")
+        spent = {f"{part}_cpu_s": round(a - b, 4) for part, a, b in zip(CPU_PARTS, after, before)}
+        per_round.append({"tokens": generated, **spent, **{
+            f"{part}_ms_per_token": 1e3 * spent[f"{part}_cpu_s"] / generated for part in CPU_PARTS}})
+    out = {"instances": instances, "tokens_each": tokens, "tokens_asked": instances * tokens,
+           "clock_ticks_per_s": os.sysconf("SC_CLK_TCK"), "rounds": per_round,
            "target_control_ms_per_token": CONTROL_CPU_TARGET_MS}
-    for name in ("control_ms_per_token", "scheduler_ms_per_token", "backend_ms_per_token"):
-        out[name] = statistics.median(r[name] for r in per_round)
+    for part in CPU_PARTS:
+        out[f"{part}_ms_per_token"] = statistics.median(r[f"{part}_ms_per_token"] for r in per_round)
     return out
 
 
@@ -312,10 +335,12 @@ def main() -> None:
 
         results["launch"] = launches(runtime, [1, 4] if args.quick else [1, 4, 16, 64, 256], rounds)
 
-        results["control_cpu"] = control_cpu(runtime, backend.process.pid, 4 if args.quick else 16,
-                                             4 if args.quick else 64, rounds)
-        print("control-process CPU per token:", {k: v for k, v in results["control_cpu"].items()
-                                                 if k.endswith("per_token")}, flush=True)
+        cpu = results["control_cpu"] = control_cpu(runtime, backend.process.pid, 4 if args.quick else 16,
+                                                   8 if args.quick else 64, rounds)
+        print(f"CPU per generated token, {cpu['instances']} x {cpu['tokens_each']} tokens at once: control "
+              f"process {cpu['control_ms_per_token']:.3f} ms (target {CONTROL_CPU_TARGET_MS} ms), its "
+              f"scheduler thread {cpu['scheduler_ms_per_token']:.3f} ms, backend "
+              f"{cpu['backend_ms_per_token']:.3f} ms", flush=True)
 
         results["per_token"] = []
         for batch in ([1, 2] if args.quick else [1, 8, 32]):

@@ -48,14 +48,29 @@ def backend(data: Json) -> list[str]:
 def overhead(data: Json) -> list[str]:
     calls = data["calls_per_token"]
     lines = ["Pie end to end (inferlets through the control layer) vs the same backend driven directly "
-             "in one process; overhead = Pie / direct − 1.", "",
-             "| batch | Pie ms/token | direct ms/token | overhead |", "|---|---|---|---|"]
+             "in one process; overhead = Pie / direct − 1 (issue 15: ≤ 10 %); mean forward batch = items per "
+             "model-running backend batch in Pie's rounds (prefills included; = batch when every decoder "
+             "rides every step).", "",
+             "| batch | Pie ms/token | direct ms/token | overhead | mean forward batch |", "|---|---|---|---|---|"]
     lines += [f"| {row['batch']} | {_f(row['pie_ms_per_token'])} | {_f(row['direct_ms_per_token'])} | "
-              f"{100 * row['overhead']:+.0f} % |" for row in data["per_token"]]
+              f"{100 * row['overhead']:+.0f} % | "
+              + (f"{row['mean_forward_batch']:.2f} |" if "mean_forward_batch" in row else "— |")
+              for row in data["per_token"]]
     busiest = sorted(calls["by_function_per_token"].items(), key=lambda kv: -kv[1])[:6]
     lines += ["", f"Host calls per generated token: {calls['calls_per_token']:.2f} "
-              f"({', '.join(f'{k} {v}' for k, v in busiest)}).", "",
-              "| launch → first message | median | p99 |", "|---|---|---|"]
+              f"({calls['calls']} calls over {calls['tokens']} tokens of one `text_completion`; issue 15: ≤ 2; "
+              f"{', '.join(f'{k} {v}' for k, v in busiest)})."]
+    if cpu := data.get("control_cpu"):
+        target = cpu["target_control_ms_per_token"]
+        lines += ["", f"CPU time per generated token while {cpu['instances']} `text_completion`s decode "
+                  f"{cpu['tokens_each']} tokens each at once (median of {len(cpu['rounds'])} waves, from "
+                  "`os.times()` and `/proc`):", "",
+                  "| process | ms/token | target |", "|---|---|---|",
+                  f"| control process | {_f(cpu['control_ms_per_token'])} | ≤ {_f(target)} "
+                  f"({'met' if cpu['control_ms_per_token'] <= target else 'not met'}) |",
+                  f"| its scheduler thread | {_f(cpu['scheduler_ms_per_token'])} | |",
+                  f"| backend | {_f(cpu['backend_ms_per_token'])} | |"]
+    lines += ["", "| launch → first message | median | p99 |", "|---|---|---|"]
     lines += [f"| {'cold' if row['cold'] else 'warm'}, {row['concurrency']} at once | {_f(row['median_ms'])} ms | "
               f"{_f(row['p99_ms'])} ms |" for row in data["launch"]]
     return lines
@@ -97,7 +112,7 @@ def drain(data: Json) -> list[str]:
 
 SCRIPTS: dict[str, tuple[str, Callable[[Json], list[str]]]] = {
     "backend": ("Backend step vs HF transformers", backend),
-    "overhead": ("Control-layer overhead, host calls and launch latency", overhead),
+    "overhead": ("Control-layer overhead, host calls, control CPU and launch latency", overhead),
     "frontends": ("Front ends: native, OpenAI /v1, Python SDK", frontends),
     "soak": ("Soak", soak),
     "drain": ("Graceful drain", drain),

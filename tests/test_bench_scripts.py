@@ -111,12 +111,15 @@ def test_overhead_quick(results):
     assert all(len(data["api_latency_rounds_us"][k]) == rounds for k in latency)
 
     calls = data["calls_per_token"]
-    assert calls["tokens"] == calls["tokens_asked"] == calls["by_function"]["sample"]
-    assert calls["calls"] == sum(calls["by_function"].values())
+    # tokens from the instance's usage (`sampled_tokens`), not from `sample` calls: a
+    # host-side run draws every token without one
+    assert calls["tokens"] == calls["tokens_asked"] > 0
+    assert calls["calls"] == sum(calls["by_function"].values()) > 0
+    assert all(n > 0 for n in calls["by_function"].values())
     assert calls["calls_per_token"] == pytest.approx(calls["calls"] / calls["tokens"])
+    assert calls["by_function_per_token"] == {k: round(n / calls["tokens"], 2) for k, n in calls["by_function"].items()}
     unknown = (set(calls["by_function"]) | set(calls["by_function_per_token"])) - wit_function_names()
     assert not unknown, f"host-call names that are no WIT function: {unknown}"
-    assert calls["by_function"]["forward"] >= calls["tokens"] - 1
 
     levels = sorted({row["concurrency"] for row in data["launch"]})
     assert len(levels) >= 1 and len(data["launch"]) == 2 * len(levels)
@@ -131,7 +134,35 @@ def test_overhead_quick(results):
         assert len(row["pie_round_s"]) == len(row["direct_round_s"]) == rounds
         assert row["pie_ms_per_token"] > 0 and row["direct_ms_per_token"] > 0
         assert row["overhead"] == pytest.approx(row["pie_ms_per_token"] / row["direct_ms_per_token"] - 1)
-    assert data["scheduler"]["batches"]["forward"] > 0
+        # items per model-running batch over Pie's timed rounds, from the scheduler's counters
+        assert len(row["forward_calls"]) == len(row["forward_batches"]) == rounds
+        assert all(0 < b <= c for c, b in zip(row["forward_calls"], row["forward_batches"])), row
+        # every instance's steps ride some batch: at least one item per token it generated
+        # after its prefill, and no more batches than items
+        assert all(c >= asked for c in row["forward_calls"]), row
+        assert row["mean_forward_batch"] == pytest.approx(sum(row["forward_calls"]) / sum(row["forward_batches"]))
+        assert 1 <= row["mean_forward_batch"] <= row["batch"], row
+
+    cpu = data["control_cpu"]
+    assert cpu["instances"] >= 2 and cpu["tokens_each"] >= 2
+    assert cpu["tokens_asked"] == cpu["instances"] * cpu["tokens_each"]
+    assert cpu["target_control_ms_per_token"] == 0.3 and cpu["clock_ticks_per_s"] > 0
+    assert len(cpu["rounds"]) == rounds
+    tick_s = 1 / cpu["clock_ticks_per_s"]
+    for r in cpu["rounds"]:
+        assert r["tokens"] == cpu["tokens_asked"], r
+        assert r["control_cpu_s"] > 0 and r["backend_cpu_s"] > 0 and r["scheduler_cpu_s"] >= 0, r
+        # the scheduler thread is part of the control process (both rounded to clock ticks)
+        assert r["scheduler_cpu_s"] <= r["control_cpu_s"] + 2 * tick_s, r
+        for part in ("control", "scheduler", "backend"):
+            assert r[f"{part}_ms_per_token"] == pytest.approx(1e3 * r[f"{part}_cpu_s"] / r["tokens"]), (part, r)
+    for part in ("control", "scheduler", "backend"):
+        per_round = sorted(r[f"{part}_ms_per_token"] for r in cpu["rounds"])
+        assert per_round[0] <= cpu[f"{part}_ms_per_token"] <= per_round[-1], part  # the median
+    assert cpu["control_ms_per_token"] > 0 and cpu["backend_ms_per_token"] > 0
+
+    scheduler = data["scheduler"]
+    assert sum(scheduler["batches"].get(k, 0) for k in ("forward", "pass")) > 0, scheduler
 
 
 def test_backend_quick(results):
@@ -229,6 +260,7 @@ def test_results_md_has_a_section_per_script(results):
     command that made it, and the figure it exists for, taken from the file."""
     from benchmarks import report
     from benchmarks.__main__ import SCRIPTS, WORKLOADS
+    from benchmarks.script_tables import _f as report_f
 
     data = {script: results(script) for script in SCRIPTS}
     text = report.render(results.out, results.out / "RESULTS.md", WORKLOADS)
@@ -236,7 +268,10 @@ def test_results_md_has_a_section_per_script(results):
         assert f"## {title}" in text and f"`{script}.json`" in text, script
     assert f"Host calls per generated token: {data['overhead']['calls_per_token']['calls_per_token']:.2f}" in text
     for row in data["overhead"]["per_token"]:
-        assert f"| {row['batch']} | " in text and f"{100 * row['overhead']:+.0f} %" in text
+        assert f"| {row['batch']} | " in text and f"{100 * row['overhead']:+.0f} % | {row['mean_forward_batch']:.2f} |" in text
+    cpu = data["overhead"]["control_cpu"]
+    assert f"| control process | {report_f(cpu['control_ms_per_token'])} | ≤ 0.3 " in text
+    assert f"| backend | {report_f(cpu['backend_ms_per_token'])} |" in text
     assert f"{data['backend']['prefill']['pie_over_hf']:.2f}×" in text
     assert f"{data['soak']['lost_messages']} lost messages" in text
     for path, ratio in data["frontends"]["ratio_vs_native"].items():
