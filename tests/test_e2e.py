@@ -285,3 +285,34 @@ def test_broadcast_reaches_subscribers(server, probe):
 
     messages, reason = asyncio.run(run())
     assert messages == ["hello, swarm"] and reason == "finished"
+
+
+def test_fused_passes_bad_input_and_teardown_in_flight_leak_nothing(server, probe):
+    """Bad fused passes get precise errors at the call and the instance goes on; an inferlet
+    that traps, or is terminated, with host-side runs in flight leaks no page or embed: the
+    batches in flight finish, their pages come back only then, the pools are full again."""
+    async def run():
+        async with PieClient(server.ws, TOKEN) as client:
+            digest = await client.upload(probe)
+            bad = await client.launch(digest, ["passes-bad"])
+            bad_out = ([m async for m in bad], await bad.wait())
+            trap = await client.launch(digest, ["passes-trap", "4"])
+            trap_out = ([m async for m in trap], await trap.wait())
+            hold = await client.launch(digest, ["passes-hold", "4"])
+            assert (await hold.recv()).text == "running 4"
+            await until_async(lambda: server.scheduler()["batches"].get("pass", 0) > 0, what="runs under way")
+            await hold.terminate()
+            return bad_out, trap_out, await hold.wait()
+
+    (messages, reason), (_, trap_reason), hold_reason = asyncio.run(run())
+    assert messages[:5] == [
+        "forged: InvalidHandle: kv page 4242 is not a live kv page of this instance",
+        messages[1], "token: InvalidArgument: input token 0 is 1000000, not below the vocabulary size 49152",
+        "index: InvalidArgument: output index 5 is out of range [0, 1) or repeated",
+        "mask: InvalidArgument: attention mask must be 1 bytes (packed bits of 1 x 1), got 3"]
+    assert messages[1].startswith("freed: InvalidHandle: kv page") and messages[5].startswith("good: [")
+    assert reason == "finished"
+    assert trap_reason.startswith("trap: wasm `unreachable`") and hold_reason != "finished"
+    until(lambda: server.scheduler()["queued"] == {}, what="nothing queued")
+    until(lambda: (r := server.get("/stats")[1]["resources"])["kv_pages_free"] == r["kv_pages_total"]
+          and r["embeds_free"] == r["embeds_total"], what="both pools full again")

@@ -48,9 +48,12 @@ def test_bindings_are_generated_from_the_current_wit():
 def test_inferlets_build_into_valid_components(components):
     expected = {
         "hello": ["import pie:inferlet/messaging@0.1.0;", "import pie:inferlet/runtime@0.1.0;"],
-        "text_completion": ["import pie:inferlet/forward@0.1.0;", "import pie:inferlet/output-text@0.1.0;",
+        "text_completion": ["import pie:inferlet/inference@0.1.0;",
                             "import pie:inferlet/tokenize@0.1.0;", "import pie:inferlet/allocate@0.1.0;"],
     }
+    # Plain decoding is fused passes: no embed-text / forward / sample triple.
+    absent = {"text_completion": ["pie:inferlet/forward@", "pie:inferlet/input-text@",
+                                  "pie:inferlet/output-text@"]}
     for name, path in components.items():
         subprocess.run([wasm_tools(), "validate", str(path)], check=True)
         wit = subprocess.run([wasm_tools(), "component", "wit", str(path)],
@@ -58,6 +61,8 @@ def test_inferlets_build_into_valid_components(components):
         assert "export run: func() -> result<_, string>;" in wit
         for line in expected[name]:
             assert line in wit, f"{name}: {line!r} missing from\n{wit}"
+        for interface in absent.get(name, []):
+            assert interface not in wit, f"{name} imports {interface}"
 
 
 class HostRoot:

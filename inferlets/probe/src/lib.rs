@@ -31,11 +31,17 @@
 //!   ids and sends `persisted N` (or the error); the export outlives the instance.
 //! - `kvs get KEY` / `kvs set KEY VALUE` / `kvs delete KEY`: sends `value: V`, `value: none`,
 //!   `set: ok`, `delete: ok` or the error.
+//! - `passes-trap N` / `passes-hold N`: enqueues N host-side runs of 64 steps (fused
+//!   passes, each into pages of its own), then traps at once / sends `running N` and waits
+//!   for a message (the test terminates it): the pools must come back full either way.
+//! - `passes-bad`: fused passes with a forged page, a freed page, a token past the
+//!   vocabulary, a wrong-size mask and an out-of-range output index; sends each error, then
+//!   one good pass's token (`good: T`).
 //! - `fuzz N SEED`: N host calls with random arguments — live, freed and forged ids, wild
 //!   counts, lengths, offsets and positions — each of which must come back as `Ok` or a
 //!   host `Error`, never a trap; frees what it still holds and sends `{"ok": a, "err": b}`.
 
-use inferlet::bindings::{allocate, forward, http, input_text, kvs, messaging, output_text, runtime};
+use inferlet::bindings::{allocate, forward, http, inference, input_text, kvs, messaging, output_text, runtime};
 use inferlet::bindings::forward::ForwardPass;
 use inferlet::{KvPage, Model, Queue, Sampler};
 
@@ -60,6 +66,39 @@ async fn main() -> Result<(), String> {
             Ok(())
         }
         Some("trap") => core::arch::wasm32::unreachable(),
+        Some(mode @ ("passes-trap" | "passes-hold")) => {
+            let n: u32 = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(4);
+            for i in 0..n {
+                let pages = allocate::alloc_kvpage(queue.raw(), 5)?;  // 8 + 64 - 1 slots
+                inference::run(queue.raw(), fused(&[1, 2, 3, 4, 5, 6, 7, 8 + i], vec![], 0, pages), 64, false)?;
+            }
+            if mode == "passes-trap" {
+                core::arch::wasm32::unreachable();
+            }
+            inferlet::send(&format!("running {n}"));
+            inferlet::receive().await;
+            Ok(())
+        }
+        Some("passes-bad") => {
+            let pages = allocate::alloc_kvpage(queue.raw(), 2)?;
+            allocate::dealloc_kvpage(queue.raw(), &pages[1..])?;
+            let mut bad = vec![
+                ("forged", fused(&[1], vec![4242], 1, vec![pages[0]])),
+                ("freed", fused(&[1], vec![pages[1]], 1, vec![pages[0]])),
+                ("token", fused(&[1_000_000], vec![], 0, vec![pages[0]])),
+                ("index", fused(&[1], vec![], 0, vec![pages[0]])),
+                ("mask", fused(&[1], vec![], 0, vec![pages[0]])),
+            ];
+            bad[3].1.outputs[0].index = 5;
+            bad[4].1.attention_mask = Some(vec![0, 0, 0]);
+            for (what, pass) in bad {
+                report(what, inference::execute(queue.raw(), pass).map(|_| ()));
+            }
+            let id = inference::execute(queue.raw(), fused(&[1, 2, 3], vec![], 0, vec![pages[0]]))?;
+            let result = inference::take(queue.raw(), true).into_iter().find(|r| r.pass == id).ok_or("no result")?;
+            inferlet::send(&format!("good: {:?}", result.tokens));
+            Ok(())
+        }
         Some("loop") => loop {
             std::hint::black_box(0u64);
         },
@@ -245,6 +284,20 @@ fn pass(pages: Vec<KvPage>, last_len: u32, embeds: Vec<u32>, out_pages: Vec<KvPa
     ForwardPass { input_kv_pages: pages, input_kv_last_page_len: last_len, input_embeds: embeds,
                   output_kv_pages: out_pages, output_kv_offset: offset, output_embeds: vec![],
                   output_token_indices: vec![], attention_mask: None }
+}
+
+/// A fused pass of `tokens` at positions 0.. after `context` (`last_len` slots in its last
+/// page) into `out` from slot 0, drawing a greedy token at the last.
+fn fused(tokens: &[u32], context: Vec<KvPage>, last_len: u32, out: Vec<KvPage>) -> inference::ForwardPass {
+    let sampler = inference::Sampler { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, seed: None };
+    inference::ForwardPass {
+        input_embeds: vec![], input_tokens: tokens.to_vec(), positions: (0..tokens.len() as u32).collect(),
+        input_kv_pages: context, input_kv_last_page_len: last_len, output_kv_pages: out,
+        output_kv_offset: 0, attention_mask: None, stop_tokens: vec![],
+        outputs: vec![inference::Output { index: tokens.len() as u32 - 1, sample: Some(sampler), top_k: 0,
+                                          logprobs_of: vec![], entropy: false, allowed: None,
+                                          grammar: None, keep: None }],
+    }
 }
 
 /// Runs the prompt's whole pages through the model; returns (pages, tokens in them, next token).
