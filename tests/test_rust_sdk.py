@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from wasmtime import Engine, Store
-from wasmtime.component import Component, Linker, ResourceAny, ResourceHost, ResourceType
+from wasmtime.component import Component, Linker, Record, ResourceAny, ResourceHost, ResourceType
 
 from pie.toolchain import ToolchainError, build_inferlet, wasm_tools
 
@@ -102,7 +102,7 @@ class HostRoot:
 class FakeHost:
     """Host resources for the guest: rep -> Python object, per resource type."""
 
-    POLLABLE, FUTURE_STRING = 1, 2
+    POLLABLE, FUTURE_STRING, QUEUE = 1, 2, 3
 
     def __init__(self):
         self.objects: dict[int, object] = {}
@@ -154,6 +154,12 @@ def test_hello_echoes_against_a_fake_host(components):
             futures.add_func("wait", wait)
         with root.add_instance("pie:inferlet/runtime@0.1.0") as runtime:
             runtime.add_func("get-arguments", lambda store: ["hello", "wörld"])
+        # The SDK's executor links the fused-pass results (queues, take); hello awaits none.
+        with root.add_instance("pie:inferlet/types@0.1.0") as types:
+            types.add_resource("queue", ResourceType.host(FakeHost.QUEUE), host.drop)
+        with root.add_instance("pie:inferlet/inference@0.1.0") as inference:
+            for name in ("take", "results-ready"):
+                inference.add_func(name, lambda store, *args, name=name: pytest.fail(f"hello called {name}"))
         with root.add_instance("pie:inferlet/messaging@0.1.0") as messaging:
             messaging.add_func("send", lambda store, message: sent.append(message))
             messaging.add_func("receive",
@@ -188,6 +194,7 @@ class FakeModel(FakeHost):
         self.embeds: dict[int, object] = {}
         self.next_id = 100
         self.prompt = ""
+        self.results: list = []  # inference results not yet taken
 
     def ids(self, count: int, table: dict) -> list[int]:
         ids = list(range(self.next_id, self.next_id + count))
@@ -218,6 +225,36 @@ class FakeModel(FakeHost):
         assert [pos for _, pos in sequence] == list(range(len(sequence)))
         for e, index in zip(getattr(p, "output-embeds"), getattr(p, "output-token-indices")):
             self.embeds[e] = "".join(chr(t) for t, _ in context + new[:index + 1])
+
+    def run_pass(self, store, q, p, steps, streaming):
+        """A host-side run (`inference.run`) on the toy model, all at once: its first step
+        reads the context back from the pages as `forward` does, every step writes its new
+        tokens at the next slots of the output pages and feeds back the token it drew."""
+        pages, last_len = getattr(p, "input-kv-pages"), getattr(p, "input-kv-last-page-len")
+        sequence = [slot for i, page in enumerate(pages)
+                    for slot in self.kv[page][:self.PAGE_SIZE if i < len(pages) - 1 else last_len]]
+        out_pages, slot = getattr(p, "output-kv-pages"), getattr(p, "output-kv-offset")
+        if pages and last_len < self.PAGE_SIZE:  # appending to the partial last page
+            assert (out_pages[0], slot) == (pages[-1], last_len)
+        (output,) = p.outputs
+        self.samplers.append(output.sample)
+        new, drawn = list(zip(getattr(p, "input-tokens"), p.positions)), []
+        for _ in range(steps):
+            for item in new:
+                self.kv[out_pages[slot // self.PAGE_SIZE]][slot % self.PAGE_SIZE] = item
+                slot += 1
+            sequence += new
+            assert [pos for _, pos in sequence] == list(range(len(sequence)))
+            k = len("".join(chr(t) for t, _ in sequence)) - len(self.prompt)
+            drawn.append(ord(self.ANSWER[k]) if k < len(self.ANSWER) else self.EOS)
+            if drawn[-1] in getattr(p, "stop-tokens"):
+                break
+            new = [(drawn[-1], len(sequence))]
+        result = Record()
+        setattr(result, "pass", len(self.results) + 1)
+        result.status, result.tokens, result.details, result.failure = "done", drawn, [], None
+        self.results.append(result)
+        return len(self.results)
 
     def copy_kvpage(self, store, q, src, dst, src_offset, dst_offset, n):
         self.kv[dst][dst_offset:dst_offset + n] = self.kv[src][src_offset:src_offset + n]
@@ -274,6 +311,12 @@ class FakeModel(FakeHost):
                 tokenize.add_func("detokenize", lambda store, q, ids: "".join(chr(i) for i in ids))
                 tokenize.add_func("get-eos-tokens", lambda store, q: [self.EOS])
                 tokenize.add_func("apply-chat-template", self.template)
+            with root.add_instance("pie:inferlet/inference@0.1.0") as inference:
+                inference.add_func("run", self.run_pass)
+                inference.add_func("take", lambda store, q, block: [self.results.pop(0) for _ in list(self.results)])
+                inference.add_func("results-ready", lambda store, q: self.own(None, self.POLLABLE))
+                for name in ("execute", "cancel"):
+                    inference.add_func(name, self.unexpected(name))
             with root.add_instance("pie:inferlet/output-text@0.1.0") as output_text:
                 output_text.add_resource("future-token", ResourceType.host(self.FUTURE_TOKEN), self.drop)
                 output_text.add_func("sample", self.sample)
@@ -295,8 +338,9 @@ class FakeModel(FakeHost):
 @pytest.mark.parametrize("max_tokens, expected", [(32, "Paris."), (3, "Par")])
 def test_text_completion_against_a_fake_host_and_toy_model(components, max_tokens, expected):
     """text_completion against FakeModel: the SDK's chat template call, a multi-page
-    prompt, decoding across page boundaries, greedy host-side sampling, stop at EOS or max
-    tokens, and every page and embed freed — the toy model's answer, not a real one."""
+    prompt, a host-side run into the pages the SDK reserved (across page boundaries),
+    greedy sampling, stop at EOS or max tokens, and every page and embed freed — the toy
+    model's answer, not a real one."""
     host = FakeModel(["--prompt", "Capital of France?", "--max-tokens", str(max_tokens),
                       "--system", "Be brief."])
     assert host.run(components["text_completion"]) is None

@@ -168,7 +168,7 @@ impl Context {
     }
 
     /// Runs every pending token, with `out` computed at the last of them; its result.
-    async fn step(&mut self, mut out: Output) -> Result<PassResult, Error> {
+    pub(crate) async fn step(&mut self, mut out: Output) -> Result<PassResult, Error> {
         if self.pending.is_empty() {
             return Err(Error { kind: ErrorKind::InvalidArgument,
                                message: "no pending token to predict from; fill the context first".into() });
@@ -278,16 +278,6 @@ impl Context {
             None => true,
         });
         failure.map_or(Ok(()), Err)
-    }
-
-    /// Forward the pending tokens with one output embed at the last of them.
-    pub(crate) fn step_output(&mut self) -> Result<Embed, Error> {
-        if self.pending.is_empty() {
-            return Err(Error { kind: ErrorKind::InvalidArgument,
-                               message: "no pending token to predict from; fill the context first".into() });
-        }
-        let last = self.pending.len() as u32 - 1;
-        Ok(self.forward_pending(&[last])?[0])
     }
 
     /// Decodes until `stop`, returning the generated text (without the EOS token or the
@@ -694,12 +684,12 @@ const KEPT_EMBEDS: usize = 16;
 const RUN_STEPS: usize = 256;
 
 /// An output request at new token `index` that computes nothing yet.
-fn output(index: u32) -> Output {
+pub(crate) fn output(index: u32) -> Output {
     Output { index, sample: None, top_k: 0, logprobs_of: Vec::new(), entropy: false, allowed: None,
              grammar: None, keep: None }
 }
 
-fn pass_sampler(s: &Sampler) -> inference::Sampler {
+pub(crate) fn pass_sampler(s: &Sampler) -> inference::Sampler {
     inference::Sampler { temperature: s.temperature, top_k: s.top_k, top_p: s.top_p, min_p: 0.0, seed: s.seed }
 }
 

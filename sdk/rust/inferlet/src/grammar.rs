@@ -5,7 +5,9 @@
 //! sampling. See sdk/wit/grammar.wit.
 
 use crate::bindings::grammar::{self, GrammarKind, Matcher};
+use crate::bindings::inference::{GrammarMask, Output};
 use crate::bindings::types::Error;
+use crate::context::{output, pass_sampler};
 use crate::{Context, Queue, Sampler};
 
 /// A compiled grammar and its parse state over the output so far.
@@ -67,8 +69,10 @@ impl Context {
                 generated.extend(forced);
                 continue;
             }
-            let output = self.step_output()?;
-            let token = grammar.matcher.sample(output, sampler.clone())?.await?;
+            // One fused pass: the host masks the draw with the matcher's allowed tokens.
+            let mask = GrammarMask { matcher: grammar.matcher.id(), advance: false };
+            let out = Output { sample: Some(pass_sampler(&sampler)), grammar: Some(mask), ..output(0) };
+            let token = self.step(out).await?.tokens[0];
             sampler.seed = sampler.seed.map(|seed| seed.wrapping_add(1));
             if eos.contains(&token) {
                 break;
