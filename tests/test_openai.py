@@ -33,16 +33,19 @@ def test_models_lists_the_served_model(client):
 
 
 def test_each_request_is_served_by_the_openai_completion_inferlet(client, pie_server, hf_model, tokenizer):
-    def samples() -> int:
-        return pie_server.get("/stats")[1]["host_calls"].get("openai_completion", {}).get("sample", 0)
+    def calls() -> dict:
+        return dict(pie_server.get("/stats")[1]["host_calls"].get("openai_completion", {}))
 
-    before = samples()
+    before = calls()
     r = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
     expected = hf_greedy(hf_model, tokenizer.encode("Hello", add_special_tokens=False).ids, 2)
     assert r.choices[0].text == tokenizer.decode(expected, skip_special_tokens=False)
     # The inferlet's host calls, counted by the runtime (before the response: the endpoint
-    # answers once its instance has ended): one sample call per token.
-    assert samples() - before == 2
+    # answers once its instance has ended): the choice is one host-side run, no per-token
+    # sample calls.
+    after = calls()
+    assert after.get("run", 0) - before.get("run", 0) == 1
+    assert after.get("sample", 0) == before.get("sample", 0)
 
 
 def test_completion_equals_hf_greedy_with_logprobs(client, hf_model, tokenizer):

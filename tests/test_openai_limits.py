@@ -115,8 +115,8 @@ def test_a_prompt_longer_than_max_batch_tokens_is_prefilled_in_chunks(server, ht
 
 
 class SmallBatchModel(FakeModel):
-    """The Rust SDK unit test's fake host and toy model, taking at most LIMIT tokens per call
-    and refusing more as the real one does (invalid-argument naming max_batch_tokens)."""
+    """The Rust SDK unit test's fake host and toy model, taking at most LIMIT new tokens per
+    pass and refusing more as the real one does (invalid-argument naming max_batch_tokens)."""
 
     LIMIT = 8
 
@@ -124,27 +124,24 @@ class SmallBatchModel(FakeModel):
         super().__init__(args)
         self.refused, self.passes = 0, []
 
-    def embed_text(self, store, q, tokens, positions, embeds):
-        q.to_host(store)  # ends the borrow (an error return does not)
-        if len(tokens) > self.LIMIT:
-            self.refused += 1
-            error = Record()
-            error.kind, error.message = "invalid-argument", (
-                f"{len(tokens)} tokens in one call exceed the backend's max_batch_tokens = {self.LIMIT}; "
-                "split the call into chunks")
-            return error
-        self.embeds.update((e, (t, p)) for t, p, e in zip(tokens, positions, embeds))
+    def refuse(self, store, q, p):
+        """The real host's refusal of a pass with too many tokens, or None."""
+        n = len(getattr(p, "input-tokens"))
+        if n <= self.LIMIT:
+            self.passes.append(n)
+            return None
+        self.refused += 1
+        error = Record()
+        error.kind, error.message = "invalid-argument", (
+            f"{n} tokens in one call exceed the backend's max_batch_tokens = {self.LIMIT}; "
+            "split the call into chunks")
+        return error
 
-    def forward(self, store, q, p):
-        self.passes.append(len(getattr(p, "input-embeds")))
-        super().forward(store, q, p)
+    def execute_pass(self, store, q, p):
+        return self.refuse(store, q, p) or super().execute_pass(store, q, p)
 
-    def link(self, engine):
-        linker = super().link(engine)  # the toy's embed-text, replaced:
-        linker.allow_shadowing = True
-        with linker.root() as root, root.add_instance("pie:inferlet/input-text@0.1.0") as input_text:
-            input_text.add_func("embed-text", self.embed_text)
-        return linker
+    def run_pass(self, store, q, p, steps, streaming):
+        return self.refuse(store, q, p) or super().run_pass(store, q, p, steps, streaming)
 
 
 def test_the_rust_sdk_prefills_in_chunks_of_a_fake_hosts_limit():
@@ -155,7 +152,7 @@ def test_the_rust_sdk_prefills_in_chunks_of_a_fake_hosts_limit():
     assert host.run(build_inferlet(ROOT / "inferlets" / "text_completion")) is None
     assert host.sent == ["Paris."]  # the toy's forward checked every position and page
     assert host.refused == 1 and max(host.passes) == SmallBatchModel.LIMIT
-    assert sum(host.passes) == len(host.prompt) + len("Paris.")  # every token once (+ EOS's input)
+    assert sum(host.passes) == len(host.prompt)  # every prompt token once: the run feeds the rest
     assert host.kv == {} and host.embeds == {} and host.objects == {}, "the guest leaked"
 
 

@@ -226,6 +226,10 @@ class FakeModel(FakeHost):
         for e, index in zip(getattr(p, "output-embeds"), getattr(p, "output-token-indices")):
             self.embeds[e] = "".join(chr(t) for t, _ in context + new[:index + 1])
 
+    def execute_pass(self, store, q, p):
+        """`inference.execute`: one step of `run_pass` (drawing only if an output asks)."""
+        return FakeModel.run_pass(self, store, q, p, 1, False)
+
     def run_pass(self, store, q, p, steps, streaming):
         """A host-side run (`inference.run`) on the toy model, all at once: its first step
         reads the context back from the pages as `forward` does, every step writes its new
@@ -236,10 +240,9 @@ class FakeModel(FakeHost):
         out_pages, slot = getattr(p, "output-kv-pages"), getattr(p, "output-kv-offset")
         if pages and last_len < self.PAGE_SIZE:  # appending to the partial last page
             assert (out_pages[0], slot) == (pages[-1], last_len)
-        (output,) = p.outputs
-        self.samplers.append(output.sample)
+        self.samplers += [o.sample for o in p.outputs]
         new, drawn = list(zip(getattr(p, "input-tokens"), p.positions)), []
-        for _ in range(steps):
+        for _ in range(steps if p.outputs else 0):
             for item in new:
                 self.kv[out_pages[slot // self.PAGE_SIZE]][slot % self.PAGE_SIZE] = item
                 slot += 1
@@ -250,6 +253,9 @@ class FakeModel(FakeHost):
             if drawn[-1] in getattr(p, "stop-tokens"):
                 break
             new = [(drawn[-1], len(sequence))]
+        for item in new if not p.outputs else ():  # a prefill chunk: written, nothing drawn
+            self.kv[out_pages[slot // self.PAGE_SIZE]][slot % self.PAGE_SIZE] = item
+            slot += 1
         result = Record()
         setattr(result, "pass", len(self.results) + 1)
         result.status, result.tokens, result.details, result.failure = "done", drawn, [], None
@@ -313,10 +319,10 @@ class FakeModel(FakeHost):
                 tokenize.add_func("apply-chat-template", self.template)
             with root.add_instance("pie:inferlet/inference@0.1.0") as inference:
                 inference.add_func("run", self.run_pass)
+                inference.add_func("execute", self.execute_pass)
                 inference.add_func("take", lambda store, q, block: [self.results.pop(0) for _ in list(self.results)])
                 inference.add_func("results-ready", lambda store, q: self.own(None, self.POLLABLE))
-                for name in ("execute", "cancel"):
-                    inference.add_func(name, self.unexpected(name))
+                inference.add_func("cancel", self.unexpected("cancel"))
             with root.add_instance("pie:inferlet/output-text@0.1.0") as output_text:
                 output_text.add_resource("future-token", ResourceType.host(self.FUTURE_TOKEN), self.drop)
                 output_text.add_func("sample", self.sample)

@@ -330,25 +330,33 @@ impl Context {
                                message: "a run needs a pending token to predict from and at least one step".into() });
         }
         let mut tokens = std::mem::take(&mut self.pending);
-        if tokens.len() > chunk_limit() as usize {  // a long prompt: prefill all but the end
-            let tail = tokens.split_off(tokens.len() - 1);
-            if let Err(e) = self.execute(&tokens, None) {
-                self.pending = [tokens, tail].concat();
-                return Err(e);
+        loop {
+            if tokens.len() > chunk_limit() as usize {  // a long prompt: prefill all but the end
+                let tail = tokens.split_off(tokens.len() - 1);
+                if let Err(e) = self.execute(&tokens, None) {
+                    self.pending = [tokens, tail].concat();
+                    return Err(e);
+                }
+                tokens = tail;
             }
-            tokens = tail;
-        }
-        let n = tokens.len() as u32;
-        let out = Output { index: n - 1, sample: Some(pass_sampler(sampler)), ..output(0) };
-        let started = self.pass_over(&tokens, n + steps - 1, vec![out], stop_tokens.to_vec())
-            .and_then(|(pass, new_pages)| {
-                Ok((inference::run(self.queue.raw(), pass, steps, streaming)?, new_pages))
-            });
-        match started {
-            Ok((id, new_pages)) => Ok(Run { ctx: self, id, tokens, new_pages, drawn: Vec::new(), done: false }),
-            Err(e) => {
-                self.pending = tokens;
-                Err(e)
+            let n = tokens.len() as u32;
+            let out = Output { index: n - 1, sample: Some(pass_sampler(sampler)), ..output(0) };
+            let started = self.pass_over(&tokens, n + steps - 1, vec![out], stop_tokens.to_vec())
+                .and_then(|(pass, new_pages)| {
+                    Ok((inference::run(self.queue.raw(), pass, steps, streaming)?, new_pages))
+                });
+            match started {
+                Ok((id, new_pages)) => {
+                    return Ok(Run { ctx: self, id, tokens, new_pages, drawn: Vec::new(), done: false });
+                }
+                // The host refused the first step as too long: learn its limit, chunk, retry.
+                Err(e) if n > 1 && e.kind == ErrorKind::InvalidArgument && e.message.contains(LIMIT_NAME) => {
+                    learn_limit(&e, n as usize);
+                }
+                Err(e) => {
+                    self.pending = tokens;
+                    return Err(e);
+                }
             }
         }
     }
