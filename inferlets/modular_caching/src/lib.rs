@@ -74,7 +74,7 @@ async fn main() -> Result<(), String> {
             _ => return Err(format!("unknown argument {flag:?}; {USAGE}")),
         }
     }
-    let queue = Model::default_model()?.create_queue()?;
+    let queue = std::rc::Rc::new(Model::default_model()?.create_queue()?);
     if layout.is_empty() || slot == 0 || slot % queue.page_size() != 0 {
         return Err(format!("give at least one --module, and a --slot that is a multiple of {}; {USAGE}", queue.page_size()));
     }

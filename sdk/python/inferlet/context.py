@@ -97,18 +97,9 @@ class Context:
         generated: list[int] = []
         seed = sampler.seed
         while len(generated) < stop.max_tokens:
-            tokens, self.pending = self.pending, []
-            if len(tokens) > _chunk_limit:  # a long prompt: prefill all but the end first
-                self._execute(tokens[:-1], None)
-                tokens = tokens[-1:]
             steps = min(stop.max_tokens - len(generated), RUN_STEPS)
-            out = _output(index=len(tokens) - 1, sample=_pass_sampler(sampler.with_seed(seed)))
-            record, new = self._pass_over(tokens, len(tokens) + steps - 1, [out], list(stop.eos))
-            try:
-                pass_id = host(inference.run, self.queue.raw, record, steps, bool(stop.strings))
-            except Error:
-                self.pending = tokens
-                raise
+            tokens, pass_id, new = self._start_run(sampler.with_seed(seed), steps, list(stop.eos),
+                                                   bool(stop.strings))
             drawn: list[int] = []
             cut, status = None, "running"
             while status == "running":
@@ -205,6 +196,27 @@ class Context:
 
     # --- internals -------------------------------------------------------------------------
 
+    def _start_run(self, sampler: Sampler, steps: int, stop_tokens: list[int], streaming: bool):
+        """A host-side run from the pending tokens (a long prompt prefilled first, in chunks
+        of the host's limit, learnt from its refusal): (its input tokens, its id, its pages)."""
+        tokens, self.pending = self.pending, []
+        while True:
+            if len(tokens) > _chunk_limit:  # a long prompt: prefill all but the end first
+                try:
+                    self._execute(tokens[:-1], None)
+                except Error:
+                    self.pending = tokens
+                    raise
+                tokens = tokens[-1:]
+            out = _output(index=len(tokens) - 1, sample=_pass_sampler(sampler))
+            try:
+                record, new = self._pass_over(tokens, len(tokens) + steps - 1, [out], stop_tokens)
+                return tokens, host(inference.run, self.queue.raw, record, steps, streaming), new
+            except Error as e:
+                if not _learn_limit(e, len(tokens)):
+                    self.pending = tokens
+                    raise
+
     def _step(self, out) -> object:
         """Run every pending token with `out` at the last; its (final) result."""
         if not self.pending:
@@ -220,7 +232,6 @@ class Context:
     def _execute(self, tokens: list[int], out) -> int:
         """Fused passes over `tokens` (chunks of at most max_batch_tokens), `out` at the
         last; earlier chunks' results are claimed later. The last pass's id."""
-        global _chunk_limit
         start = 0
         while True:
             end = min(len(tokens), start + max(1, _chunk_limit))
@@ -236,10 +247,8 @@ class Context:
                 size = end - start
                 if out is not None and last:
                     out.index += start
-                if size == 1 or e.kind != "invalid-argument" or _LIMIT_NAME not in e.message:
+                if not _learn_limit(e, size):
                     raise
-                told = re.search(_LIMIT_NAME + r"\D*(\d+)", e.message)
-                _chunk_limit = min(size - 1, max(1, int(told.group(1)) if told else size // 2))
                 continue
             self._commit(tokens[start:end], new)
             if last:
@@ -284,7 +293,6 @@ class Context:
     def _forward(self, tokens: list[int], indices: list[int]) -> list[int]:
         """Run `tokens`, in chunks of at most the backend's max_batch_tokens (one pass when
         they fit); output embeds at `indices` (positions in `tokens`)."""
-        global _chunk_limit
         if not tokens:
             return []
         q = self.queue
@@ -300,10 +308,8 @@ class Context:
             except Error as e:
                 # The host refused the chunk before running anything: learn its limit, retry.
                 size = end - start
-                if size == 1 or e.kind != "invalid-argument" or _LIMIT_NAME not in e.message:
+                if not _learn_limit(e, size):
                     raise
-                told = re.search(_LIMIT_NAME + r"\D*(\d+)", e.message)
-                _chunk_limit = min(size - 1, max(1, int(told.group(1)) if told else size // 2))
                 continue
             start = end
         return outputs
@@ -394,6 +400,17 @@ def _await(queue: Queue, pass_id: int) -> list:
 # refuses a pass as too long (its error names the limit). One per instance.
 _chunk_limit = 4096
 _LIMIT_NAME = "max_batch_tokens"
+
+
+def _learn_limit(e: Error, size: int) -> bool:
+    """If the host refused `size` tokens as too many, remember its limit (from its message,
+    or half) and say so."""
+    global _chunk_limit
+    if size == 1 or e.kind != "invalid-argument" or _LIMIT_NAME not in e.message:
+        return False
+    told = re.search(_LIMIT_NAME + r"\D*(\d+)", e.message)
+    _chunk_limit = min(size - 1, max(1, int(told.group(1)) if told else size // 2))
+    return True
 
 
 def _export_key(name: str) -> str:

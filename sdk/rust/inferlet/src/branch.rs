@@ -1,19 +1,23 @@
 //! Fork/join: many continuations of one context, decoded together so they batch.
 //!
-//! `Context::fork` shares every page, but forks on one queue run one after another: the
-//! queue alternates embed, forward and sample calls of each fork, and the scheduler only
-//! batches consecutive calls of one kind. [`generate_branches`] instead decodes every
-//! branch in lockstep on the parent's queue: each step enqueues all the branches' embeds,
-//! then all their forwards, then all their samples, so each kind batches (vertical
-//! batching). Each branch reads the parent's full pages in place and writes only its own:
-//! a copy of the parent's partial last page and the pages it grows into.
+//! `Context::fork` shares every page, but forks on one queue run one after another.
+//! [`generate_branches`] instead decodes every branch in lockstep on the parent's queue:
+//! each step enqueues one fused pass per branch (its input tokens in, its next token
+//! drawn) before awaiting any, so the step is one batch (vertical batching: the passes
+//! write different pages). Each branch reads the parent's full pages in place and writes
+//! only its own: a copy of the parent's partial last page and the pages it grows into.
 //!
 //! A [`Branch`] holds the generated tokens, not a context; [`Branch::context`] rebuilds a
 //! context from the parent (sharing its pages) when a branch is to be continued.
 
+use std::rc::Rc;
+
 use crate::bindings::forward::{self, ForwardPass};
-use crate::bindings::types::{Embed, Error, ErrorKind, KvPage};
-use crate::bindings::{allocate, input_text, output_text};
+use crate::bindings::inference::{self, Output};
+use crate::bindings::types::{Error, ErrorKind, KvPage};
+use crate::bindings::{allocate, input_text};
+use crate::context::{check, output, pass_sampler};
+use crate::executor::PassWait;
 use crate::{Context, Queue, Sampler, Stop};
 
 /// One finished continuation of a parent context.
@@ -58,8 +62,6 @@ struct Lane {
     /// The position of the next input token.
     position: u32,
     input: Vec<u32>,
-    embeds: Vec<Embed>,
-    output: Embed,
     sampler: Sampler,
     tokens: Vec<u32>,
     done: bool,
@@ -89,7 +91,7 @@ fn shared(parent: &Context) -> Result<Shared, Error> {
     Ok(Shared { full, partial, len, position: len })
 }
 
-/// Starts one lane per suffix: a copy of the parent's partial last page and embeds.
+/// Starts one lane per suffix: a copy of the parent's partial last page.
 fn lanes(queue: &Queue, pending: &[u32], shared: &Shared, suffixes: &[Vec<u32>],
          samplers: &[Sampler]) -> Result<Vec<Lane>, Error> {
     let mut lanes = Vec::new();
@@ -105,71 +107,74 @@ fn lanes(queue: &Queue, pending: &[u32], shared: &Shared, suffixes: &[Vec<u32>],
             allocate::copy_kvpage(queue.raw(), page, copy, 0, 0, used)?;
             pages.push(copy);
         }
-        let embeds = allocate::alloc_emb(queue.raw(), input.len() as u32)?;
-        let output = allocate::alloc_emb(queue.raw(), 1)?[0];
         let sampler = samplers[i.min(samplers.len() - 1)].clone();
-        lanes.push(Lane { pages, slots: shared.len, position: shared.position, input, embeds, output, sampler,
+        lanes.push(Lane { pages, slots: shared.len, position: shared.position, input, sampler,
                           tokens: Vec::new(), done: false });
     }
     Ok(lanes)
 }
 
 impl Lane {
-    /// Enqueues embedding the lane's input tokens at their positions.
-    fn embed(&mut self, queue: &Queue) -> Result<(), Error> {
-        let n = self.input.len();
-        if self.embeds.len() < n {
-            self.embeds.extend(allocate::alloc_emb(queue.raw(), (n - self.embeds.len()) as u32)?);
-        }
-        let positions: Vec<u32> = (self.position..self.position + n as u32).collect();
-        input_text::embed_text(queue.raw(), &self.input, &positions, &self.embeds[..n])
-    }
-
-    /// Enqueues the forward pass over the input, writing the lane's own pages, with one
-    /// output embed at the last input token.
-    fn forward(&mut self, queue: &Queue, shared: &Shared) -> Result<(), Error> {
+    /// Enqueues one fused pass over the lane's input tokens at their positions, writing
+    /// the lane's own pages, computing `out` at the last input token; the pass's id.
+    fn pass(&mut self, queue: &Queue, shared: &Shared, out: Output) -> Result<u64, Error> {
         let page_size = queue.page_size();
         let n = self.input.len() as u32;
         let mut input_pages = shared.full.clone();
         input_pages.extend(&self.pages);
         let last_len = if input_pages.is_empty() { 0 } else { self.slots - (input_pages.len() as u32 - 1) * page_size };
         let free = if input_pages.is_empty() { 0 } else { page_size - last_len };
-        let new = allocate::alloc_kvpage(queue.raw(), (n.saturating_sub(free) + page_size - 1) / page_size)?;
+        let needed = n.saturating_sub(free).div_ceil(page_size);
+        let new = if needed > 0 { allocate::alloc_kvpage(queue.raw(), needed)? } else { Vec::new() };
         let mut output_pages = if free > 0 { vec![*self.pages.last().unwrap()] } else { vec![] };
         output_pages.extend(&new);
-        forward::forward(queue.raw(), ForwardPass {
+        let id = inference::execute(queue.raw(), inference::ForwardPass {
+            input_embeds: Vec::new(),
+            input_tokens: self.input.clone(),
+            positions: (self.position..self.position + n).collect(),
             input_kv_pages: input_pages,
             input_kv_last_page_len: last_len,
-            input_embeds: self.embeds[..n as usize].to_vec(),
             output_kv_pages: output_pages,
             output_kv_offset: if free > 0 { last_len } else { 0 },
-            output_embeds: vec![self.output],
-            output_token_indices: vec![n - 1],
             attention_mask: None,
-        })?;
+            outputs: vec![Output { index: n - 1, ..out }],
+            stop_tokens: Vec::new(),
+        });
+        let id = match id {
+            Ok(id) => id,
+            Err(e) => {
+                let _ = allocate::dealloc_kvpage(queue.raw(), &new);
+                return Err(e);
+            }
+        };
         self.pages.extend(new);
         self.slots += n;
         self.position += n;
-        Ok(())
+        Ok(id)
     }
 
-    /// Frees the lane's pages and embeds (after the queue's earlier calls).
+    /// Frees the lane's pages (after the queue's earlier calls).
     fn release(&self, queue: &Queue) {
         let _ = allocate::dealloc_kvpage(queue.raw(), &self.pages);
-        let embeds: Vec<Embed> = self.embeds.iter().chain([&self.output]).copied().collect();
-        let _ = allocate::dealloc_emb(queue.raw(), &embeds);
     }
 }
 
-/// Runs one step of every lane still going: all embeds, then all forwards, so they batch.
-fn step(queue: &Queue, shared: &Shared, lanes: &mut [Lane]) -> Result<(), Error> {
-    for lane in lanes.iter_mut().filter(|l| !l.done) {
-        lane.embed(queue)?;
+/// Runs one step of every lane still going, `out(lane)` at each: every pass is enqueued
+/// before any is awaited, so the step is one batch. The results, per live lane.
+async fn step(queue: &Rc<Queue>, shared: &Shared, lanes: &mut [Lane],
+              out: impl Fn(&Lane) -> Output) -> Result<Vec<(usize, inference::PassResult)>, Error> {
+    let mut ids = Vec::new();
+    for (i, lane) in lanes.iter_mut().enumerate().filter(|(_, l)| !l.done) {
+        let request = out(lane);
+        ids.push((i, lane.pass(queue, shared, request)?));
     }
-    for lane in lanes.iter_mut().filter(|l| !l.done) {
-        lane.forward(queue, shared)?;
+    let mut results = Vec::new();
+    for (i, id) in ids {
+        let result = PassWait { id, queue: queue.clone() }.await.pop().expect("a pass's results are never empty");
+        check(&result)?;
+        results.push((i, result));
     }
-    Ok(())
+    Ok(results)
 }
 
 /// Generates one continuation of `parent` per entry of `suffixes` (tokens appended to the
@@ -184,7 +189,7 @@ pub async fn generate_branches(parent: &Context, suffixes: &[Vec<u32>], samplers
 }
 
 /// Decodes one lane per suffix over `shared`, then frees the lanes' pages and embeds.
-async fn run(queue: &Queue, shared: &Shared, pending: &[u32], suffixes: &[Vec<u32>], samplers: &[Sampler],
+async fn run(queue: &Rc<Queue>, shared: &Shared, pending: &[u32], suffixes: &[Vec<u32>], samplers: &[Sampler],
              stop: &Stop, parent_len: usize) -> Result<Vec<Branch>, Error> {
     if samplers.is_empty() {
         return Err(Error { kind: ErrorKind::InvalidArgument, message: "no sampler given".into() });
@@ -208,7 +213,7 @@ async fn run(queue: &Queue, shared: &Shared, pending: &[u32], suffixes: &[Vec<u3
 /// masked, e.g. by [`prefill_at`]) and read in place; `input` (at least one token) starts
 /// at `position`. For contexts assembled from several exports (see `modular_caching`).
 /// The branch's `parent_len` is the pages' slot count.
-pub async fn generate_after_pages(queue: &Queue, pages: &[KvPage], position: u32, input: &[u32],
+pub async fn generate_after_pages(queue: &Rc<Queue>, pages: &[KvPage], position: u32, input: &[u32],
                                   sampler: &Sampler, stop: &Stop) -> Result<Branch, Error> {
     let len = pages.len() as u32 * queue.page_size();
     let shared = Shared { full: pages.to_vec(), partial: None, len, position };
@@ -252,19 +257,11 @@ pub async fn prefill_at(queue: &Queue, tokens: &[u32], position: u32) -> Result<
     }
 }
 
-async fn decode(queue: &Queue, shared: &Shared, lanes: &mut [Lane], stop: &Stop) -> Result<(), Error> {
+async fn decode(queue: &Rc<Queue>, shared: &Shared, lanes: &mut [Lane], stop: &Stop) -> Result<(), Error> {
     for _ in 0..stop.max_tokens {
-        step(queue, shared, lanes)?;
-        let live: Vec<usize> = (0..lanes.len()).filter(|&i| !lanes[i].done).collect();
-        // Every sample is enqueued before any is awaited, so they batch.
-        let futures = live.iter().map(|&i| output_text::sample(queue.raw(), lanes[i].output, lanes[i].sampler.clone()))
-            .collect::<Result<Vec<_>, _>>()?;
-        let mut tokens = Vec::new();
-        for future in futures {
-            tokens.push(future.await);
-        }
-        for (&i, token) in live.iter().zip(tokens) {
-            let (lane, token) = (&mut lanes[i], token?);
+        let drawn = step(queue, shared, lanes, |lane| Output { sample: Some(pass_sampler(&lane.sampler)), ..output(0) }).await?;
+        for (i, result) in drawn {
+            let (lane, token) = (&mut lanes[i], result.tokens[0]);
             lane.sampler.seed = lane.sampler.seed.map(|s| s.wrapping_add(1));
             lane.input = vec![token];
             if stop.eos_tokens.contains(&token) {
@@ -289,22 +286,12 @@ pub async fn next_dists(parent: &Context, suffixes: &[Vec<u32>], k: u32) -> Resu
     let queue = parent.queue().clone();
     let shared = shared(parent)?;
     let mut lanes = lanes(&queue, parent.pending(), &shared, suffixes, &[Sampler::greedy()])?;
-    let result = match step(&queue, &shared, &mut lanes) {
-        Ok(()) => dists(&queue, &lanes, k).await,
-        Err(e) => Err(e),
-    };
+    let result = step(&queue, &shared, &mut lanes, |_| Output { top_k: k, ..output(0) }).await;
     lanes.iter().for_each(|lane| lane.release(&queue));
-    result
-}
-
-async fn dists(queue: &Queue, lanes: &[Lane], k: u32) -> Result<Vec<(Vec<u32>, Vec<f32>)>, Error> {
-    let futures = lanes.iter().map(|l| output_text::get_next_dist(queue.raw(), l.output, k)).collect::<Result<Vec<_>, _>>()?;
-    let mut dists = Vec::new();
-    for future in futures {
-        let dist = future.await?;
-        dists.push((dist.token_ids, dist.probs));
-    }
-    Ok(dists)
+    Ok(result?.into_iter().map(|(_, mut r)| {
+        let detail = r.details.pop().expect("a top-k output has its detail");
+        (detail.top_ids, detail.top_probs)
+    }).collect())
 }
 
 /// The total probability of `words` (each tokenized with and without a leading space)

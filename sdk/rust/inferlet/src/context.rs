@@ -702,7 +702,7 @@ pub(crate) fn pass_sampler(s: &Sampler) -> inference::Sampler {
 }
 
 /// A failed pass's error.
-fn check(result: &PassResult) -> Result<(), Error> {
+pub(crate) fn check(result: &PassResult) -> Result<(), Error> {
     match (&result.status, &result.failure) {
         (PassStatus::Failed, Some(e)) => Err(e.clone()),
         (PassStatus::Failed, None) => Err(Error { kind: ErrorKind::InferenceFailed,
