@@ -95,6 +95,11 @@ fn wait_for_host() {
     assert!(WAITING.with(|w| !w.borrow().is_empty()),
             "inferlet deadlock: every task waits, and not on the host");
     let ready = host::wait();
+    wake_ready(&ready);
+}
+
+/// Wakes the tasks whose pollables `wait` reported ready, and forgets those pollables.
+fn wake_ready(ready: &[u32]) {
     WAITING.with(|w| {
         w.borrow_mut().retain(|(key, _, waker)| {
             let is_ready = ready.binary_search(key).is_ok();
@@ -130,15 +135,7 @@ fn wait_for_passes() {
         (key, queue)
     }).collect();
     let ready = host::wait();
-    WAITING.with(|w| {
-        w.borrow_mut().retain(|(key, _, waker)| {
-            let is_ready = ready.binary_search(key).is_ok();
-            if is_ready {
-                waker.wake_by_ref();
-            }
-            !is_ready
-        })
-    });
+    wake_ready(&ready);
     for (key, queue) in keys {
         if ready.binary_search(&key).is_ok() {
             distribute(inference::take(queue.raw(), false));
