@@ -109,10 +109,13 @@ class Server:
         """Calls of `kind` (e.g. "sample") waiting in the scheduler's queues now."""
         return self.scheduler()["queued"].get(kind, 0)
 
-    def model_calls_queued(self) -> int:
-        """Calls that run the model (legacy `forward`s and fused passes) waiting now."""
-        queued = self.scheduler()["queued"]
-        return sum(queued.get(kind, 0) for kind in MODEL_KINDS)
+    def model_calls_since(self, before: dict) -> int:
+        """Calls that run the model (legacy `forward`s and fused passes) submitted since the
+        `scheduler()` snapshot `before`: waiting now, or sent to the backend (a paused
+        backend holds the batch in flight, which may hold several)."""
+        now = self.scheduler()
+        return sum(now["queued"].get(k, 0) + now["calls"].get(k, 0) - before.get("calls", {}).get(k, 0)
+                   for k in MODEL_KINDS)
 
     def rss_mib(self) -> float:
         """Resident memory of the `pie serve` process (the control process: server, runtime
@@ -231,8 +234,9 @@ def run_inferlet_batched(server: Server, program: bytes | str, args: list[str], 
         async with PieClient(server.ws, TOKEN) as client:
             name = await client.upload(program) if isinstance(program, bytes) else program
             with server.backend_paused():
+                before = server.scheduler()
                 instance = await client.launch(name, args)
-                await until_async(lambda: server.model_calls_queued() >= forwards,
+                await until_async(lambda: server.model_calls_since(before) >= forwards,
                                   what=f"{forwards} forward calls queued")
             messages = [m async for m in instance]
             return Run(messages, await instance.wait(), instance.usage)

@@ -71,11 +71,13 @@ def test_sixteen_concurrent_inferlets_are_batched(server, expected):
     async def run() -> list[tuple[list[str], str]]:
         async with PieClient(server.ws, TOKEN) as client:
             with server.backend_paused():
+                submitted = server.scheduler()
                 instances = [await client.launch("text_completion", ["--prompt", p, "--max-tokens", "16"])
                              for p in prompts]
-                # One call may be in flight (the first one the scheduler sent); the rest wait.
-                await until_async(lambda: server.model_calls_queued() >= len(prompts) - 1,
-                                  what="every prefill forward queued")
+                # The first batch the scheduler sent is in flight (held by the paused
+                # backend); every other prefill waits.
+                await until_async(lambda: server.model_calls_since(submitted) >= len(prompts),
+                                  what="every prefill submitted")
 
             async def collect(instance):
                 return [m async for m in instance], await instance.wait()

@@ -87,11 +87,11 @@ def test_tutorial_best_of_n_shares_the_prefill(tmp_path, pie_server, tokenizer, 
     code = re.findall(r"```rust\n(.*?)```", TUTORIAL, re.S)[1]
     (crate / "src" / "lib.rs").write_text(code.replace("async fn main", "inferlet::main!(main);\n\nasync fn main", 1))
     before = pie_server.scheduler()
-    # Launched with the backend paused until the four branches' first forwards wait behind
-    # the prefill (one fused pass, the call in flight; generate_branches enqueues a step's
-    # forwards before awaiting any): that step leaves as one batch, whatever the machine's
+    # Launched with the backend paused until the prefill (one fused pass) and the four
+    # branches' first passes are submitted (generate_branches enqueues a step's passes
+    # before awaiting any): that step leaves as one batch, whatever the machine's
     # speed. (A ratio threshold here was a race: 1.76 seen in CI against ~3 on a quiet machine.)
-    run = run_inferlet_batched(pie_server, build_inferlet(crate).read_bytes(), [], forwards=4)
+    run = run_inferlet_batched(pie_server, build_inferlet(crate).read_bytes(), [], forwards=1 + 4)
     forwards, batches = forward_batches(before, pie_server.scheduler())
     assert forwards == run.usage["forward_calls"] and batches <= forwards - 3
     assert run.reason == "finished" and len(run.messages) == 4

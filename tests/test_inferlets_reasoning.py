@@ -62,12 +62,11 @@ def test_parallel_generation(server, tokenizer, template, hf_chat):
     prompt_len = len(tokenizer.encode(chat_prompt(template, prompt), add_special_tokens=False).ids)
     assert greedy["prompt_tokens"] == prompt_len
     before = stats(server)
-    # Launched with the backend paused until the four forks' first forward calls wait
-    # behind the prefill (one fused pass, the call in flight; all enqueued before any is
-    # awaited): that step must leave as one batch.
+    # Launched with the backend paused until the prefill (one fused pass) and the four
+    # forks' first passes are submitted (all enqueued before any is awaited): that step must leave as one batch.
     run = run_inferlet_batched(server, build("parallel_generation"),
                                ["--prompt", prompt, "--n", "4", "--max-tokens", str(n_tokens), "--seed", "7"],
-                               forwards=4)
+                               forwards=1 + 4)
     assert run.reason == "finished", run
     sampled = json.loads(run.messages[-1])
     completions = sampled["completions"]
