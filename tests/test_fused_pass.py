@@ -122,3 +122,104 @@ def test_malformed_columns_fail_the_request(engine):
     msg.top_p = b"\0\0"
     with pytest.raises(P.ProtocolError, match="top_p"):
         engine.handle(msg)
+
+
+def floats(data: bytes) -> list:
+    return ints(data, "f")
+
+
+def test_a_batch_equals_its_items_alone(engine):
+    """Items of one pass (a prompt, embeds then tokens, a scratch item with two outputs)
+    draw and score as they do alone; input embeds stand in for the tokens they embed."""
+    assert engine.embed_text(P.EmbedText(TOKENS[:4], [0, 1, 2, 3], [320, 321, 322, 323])).errors == {}
+    n = len(TOKENS)
+    items = [
+        item(TOKENS, out=[30, 31], outputs=[Output(n - 1, sample=True, keep=310)]),
+        item(TOKENS[4:9], embeds=[320, 321, 322, 323], start=4, out=[32],
+             outputs=[Output(8, sample=True, dist_k=3, entropy=True)]),
+        item(TOKENS[5:12], outputs=[Output(2, sample=True), Output(6, sample=True, logprob_ids=[7, 9])]),
+    ]
+    alone = [run(engine, it) for it in items]
+    hidden = engine.embeds.vectors[310].clone()
+    together = run(engine, *items)
+    assert together.errors == {}
+    assert ints(together.tokens) == [t for r in alone for t in ints(r.tokens)]
+    torch.testing.assert_close(engine.embeds.vectors[310], hidden, rtol=1e-5, atol=1e-5)
+    assert ints(together.dist_ids) == ints(alone[1].dist_ids)
+    assert ints(together.dist_indptr) == [0, 0, 3, 3, 3]
+    np.testing.assert_allclose(floats(together.dist_probs), floats(alone[1].dist_probs), rtol=1e-4)
+    np.testing.assert_allclose(floats(together.entropy)[1], floats(alone[1].entropy)[0], rtol=1e-4)
+    np.testing.assert_allclose(floats(together.logprobs), floats(alone[2].logprobs), rtol=1e-4, atol=1e-5)
+    # the same positions given as tokens rather than embeds: the same draw
+    as_tokens = run(engine, item(TOKENS[:9], out=[32], outputs=[Output(8, sample=True)]))
+    assert ints(as_tokens.tokens) == ints(alone[1].tokens)[:1]
+
+
+def _logits(engine, tokens) -> torch.Tensor:
+    run(engine, item(tokens, out=[40], outputs=[Output(len(tokens) - 1, keep=330)]))
+    return engine.model.logits(engine.embeds.vectors[330][None])[0]
+
+
+def test_top_k_top_p_and_allowed_masks_restrict_the_draws(engine):
+    logits = _logits(engine, TOKENS[:6])
+    t = 2.0
+    probs = torch.softmax(logits / t, -1)
+    top3 = set(torch.topk(probs, 3).indices.tolist())
+    sorted_p, order = torch.sort(probs, descending=True)
+    nucleus = set(order[: int(((torch.cumsum(sorted_p, 0) - sorted_p) < 0.5).sum())].tolist())
+    assert 1 < len(nucleus) < 1000  # half the mass, in a small part of the vocabulary
+    rows = 40
+    outputs = ([Output(5, sample=True, temperature=t, top_k=3, seed=s) for s in range(rows)]
+               + [Output(5, sample=True, temperature=t, top_k=3) for _ in range(rows)]
+               + [Output(5, sample=True, temperature=t, top_p=0.5, seed=s) for s in range(rows)]
+               + [Output(5, sample=True, temperature=t, top_p=0.5) for _ in range(rows)]
+               + [Output(5, sample=True, temperature=t) for _ in range(rows)])
+    drawn = ints(run(engine, item(TOKENS[:6], out=[40], outputs=outputs)).tokens)
+    assert set(drawn[: 2 * rows]) <= top3 and len(set(drawn[: 2 * rows])) > 1
+    assert set(drawn[2 * rows: 4 * rows]) <= nucleus and len(set(drawn[2 * rows: 4 * rows])) > 1
+    assert not set(drawn[4 * rows:]) <= nucleus  # unfiltered: half the mass is outside
+    # allowed masks: the draw and the scores see only the allowed tokens
+    vocab = engine.model.config.vocab_size
+    allowed = [17, 4242, 9000]
+    bits = np.zeros(vocab, dtype=bool)
+    bits[allowed] = True
+    mask = np.packbits(bits, bitorder="little").tobytes()
+    empty = bytes(len(mask))
+    masked = logits.masked_fill(~torch.from_numpy(bits), float("-inf"))
+    good = item(TOKENS[:6], out=[40], outputs=[
+        Output(5, sample=True, allowed=mask, logprob_ids=allowed, entropy=True),
+        Output(5, sample=True, temperature=1.0, allowed=mask)])
+    reply = run(engine, good, item(TOKENS[:6], out=[41], outputs=[Output(5, sample=True, allowed=empty)]))
+    assert reply.errors == {1: "the allowed-token mask allows no token"}
+    tokens = ints(reply.tokens)
+    assert tokens[0] == allowed[int(torch.argmax(logits[allowed]))] and tokens[1] in allowed
+    assert tokens[2] == -1
+    logp = torch.log_softmax(masked, -1)
+    np.testing.assert_allclose(floats(reply.logprobs), logp[allowed].numpy(), rtol=1e-4)
+    p = logp.exp()[allowed]
+    np.testing.assert_allclose(floats(reply.entropy)[0], float(-(p * p.log()).sum()), rtol=1e-4)
+
+
+def test_every_bad_value_names_its_item(engine):
+    good = item(TOKENS[:3], out=[20], outputs=[Output(2, sample=True)])
+    alone = ints(run(engine, good).tokens)
+    vocab = engine.model.config.vocab_size
+    one = lambda **kw: [Output(0, sample=True, **kw)]  # noqa: E731
+    bad = [
+        (item([5], pages=[1], last_len=0, out=[21], outputs=one()), "kv_last_page_len"),
+        (item([5, 6], out=[21], offset=PS - 1, outputs=one()), "output pages hold"),
+        (item([5], pages=[1], last_len=1, out=[21], mask=b"\0", outputs=one()), "nothing to attend"),
+        (item([5], out=[21], start=-1, outputs=one()), "position"),
+        (item([5], out=[21], outputs=one(top_p=0.0)), "top_p"),
+        (item([5], out=[21], outputs=one(min_p=2.0)), "min_p"),
+        (item([5], out=[21], outputs=one(temperature=float("nan"))), "temperature"),
+        (item([5], out=[21], outputs=[Output(0, dist_k=vocab + 1)]), "dist_k"),
+        (item([5], out=[21], outputs=one(keep=10**6)), "keep embed id"),
+        (item([5], out=[21], outputs=one(allowed=b"\xff")), "allowed mask"),
+        (item([], out=[21], outputs=[]), "no new tokens"),
+    ]
+    for b, text in bad:
+        reply = run(engine, b, good)
+        assert list(reply.errors) == [0] and text in reply.errors[0], (text, reply.errors)
+        assert ints(reply.tokens)[-1:] == alone and set(ints(reply.tokens)[:-1]) <= {-1}
+    assert engine.counters["pass.errors"] >= len(bad)

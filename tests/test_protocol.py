@@ -23,6 +23,26 @@ def test_round_trip_of_every_request():
         assert P.decode_request(P.encode(i, message)) == (i, message)
 
 
+def test_round_trip_of_a_passes_reply():
+    from array import array
+
+    reply = P.PassesReply(tokens=array("i", [7, -1]).tobytes(), entropy=array("f", [float("nan"), 1.5]).tobytes(),
+                          logprobs=array("f", [-0.25]).tobytes(), dist_ids=array("i", [3, 4]).tobytes(),
+                          dist_probs=array("f", [0.5, 0.25]).tobytes(),
+                          dist_indptr=array("i", [0, 0, 2]).tobytes(), errors={1: "bad page"})
+    request_id, kind, back = P.decode_reply(P.encode(4, reply))
+    assert (request_id, kind) == (4, P.Kind.PASS) and back.errors == {1: "bad page"}
+    for name in ("tokens", "entropy", "logprobs", "dist_ids", "dist_probs", "dist_indptr"):
+        assert getattr(back, name) == getattr(reply, name)
+    with pytest.raises(P.ProtocolError, match="pass.flags must be bytes"):
+        P.decode_request(msgpack.packb([1, "pass", {**_passes_body(), "flags": [1]}]))
+
+
+def _passes_body() -> dict:
+    return encode([Pass(None, 1, 16, [5], [0], [], [], 0, [3], 0, None,  # type: ignore[arg-type]
+                        [Output(0, sample=True)])]).to_body()
+
+
 def test_batch_reply_keeps_integer_error_keys():
     frame = P.encode(9, P.BatchReply({3: "bad page"}), P.Kind.COPY_KVPAGE)
     assert P.decode_reply(frame) == (9, P.Kind.COPY_KVPAGE, P.BatchReply({3: "bad page"}))

@@ -404,14 +404,19 @@ class Engine:
             hidden = self.embeds.vectors[self._tensor(ids[ok])]
             logits = self.model.logits(hidden)
             for row, i in enumerate(np.flatnonzero(ok)):
-                row_logits = logits[row]
                 if allowed[i] is not None:
                     if not allowed[i].any():
                         errors[int(i)] = "the allowed-token mask allows no token"
                         continue
-                    row_logits = row_logits.masked_fill(~allowed[i].to(row_logits.device), float("-inf"))
-                out[i] = sampling.draw(row_logits, temps[i], int(top_ks[i]), top_ps[i], 0.0,
-                                       int(seeds[i]), self.rng)
+                    logits[row] = logits[row].masked_fill(~allowed[i].to(logits.device), float("-inf"))
+            rows = np.flatnonzero(ok)
+            drawn = valid_items(n, errors)[rows]
+            rows = rows[drawn]
+            picks = sampling.draw_rows(logits[self._tensor(np.flatnonzero(drawn))], temps[rows],
+                                       top_ks[rows], top_ps[rows], np.zeros(len(rows)), seeds[rows],
+                                       self.rng)
+            for i, token in zip(rows.tolist(), picks):
+                out[i] = token
         self._count("sample", n, len(errors))
         return P.SampleReply(token_ids=out, errors=errors)
 

@@ -145,9 +145,13 @@ def run_passes(engine: Engine, msg: P.Passes) -> P.PassesReply:
             ids = engine._tensor(keep[kept])
             engine.embeds.vectors[ids] = hidden[0][engine._tensor(kept)]
             engine.embeds.positions[ids] = hidden[1][engine._tensor(kept)]
-        logits = engine.model.logits(hidden[0])
-        _outputs(engine, msg, c, rows, logits, errors, row_items, tokens, entropy, logprobs,
-                 dist_counts, dist_ids, dist_probs)
+        # Logits only for rows that draw or score (a keep-only row needs none).
+        need = np.flatnonzero((c["flags"][rows] & (P.FLAG_SAMPLE | P.FLAG_ENTROPY) != 0)
+                              | (c["dist_k"][rows] > 0) | (np.diff(c["logprob_indptr"])[rows] > 0))
+        if len(need):
+            logits = engine.model.logits(hidden[0][engine._tensor(need)])
+            _outputs(engine, msg, c, rows[need], logits, errors, row_items, tokens, entropy,
+                     logprobs, dist_counts, dist_ids, dist_probs)
     engine._count("pass", n, len(errors), layout.tokens)
     indptr = np.concatenate([[0], np.cumsum(dist_counts)]).astype(np.int32)
     cat = (lambda parts, dt: np.concatenate(parts).astype(dt) if parts else np.zeros(0, dt))
@@ -187,15 +191,16 @@ def _outputs(engine: Engine, msg: P.Passes, c: dict[str, np.ndarray], rows: np.n
              dist_counts: np.ndarray, dist_ids: list, dist_probs: list) -> None:
     """Masks, draws and scores of the admitted rows (`rows[i]` is logits row i)."""
     vocab = engine.model.config.vocab_size
-    if msg.allowed:
-        for i, r in enumerate(rows.tolist()):
-            if msg.allowed[r] is not None:
-                allowed = sampling.allowed_mask(msg.allowed[r], vocab).to(logits.device)
-                if not allowed.any():
-                    item = next(b for b, its in row_items if r in its)
-                    errors.setdefault(item, "the allowed-token mask allows no token")
-                    allowed[:] = True
-                logits[i] = logits[i].masked_fill(~allowed, float("-inf"))
+    masked = [i for i, r in enumerate(rows.tolist()) if msg.allowed and msg.allowed[r] is not None]
+    if masked:
+        allowed = sampling.allowed_masks([msg.allowed[rows[i]] for i in masked], vocab).to(logits.device)
+        for j in np.flatnonzero(~allowed.any(dim=1).cpu().numpy()).tolist():
+            r = int(rows[masked[j]])
+            item = next(b for b, its in row_items if r in its)
+            errors.setdefault(item, "the allowed-token mask allows no token")
+            allowed[j] = True
+        index = engine._tensor(np.asarray(masked))
+        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
     flags = c["flags"][rows]
     draw = np.flatnonzero(flags & P.FLAG_SAMPLE)
     if len(draw):
