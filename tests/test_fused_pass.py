@@ -223,3 +223,24 @@ def test_every_bad_value_names_its_item(engine):
         assert list(reply.errors) == [0] and text in reply.errors[0], (text, reply.errors)
         assert ints(reply.tokens)[-1:] == alone and set(ints(reply.tokens)[:-1]) <= {-1}
     assert engine.counters["pass.errors"] >= len(bad)
+
+
+def test_errors_of_one_batch_go_to_their_items(engine):
+    good = item(TOKENS[:3], out=[20], outputs=[Output(2, sample=True)])
+    alone = ints(run(engine, good).tokens)[0]
+    vocab = engine.model.config.vocab_size
+    batch = [
+        good,
+        item([5, 6, vocab + 3], out=[21], outputs=[Output(2, sample=True)]),
+        good,
+        item([5], out=[22], outputs=[Output(0, logprob_ids=[1]), Output(0, logprob_ids=[2, -4, vocab])]),
+        item([5, 6], out=[23], embeds=[10**6], outputs=[Output(0, sample=True), Output(9, sample=True)]),
+        good,
+    ]
+    reply = run(engine, *batch)
+    assert reply.errors == {
+        1: f"new token 2: token id {vocab + 3} out of range [0, {vocab})",
+        3: f"output 1: logprob id -4 out of range [0, {vocab})",
+        4: f"new token 0: input embed id {10**6} out of range [0, {engine.embeds.size})",
+    }
+    assert ints(reply.tokens) == [alone, -1, alone, -1, -1, -1, -1, alone]

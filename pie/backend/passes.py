@@ -63,61 +63,78 @@ def _columns(msg: P.Passes) -> dict[str, np.ndarray]:
     return cols
 
 
-def _check_rows(engine: Engine, c: dict[str, np.ndarray], msg: P.Passes, rows: slice,
-                n_new: int) -> None:
-    """The item's output rows (ItemError on the first bad value)."""
-    from pie.backend.engine import ItemError
+def _check_values(engine: Engine, c: dict[str, np.ndarray], msg: P.Passes) -> dict[int, str]:
+    """Every value a peer could get wrong, one vectorised test per column: {item: the first
+    problem of that item}. Checks that need the item's pages (page ids, last-page length,
+    output capacity, attention mask) are `forward_item`'s."""
+    vocab, n_embeds = engine.model.config.vocab_size, engine.embeds.size
+    n = len(c["kv_last_page_lens"])
+    tptr, optr, lptr = c["token_indptr"], c["out_indptr"], c["logprob_indptr"]
+    errors: dict[int, str] = {}
 
-    vocab = engine.model.config.vocab_size
-    index = c["out_index"][rows]
-    if np.any((index < 0) | (index >= n_new)):
-        raise ItemError(f"output index out of range [0, {n_new})")
-    temp, top_p, min_p = c["temperature"][rows], c["top_p"][rows], c["min_p"][rows]
-    draw = (c["flags"][rows] & P.FLAG_SAMPLE) != 0
-    if np.any(draw & ~(np.isfinite(temp) & (temp >= 0))):
-        raise ItemError("temperature must be a finite number >= 0")
-    if np.any(draw & ~((top_p > 0) & (top_p <= 1))):
-        raise ItemError("top_p must be in (0, 1]")
-    if np.any(draw & ~((min_p >= 0) & (min_p <= 1))):
-        raise ItemError("min_p must be in [0, 1]")
-    if np.any(draw & (c["top_k"][rows] < 0)) or np.any(c["seed"][rows] < -1):
-        raise ItemError("top_k must be >= 0 and seed >= -1")
-    if np.any((c["dist_k"][rows] < 0) | (c["dist_k"][rows] > vocab)):
-        raise ItemError(f"dist_k out of range [0, {vocab}]")
-    keep = c["keep_embed"][rows]
-    engine._check_embeds(keep[keep != -1], "keep")
-    lp = c["logprob_ids"][c["logprob_indptr"][rows.start]:c["logprob_indptr"][rows.stop]]
-    if np.any((lp < 0) | (lp >= vocab)):
-        raise ItemError(f"logprob id out of range [0, {vocab})")
-    for r in range(rows.start, rows.stop) if msg.allowed else ():
-        mask = msg.allowed[r]
-        if mask is not None and (not isinstance(mask, bytes) or len(mask) != sampling.mask_bytes(vocab)):
-            raise ItemError(f"allowed mask must be {sampling.mask_bytes(vocab)} bytes")
+    def report(bad: np.ndarray, indptr: np.ndarray, what) -> None:
+        """Entries `bad` (indices into a column split by `indptr`): their items' error,
+        `what(entry, first entry of its item)`, unless the item already has one."""
+        if len(bad):
+            owners = np.searchsorted(indptr, bad, side="right") - 1
+            for item, first in zip(*np.unique(owners, return_index=True)):
+                errors.setdefault(int(item), what(int(bad[first]), int(indptr[item])))
+
+    tok, emb, pos = c["token_ids"], c["embed_ids"], c["positions"]
+    is_tok = emb == -1
+    report(np.flatnonzero(is_tok & ((tok < 0) | (tok >= vocab))), tptr, lambda r, r0:
+           f"new token {r - r0}: token id {tok[r]} out of range [0, {vocab})")
+    report(np.flatnonzero(is_tok & (pos < 0)), tptr, lambda r, r0:
+           f"new token {r - r0}: position {pos[r]} is negative")
+    report(np.flatnonzero(~is_tok & ((emb < 0) | (emb >= n_embeds))), tptr, lambda r, r0:
+           f"new token {r - r0}: input embed id {emb[r]} out of range [0, {n_embeds})")
+    report(np.flatnonzero(np.diff(tptr) == 0), np.arange(n + 1), lambda b, _: "no new tokens")
+
+    n_new = np.repeat(np.diff(tptr), np.diff(optr))  # per output row: its item's new tokens
+    index, draw = c["out_index"], (c["flags"] & P.FLAG_SAMPLE) != 0
+    temp, top_p, min_p, top_k = c["temperature"], c["top_p"], c["min_p"], c["top_k"]
+    dist_k, keep, seed = c["dist_k"], c["keep_embed"], c["seed"]
+    row_checks = [
+        ((index < 0) | (index >= n_new), lambda j: f"output index {index[j]} out of range [0, {n_new[j]})"),
+        (draw & ~(np.isfinite(temp) & (temp >= 0)), lambda j: f"temperature {temp[j]} must be a finite number >= 0"),
+        (draw & ~((top_p > 0) & (top_p <= 1)), lambda j: f"top_p {top_p[j]} must be in (0, 1]"),
+        (draw & ~((min_p >= 0) & (min_p <= 1)), lambda j: f"min_p {min_p[j]} must be in [0, 1]"),
+        (draw & (top_k < 0), lambda j: f"top_k {top_k[j]} must be >= 0 (0 = no limit)"),
+        (seed < -1, lambda j: f"seed {seed[j]} must be >= 0, or -1 for unseeded"),
+        ((dist_k < 0) | (dist_k > vocab), lambda j: f"dist_k {dist_k[j]} out of range [0, {vocab}]"),
+        ((keep < -1) | (keep >= n_embeds), lambda j: f"keep embed id {keep[j]} out of range [0, {n_embeds})"),
+    ]
+    for bad, text in row_checks:
+        report(np.flatnonzero(bad), optr, lambda j, j0, text=text: f"output {j - j0}: {text(j)}")
+    lp = c["logprob_ids"]
+    bad_lp = np.flatnonzero((lp < 0) | (lp >= vocab))
+    lp_rows = np.searchsorted(lptr, bad_lp, side="right") - 1
+    first = dict(zip(lp_rows[::-1].tolist(), lp[bad_lp][::-1].tolist()))  # row: its first bad id
+    report(lp_rows, optr, lambda j, j0: f"output {j - j0}: logprob id {first[j]} out of range [0, {vocab})")
+    size = sampling.mask_bytes(vocab)
+    bad_mask = [j for j, m in enumerate(msg.allowed) if m is not None and (not isinstance(m, bytes) or len(m) != size)]
+    report(np.asarray(bad_mask, dtype=np.int64), optr, lambda j, j0: (
+        f"output {j - j0}: allowed mask must be {size} bytes (a bitmask over {vocab} tokens)"))
+    return errors
 
 
 def run_passes(engine: Engine, msg: P.Passes) -> P.PassesReply:
     from pie.backend.engine import ItemError
 
     c = _columns(msg)
-    n, vocab = len(c["kv_last_page_lens"]), engine.model.config.vocab_size
-    errors: dict[int, str] = {}
+    n = len(c["kv_last_page_lens"])
+    errors = _check_values(engine, c, msg)
     items, token_rows, out_rows, row_items = [], [], [], []
     layout = engine.layout()
     for b in range(n):
+        if b in errors:
+            continue
         t0, t1 = int(c["token_indptr"][b]), int(c["token_indptr"][b + 1])
         r0, r1 = int(c["out_indptr"][b]), int(c["out_indptr"][b + 1])
+        k0, k1 = c["kv_page_indptr"][b], c["kv_page_indptr"][b + 1]
+        o0, o1 = c["out_kv_page_indptr"][b], c["out_kv_page_indptr"][b + 1]
+        q0 = layout.tokens
         try:
-            tok, emb, pos = c["token_ids"][t0:t1], c["embed_ids"][t0:t1], c["positions"][t0:t1]
-            is_tok = emb == -1
-            if np.any(is_tok & ((tok < 0) | (tok >= vocab))):
-                raise ItemError(f"token id out of range [0, {vocab})")
-            if np.any(is_tok & (pos < 0)):
-                raise ItemError("a position is negative")
-            engine._check_embeds(emb[~is_tok], "input")
-            _check_rows(engine, c, msg, slice(r0, r1), t1 - t0)
-            q0 = layout.tokens
-            k0, k1 = c["kv_page_indptr"][b], c["kv_page_indptr"][b + 1]
-            o0, o1 = c["out_kv_page_indptr"][b], c["out_kv_page_indptr"][b + 1]
             item = layout.add(c["kv_page_ids"][k0:k1], int(c["kv_last_page_lens"][b]), t1 - t0,
                               c["out_kv_page_ids"][o0:o1], int(c["out_kv_offsets"][b]),
                               msg.attention_masks[b] if msg.attention_masks else None)
