@@ -10,8 +10,9 @@ sequences pays for:
   row's temperature, one `topk` for top-k and top-p instead of a full sort of the
   vocabulary per row (a sort of 49k floats costs ~4 ms on a CPU core, a 256-wide `topk`
   ~0.15 ms), min-p against each row's maximum;
-- seeded rows are then drawn one by one, each from its own generator (the seed must decide
-  the draw whatever else is in the batch); unseeded rows in one `multinomial` call.
+- seeded rows are then drawn one by one by `multinomial`, each from its own generator (the
+  seed must decide the draw whatever else is in the batch); unseeded rows together, one
+  uniform each against the cumulative distribution (`_inverse_cdf`).
 
 The filtered probabilities are bit-for-bit those of filtering the row alone with a full
 sort (softmax and `cumsum` are per row; `topk` returns the sorted prefix), so a seeded row
@@ -52,7 +53,7 @@ def filtered_probs(logits: torch.Tensor, temperature: np.ndarray, top_k: np.ndar
     """Probabilities [R, V] to draw from, for rows with temperature > 0: softmax at the
     temperature, then top-k, then top-p (keep the smallest prefix of the sorted
     distribution whose mass reaches top_p; the top token always), then min-p (keep
-    p >= min_p * max p). Not renormalised: `multinomial` does that."""
+    p >= min_p * max p). Not renormalised: the draw does that."""
     dev = logits.device
     temps = torch.from_numpy(np.asarray(temperature, dtype=np.float32)).to(dev)
     probs = torch.softmax(logits.float() / temps[:, None], dim=-1)
@@ -138,13 +139,6 @@ def _inverse_cdf(probs: torch.Tensor, rng: torch.Generator) -> torch.Tensor:
     # u rounds up to the total at worst: then the last index with weight.
     last = torch.searchsorted(cdf, total, right=False)[:, 0]
     return torch.minimum(picks, last)
-
-
-def draw(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float,
-         seed: int, rng: torch.Generator) -> int:
-    """`draw_rows` of one row of logits [V]."""
-    return draw_rows(logits[None], np.array([temperature]), np.array([top_k]), np.array([top_p]),
-                     np.array([min_p]), np.array([seed]), rng)[0]
 
 
 def seed32(seed: int) -> int:
