@@ -244,3 +244,44 @@ def test_errors_of_one_batch_go_to_their_items(engine):
         4: f"new token 0: input embed id {10**6} out of range [0, {engine.embeds.size})",
     }
     assert ints(reply.tokens) == [alone, -1, alone, -1, -1, -1, -1, alone]
+
+
+def _one_row_reference(logits, temperature, top_k, top_p, min_p):
+    """The filters of one row with a full sort of the vocabulary (the per-row code
+    `filtered_probs` replaced): its probabilities must come out bit for bit."""
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_k or top_p < 1:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        keep = torch.ones_like(sorted_probs, dtype=torch.bool)
+        if top_k:
+            keep[top_k:] = False
+        if top_p < 1:
+            keep &= (torch.cumsum(sorted_probs, 0) - sorted_probs) < top_p
+        probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
+    if min_p > 0:
+        probs = torch.where(probs >= min_p * probs.max(), probs, torch.zeros_like(probs))
+    return probs
+
+
+def test_batched_filters_equal_one_row_with_a_full_sort():
+    from pie.backend import sampling
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = 20000
+    logits = torch.randn(12, vocab, generator=gen) * torch.tensor([0.5, 3.0, 10.0] * 4)[:, None]
+    logits[0, 100:900] = 1.0  # ties
+    logits[1, ::3] = float("-inf")  # an allowed mask
+    temperature = np.array([1.0, 0.7, 1.5, 0.3] * 3, dtype=np.float32)
+    top_k = np.array([0, 0, 0, 5, 40, 0, vocab + 5, 0, 1, 0, 300, 0])
+    top_p = np.array([0.9, 0.99999, 0.5, 1.0, 0.95, 1.0, 1.0, 0.1, 1.0, 0.999, 0.7, 0.8], dtype=np.float32)
+    min_p = np.array([0.0, 0.0, 0.0, 0.0, 0.0, 0.05, 0.0, 0.0, 0.0, 0.5, 0.0, 0.01], dtype=np.float32)
+    got = sampling.filtered_probs(logits, temperature, top_k, top_p, min_p)
+    for r in range(len(logits)):
+        want = _one_row_reference(logits[r], float(temperature[r]), int(top_k[r]), float(top_p[r]),
+                                  float(min_p[r]))
+        assert torch.equal(got[r], want), r
+    # unseeded rows: only tokens with weight are ever drawn
+    seeds = np.full(len(logits), -1)
+    for _ in range(5):
+        drawn = sampling.draw_rows(logits, temperature, top_k, top_p, min_p, seeds, gen)
+        assert all(got[r, t] > 0 for r, t in enumerate(drawn))
