@@ -2,9 +2,9 @@
 
 Measures prefill tokens/s (one 512-token prompt) and the decode step time at batch 1, 8 and
 32 with contexts of 128 and 512 tokens. Pie is measured through a real `pie backend`
-process over ZeroMQ (embed_text + forward + sample per step, as the control layer issues
-them); HF runs in this process with its own KV cache (forward + argmax per step) and its
-default attention implementation (SDPA where torch has it; the one used is recorded). Each
+process over ZeroMQ (one fused `pass` request per step — embed, forward and sampling — as
+the control layer issues it); HF runs in this process with its own KV cache (forward +
+argmax per step) and its default attention implementation (SDPA where torch has it; the one used is recorded). Each
 measurement warms both up untimed, then alternates them round by round (Pie first in even
 rounds, HF first in odd ones) because this machine is noisy; medians, every round's
 samples and the settings (rounds, order, dtype, CPU model and flags, torch version, HF's
