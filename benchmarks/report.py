@@ -75,11 +75,17 @@ def plot(result: Result, path: Path) -> None:
 
     cases = list(dict.fromkeys(row.case for row in result.rows))
     systems = systems_of(result)
-    fig, axes = plt.subplots(1, len(result.metrics), figsize=(max(6, 1.2 * len(cases) * len(result.metrics) + 3), 4),
+    # Up to four panels side by side; more (serving's six) wrap into rows of three, so that
+    # the figure stays readable at page width instead of growing to a strip.
+    columns = len(result.metrics) if len(result.metrics) <= 4 else 3
+    rows = math.ceil(len(result.metrics) / columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(max(6, 1.2 * len(cases) * columns + 3), 4 * rows),
                              squeeze=False)
+    for ax in axes.flat[len(result.metrics):]:
+        ax.set_visible(False)
     width = 0.8 / max(len(systems), 1)
     values = {(row.case, row.system): row.values for row in result.rows}
-    for ax, metric in zip(axes[0], result.metrics):
+    for ax, metric in zip(axes.flat, result.metrics):
         for i, system in enumerate(systems):
             heights = [values.get((case, system), {}).get(metric.name, 0.0) for case in cases]
             ax.bar([c + (i - (len(systems) - 1) / 2) * width for c in range(len(cases))], heights, width, label=system)

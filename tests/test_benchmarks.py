@@ -105,3 +105,51 @@ def test_sigterm_mid_run_stops_every_server(tmp_path):
     assert run.wait(120) == 130 and "interrupted" in run.stderr.read()
     alive = {pid for pid in servers if Path(f"/proc/{pid}").exists()}
     assert not alive, f"left running: {alive}"
+
+
+def test_serving_prompts_and_arrivals_are_fixed():
+    """Every prompt has exactly 128 tokens of the served model's tokenizer, is the same on
+    every run for the same key (every system gets the same prompts in a round) and differs
+    between keys (no engine's prefix cache turns a prefill into a lookup); client start
+    delays are a seeded, increasing spread from t = 0."""
+    from benchmarks.workloads import serving
+
+    tokenizer = serving._tokenizer()
+    prompts = [serving.prompt(f"test/{i}") for i in range(20)]
+    assert all(len(tokenizer.encode(p, add_special_tokens=False).ids) == serving.PROMPT_TOKENS for p in prompts)
+    assert prompts == [serving.prompt(f"test/{i}") for i in range(20)] and len(set(p[:40] for p in prompts)) == 20
+    delays = serving.arrivals(32, "test")
+    assert delays == serving.arrivals(32, "test") != serving.arrivals(32, "other")
+    assert delays[0] == 0 and delays == sorted(delays) and 0 < delays[-1] < 10 * serving.RAMP_S
+    assert serving.percentile([1.0, 2.0, 3.0], 50) == 2.0 and serving.percentile([1.0, 2.0], 99) == 1.99
+
+
+def test_serving_quick_streams_every_token(tmp_path):
+    """The serving workload's quick path against Pie alone: streamed requests from a closed
+    loop of staggered clients, every figure present and positive, every request streamed
+    its 8 tokens (the server's usage, with ignore_eos) after a 128-token prompt, and the raw
+    per-request samples kept beside the figures."""
+    done = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--systems", "pie", "--out", str(tmp_path),
+                           "--workloads", "serving"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    data = json.loads((tmp_path / "serving.json").read_text())
+    settings = data["settings"]
+    assert settings["stream"] and settings["ignore_eos"] and settings["prompt_tokens"] == 128
+    per_client, max_tokens = settings["requests_per_client"], settings["max_tokens"]
+    assert [row["case"] for row in data["rows"]] == [f"concurrency {n}" for n in settings["levels"]]
+    metrics = {m["name"] for m in data["metrics"]}
+    assert metrics == {"ttft_mean_ms", "ttft_p99_ms", "tpot_mean_ms", "tpot_p99_ms", "tokens_per_s", "requests_per_s"}
+    for row, level in zip(data["rows"], settings["levels"]):
+        extra = row["extra"]
+        assert row["system"] == "pie" and set(row["values"]) == metrics
+        assert all(value > 0 for value in row["values"].values()), row["values"]
+        requests = level * per_client[str(level)]
+        assert extra["requests"] == [requests] and len(extra["ttft_ms"][0]) == len(extra["tpot_ms"][0]) == requests
+        assert extra["output_tokens_per_request"] == [max_tokens] and extra["prompt_tokens_per_request"] == [128]
+        # A token may stream no text of its own (an EOS passed over, half a UTF-8 character)
+        assert extra["tokens_from_usage"] == [True] and 0 < extra["chunks_per_request"][0] <= max_tokens
+        assert row["values"]["ttft_p99_ms"] == pytest.approx(max(extra["ttft_ms"][0]), rel=0.05)
+    assert (tmp_path / "serving.png").stat().st_size > 1000
+    text = (tmp_path / "RESULTS.md").read_text()
+    assert f"## {data['title']}" in text and "**ttft_mean_ms**" in text and "| concurrency 2 |" in text
