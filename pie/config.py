@@ -67,6 +67,11 @@ class ControlConfig:
     batch_k: int = 8
     batch_t_ms: float = 10.0
     max_dist_k: int = 256  # cap on k of get-next-dist
+    # Chunked prefill: while some sequence decodes, a batch carries at most this many new
+    # tokens and a longer prompt is prefilled over several batches, so decoders keep going
+    # (docs/architecture.md, "Chunked prefill"). Without decoders a batch fills the
+    # backend's max_batch_tokens.
+    max_step_tokens: int = 128
     # Hosts inferlets may reach with http-get/post (exact host names or IP literals).
     http_allowlist: list[str] = field(default_factory=lambda: ["127.0.0.1", "localhost"])
     http_timeout_s: float = 30.0
@@ -87,6 +92,8 @@ class ControlConfig:
         _check_choice("control.pool_full", self.pool_full, ("wait", "terminate-newest"))
         if self.batch_k < 1 or self.batch_t_ms <= 0 or self.max_dist_k < 1:
             raise ConfigError("control.batch_k, batch_t_ms and max_dist_k must be positive")
+        if self.max_step_tokens < 16:
+            raise ConfigError(f"control.max_step_tokens must be at least 16, got {self.max_step_tokens}")
         if self.alloc_wait_ms < 0:
             raise ConfigError(f"control.alloc_wait_ms must be >= 0, got {self.alloc_wait_ms}")
         if self.http_max_response_bytes < 1 or self.kvs_max_bytes < 1:

@@ -285,3 +285,37 @@ def test_batched_filters_equal_one_row_with_a_full_sort():
     for _ in range(5):
         drawn = sampling.draw_rows(logits, temperature, top_k, top_p, min_p, seeds, gen)
         assert all(got[r, t] > 0 for r, t in enumerate(drawn))
+
+
+@pytest.mark.parametrize("context,cuts", [(0, [5, 16]), (5, [3, 11, 2]), (16, [4])])
+def test_a_pass_split_into_chunks_computes_what_it_computes_whole(engine, context, cuts):
+    """Chunked prefill (`Pass.split`, as the scheduler cuts a long prompt): the chunks run
+    one after another, each in its own batch, and the last gives the same distribution
+    and hidden state as the whole pass, from a partial page, no context or a full page."""
+    if context:
+        prefix = run(engine, item(TOKENS[:context], out=[20], outputs=[]))
+        assert prefix.errors == {}
+    tokens = TOKENS[context:]
+
+    def whole_or_split(out_pages, keep, split):
+        last = len(tokens) - 1
+        kv, last_len = ([20], context) if context else ([], 0)
+        offset = context % PS
+        out = ([20] if 0 < context < PS else []) + list(out_pages)
+        p = item(tokens, pages=kv, last_len=last_len, out=out, offset=offset, start=context,
+                 outputs=[Output(last, dist_k=5, keep=keep)])
+        for k in split:
+            assert 0 < k <= p.chunkable()
+            chunk = p.split(k)
+            assert chunk.parent is p and chunk.outputs == []
+            assert run(engine, chunk).errors == {}
+        reply = run(engine, p)
+        assert reply.errors == {}
+        return ints(reply.dist_ids), floats(reply.dist_probs)
+
+    # the context page (20) is shared: both variants write the same slots of it
+    want = whole_or_split([21, 22], 310, [])
+    got = whole_or_split([23, 24], 311, cuts)
+    assert got[0] == want[0]
+    torch.testing.assert_close(torch.tensor(got[1]), torch.tensor(want[1]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(engine.embeds.vectors[311], engine.embeds.vectors[310], rtol=1e-4, atol=1e-5)

@@ -228,3 +228,87 @@ def test_teardown_waits_for_the_batch_in_flight_before_freeing_pages(fake):
     wait_for(lambda: controller.resources.pages.available == total)
     assert controller.resources.embeds.available == controller.resources.embeds.size
     assert not q.pending and not a.passes or all(p.queue.closed for p in a.passes.values())
+
+
+@pytest.fixture
+def chunking(tmp_path, model_dir):
+    """The fake backend with control.max_step_tokens = 16: a prefill next to a decoder
+    goes 16 tokens per batch."""
+    from pie.config import ControlConfig
+
+    controller, backend = controller_on_fake_backend(
+        PieConfig(control=ControlConfig(max_step_tokens=16)), tmp_path, model_dir)
+    yield controller, backend
+    controller.shutdown()
+    backend.close()
+
+
+def test_a_long_prefill_goes_in_chunks_while_a_run_decodes(chunking):
+    """Chunked prefill: each batch holds the decoder's step and at most 16 prefill tokens;
+    the chunks write the prompt's slots in order, each attending to the ones before; the
+    instance sees one result for its pass."""
+    controller, backend = chunking
+    d, p = controller.session("d", []), controller.session("p", [])
+    qd, qp = d.create_queue("m"), p.create_queue("m")
+    backend.hold.clear()
+    submit(d, qd, [1, 2, 3], run=8, out=d.alloc_kvpage(qd, 1))
+    wait_for(lambda: backend.batches)  # the decoder's first step is in flight
+    pages = p.alloc_kvpage(qp, 4)
+    prompt = list(range(100, 160))  # 60 tokens, one output at the last
+    pid = submit(p, qp, prompt, out=pages, outputs=[sampled(59, dist_k=2)])
+    backend.hold.set()
+    ((got, status, tokens, details, error),) = take_all(p, qp)
+    assert (got, status, tokens, error) == (pid, "done", [7], None) and len(details) == 1
+    assert sum(len(r[2]) for r in take_all(d, qd)) == 8
+    # batch sizes: the decoder's prefill, then its steps each beside a 16-token chunk
+    # (16 = max_step_tokens - 1 rounded up to the minimum chunk), then the last 12 tokens
+    assert [n for _, n in backend.batches][:5] == [1, 2, 2, 2, 2]
+    physical = p.resources.pages.resolve(pages)
+    seen = 0
+    for msg in backend.passes[1:5]:
+        optr = columns(msg, "out_kv_page_ids"), columns(msg, "out_kv_page_indptr")
+        item = next(i for i in range(2) if optr[0][optr[1][i]] in physical)  # the prefill's
+        tptr = columns(msg, "token_indptr")
+        ids = columns(msg, "token_ids")[tptr[item]:tptr[item + 1]]
+        assert ids == prompt[seen:seen + len(ids)]
+        kvptr = columns(msg, "kv_page_indptr")
+        kv = columns(msg, "kv_page_ids")[kvptr[item]:kvptr[item + 1]]
+        lens = columns(msg, "kv_last_page_lens")[item]
+        context = (len(kv) - 1) * PS + lens if kv else 0
+        assert context == seen and kv == physical[:len(kv)]  # everything before it
+        out = optr[0][optr[1][item]:optr[1][item + 1]]
+        assert out[0] == physical[seen // PS] and columns(msg, "out_kv_offsets")[item] == seen % PS
+        outputs = columns(msg, "out_indptr")
+        last = seen + len(ids) == len(prompt)
+        assert outputs[item + 1] - outputs[item] == (1 if last else 0)  # chunks compute nothing
+        if last:
+            assert columns(msg, "out_index")[outputs[item]] == len(ids) - 1
+        seen += len(ids)
+    assert seen == 60
+    d.close()
+    p.close()
+
+
+def test_chunking_spares_passes_it_cannot_cut_and_fails_a_pass_whose_chunk_failed(chunking):
+    """A pass with a custom mask or an output at its first token goes whole; a chunk that
+    fails fails its pass, whose rest never runs, and the decoder beside it goes on."""
+    controller, backend = chunking
+    d, p = controller.session("d", []), controller.session("p", [])
+    qd, qp = d.create_queue("m"), p.create_queue("m")
+    backend.hold.clear()
+    submit(d, qd, [1, 2, 3], run=6, out=d.alloc_kvpage(qd, 1))
+    wait_for(lambda: backend.batches)
+    whole = submit(p, qp, list(range(40)), out=p.alloc_kvpage(qp, 3),
+                   outputs=[Output(index=0, entropy=True), sampled(39)])
+    cut = submit(p, qp, list(range(40)), out=p.alloc_kvpage(qp, 3))
+    backend.pass_errors = {2: {1: "kv page 5 out of range"}}  # the first chunk of `cut`
+    backend.hold.set()
+    results = {r[0]: r for r in take_all(p, qp)}
+    assert results[whole][1] == "done" and results[cut][1] == "failed"
+    assert "kv page 5 out of range" in results[cut][4].message
+    assert sum(len(r[2]) for r in take_all(d, qd)) == 6
+    # `whole` rode one batch with 40 tokens; `cut`'s first 16 tokens failed: no more chunks
+    sizes = [len(columns(m, "token_ids")) for m in backend.passes]
+    assert sizes[:3] == [3, 41, 17] and all(s == 1 for s in sizes[3:])
+    d.close()
+    p.close()

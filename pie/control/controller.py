@@ -46,7 +46,9 @@ class Controller:
         """A new instance's session, charged to `user` (fails over quota.user.instances)."""
         charges = self.quotas.open(user)
         charges.charge("instances")
-        return InstanceSession(self, instance_id, arguments, charges, user)
+        session = InstanceSession(self, instance_id, arguments, charges, user)
+        self.scheduler.arriving(instance_id)
+        return session
 
     def stats(self, user: str | None = None) -> dict:
         """Scheduler and pool statistics, and what users hold: every user's (user None, for

@@ -110,16 +110,22 @@ class Pass:
     run_pages: list[int] = field(default_factory=list)
     filled: int = 0
     last_position: int = 0
+    parent: Pass | None = None  # a chunk (see `split`): its results are not published
+
+    @property
+    def owner(self) -> Pass:
+        """The pass the guest knows: a chunk's parent, or this pass."""
+        return self.parent or self
 
     def __post_init__(self) -> None:
         self._derive()
 
-    def _derive(self) -> None:
+    def _derive(self, enqueued: float | None = None) -> None:
         self.tokens = len(self.embeds) + len(self.token_ids)
         keep = [o.keep for o in self.outputs if o.keep >= 0]
         self.reads = frozenset([("p", p) for p in self.kv_pages] + [("e", e) for e in self.embeds])
         self.writes = frozenset([("p", p) for p in self.out_pages] + [("e", e) for e in keep])
-        self.enqueued = time.monotonic()
+        self.enqueued = time.monotonic() if enqueued is None else enqueued
 
     # --- checks at the call ---------------------------------------------------------------
 
@@ -198,6 +204,49 @@ class Pass:
         self.filled = self.context_slots()
         self.last_position = max(self.positions) if self.positions else 0
         self.steps_left = steps
+
+    # --- chunked prefill ------------------------------------------------------------------
+
+    def chunkable(self) -> int:
+        """How many leading new tokens may go ahead as a chunk (0: none): those before the
+        first output, when the output slots continue the context (the partial last input
+        page first from its length, or offset 0 after a full page or no context, every
+        further page fresh) and there is no custom mask — the layout `fill` and `run` use."""
+        first_output = min((o.index for o in self.outputs), default=self.tokens)
+        if self.mask is not None or first_output == 0 or not self.out_pages:
+            return 0
+        partial = bool(self.kv_pages) and self.last_len < self.page_size
+        if partial and (self.out_pages[0] != self.kv_pages[-1] or self.out_offset != self.last_len):
+            return 0
+        fresh = self.out_pages[1:] if partial else self.out_pages
+        if (not partial and self.out_offset != 0) or set(fresh) & set(self.kv_pages):
+            return 0
+        return min(first_output, self.tokens - 1)
+
+    def split(self, n: int) -> Pass:
+        """Cut off the first `n` new tokens (n <= `chunkable()`) as a chunk that runs now,
+        writing their keys/values and computing nothing else; this pass keeps the rest,
+        its context extended by the chunk. Results, errors and cancellation stay this
+        pass's: the chunk only names it as its `parent`."""
+        ps = self.page_size
+        embeds, tokens = self.embeds[:n], self.token_ids[:max(0, n - len(self.embeds))]
+        chunk = Pass(self.queue, self.pass_id, ps, tokens, self.positions[:len(tokens)], embeds,
+                     self.kv_pages, self.last_len, self.out_pages, self.out_offset, None, [],
+                     parent=self)
+        context = self.context_slots()
+        partial = bool(self.kv_pages) and self.last_len < ps
+        pages = self.kv_pages + (self.out_pages[1:] if partial else self.out_pages)
+        filled = context + n
+        n_pages = math.ceil(filled / ps)
+        self.kv_pages, self.last_len = pages[:n_pages], filled - (n_pages - 1) * ps
+        self.out_pages, self.out_offset = pages[filled // ps:], filled % ps
+        self.embeds = self.embeds[len(embeds):]
+        self.token_ids, self.positions = self.token_ids[len(tokens):], self.positions[len(tokens):]
+        for o in self.outputs:
+            o.index -= n
+        self.filled += n  # a run counts the chunk as context of its first step
+        self._derive(self.enqueued)
+        return chunk
 
     # --- a run's next step ----------------------------------------------------------------
 
@@ -369,9 +418,11 @@ def settle(batch: list[Pass], reply: P.PassesReply) -> list[Pass]:
         lp += sum(len(o.logprob_ids) for o in p.outputs)
         results = p.queue.results
         if item in reply.errors:
-            results.publish(p, Status.FAILED, error=HostError(
+            results.publish(p.owner, Status.FAILED, error=HostError(
                 ErrorKind.INFERENCE_FAILED, f"pass {p.pass_id}: {reply.errors[item]}"))
             continue
+        if p.parent is not None:
+            continue  # a chunk: its parent reports when it ends
         drawn, details, at = [], [], lp_start
         for r, o in zip(rows, p.outputs):
             n_lp = len(o.logprob_ids)
@@ -402,4 +453,4 @@ def settle(batch: list[Pass], reply: P.PassesReply) -> list[Pass]:
 def fail(batch: list[Pass], error: HostError) -> None:
     """Passes that will not run (whole request refused, backend gone, instance ended)."""
     for p in batch:
-        p.queue.results.publish(p, Status.FAILED, error=error)
+        p.queue.results.publish(p.owner, Status.FAILED, error=error)

@@ -35,6 +35,8 @@ from pie.control.policies import HEAVY, ReadyView, policy_for
 log = logging.getLogger("pie.control")
 
 MARKER = "marker"
+DECODE_TOKENS = 16  # a pass of at most this many new tokens decodes (one token, or a draft)
+MIN_CHUNK_TOKENS = 16  # no prefill chunk smaller than this (each costs a batch's fixed work)
 
 
 @dataclass(eq=False)
@@ -105,6 +107,9 @@ class Scheduler:
         self.sent_at: dict[int, float] = {}
         self.last_forward_s = 0.05  # duration of the latest forward batch (seed: a guess)
         self.recent_forwards: dict[int, float] = {}  # id(queue) -> when its last forward left
+        # instance id -> when it was launched, until it submits its first model call: a wave
+        # of launches counts as stragglers, so their prefills share one batch (see _view)
+        self.arrivals: dict[str, float] = {}
         self.backend_idle = True
         # (request ids still in flight, callback): teardown waiting for batches to settle
         self.settle_callbacks: list[tuple[set[int], Callable[[], Any]]] = []
@@ -120,6 +125,11 @@ class Scheduler:
 
     # --- called from instance threads -----------------------------------------------------
 
+    def arriving(self, instance_id: str) -> None:
+        """An instance was launched: expect its first model call soon."""
+        with self.lock:
+            self.arrivals[instance_id] = time.monotonic()
+
     def create_queue(self, instance_id: str) -> CommandQueue:
         queue = CommandQueue(instance_id)
         with self.lock:
@@ -134,6 +144,8 @@ class Scheduler:
             if command.queue.closed:
                 raise HostError(ErrorKind.INVALID_HANDLE, "the queue is closed")
             command.queue.pending.append(command)
+            if command.kind in HEAVY and self.arrivals:
+                self.arrivals.pop(command.queue.instance_id, None)
         os.write(self.wake_write, b"x")
         return command.future
 
@@ -142,6 +154,7 @@ class Scheduler:
         with self.lock:
             mine = [q for q in self.queues if q.instance_id == instance_id]
             self.queues = [q for q in self.queues if q.instance_id != instance_id]
+            self.arrivals.pop(instance_id, None)
             for queue in mine:
                 self.recent_forwards.pop(id(queue), None)
         for queue in mine:
@@ -288,35 +301,61 @@ class Scheduler:
             count[command.kind] += 1
             oldest[command.kind] = min(oldest.get(command.kind, command.enqueued), command.enqueued)
             ready.setdefault(command.kind, set()).add(id(command.queue))
-        recent = {q for q, t in self.recent_forwards.items() if now - t < 3 * self.last_forward_s}
+        window = 3 * self.last_forward_s
+        recent = {q for q, t in self.recent_forwards.items() if now - t < window}
         if recent:
             recent &= {id(q) for q in self.queues if not q.closed}
-        stragglers = frozenset(k for k in HEAVY if k in ready and recent - ready[k])
+        # Instances launched within the window that have not submitted a model call yet: in
+        # a wave of 32 launches the first prefill went alone (186 ms) and the other 31
+        # waited for it; gathered, they ride one batch as the direct driver's do.
+        if self.arrivals:
+            self.arrivals = {i: t for i, t in self.arrivals.items() if now - t < window}
+        stragglers = frozenset(k for k in HEAVY if k in ready
+                               and (self.arrivals or recent - ready[k]))
         return ReadyView(dict(count), oldest, self.backend_idle, self.last_forward_s, now, stragglers)
 
     def _form_batch(self, kind: str, single: bool = False) -> list[Command]:
-        """The waiting commands of `kind` to send together (just the oldest one if `single`)."""
+        """The waiting commands of `kind` to send together (just the oldest one if `single`).
+
+        Chunked prefill: while a decoding pass (at most DECODE_TOKENS new tokens) waits, a
+        batch carries at most `control.max_step_tokens` new tokens, decoders first; a longer
+        pass sends its leading tokens as a chunk (`Pass.split`) and keeps the rest at the
+        head of its queue, so a long prompt no longer stalls every decoder for its whole
+        prefill. Otherwise a batch fills the backend's max_batch_tokens.
+        """
         busy = self._busy_queues()
-        queues = sorted((q for q in self.queues if q.pending and id(q) not in busy
-                         and q.pending[0].kind == kind),
-                        key=lambda q: (-q.priority, q.pending[0].enqueued))
+        queues = [q for q in self.queues if q.pending and id(q) not in busy
+                  and q.pending[0].kind == kind]
+        chunking = kind == P.Kind.PASS and not single and any(
+            q.pending[0].tokens <= DECODE_TOKENS for q in queues)
+        queues.sort(key=lambda q: (-q.priority, chunking and q.pending[0].tokens > DECODE_TOKENS,
+                                   q.pending[0].enqueued))
         batch: list[Command] = []
-        budget = self.max_batch_tokens
+        used, chunked = 0, False
         for queue in queues:
             taken: list[Command] = []
             for command in queue.pending:  # vertical batching within the queue
                 if command.kind != kind or conflicts(command, taken):
                     break
-                if command.tokens > budget and (batch or taken):
+                if chunking:  # every step moves a prefill on by at least MIN_CHUNK_TOKENS
+                    room = self.config.max_step_tokens - used
+                    room = room if chunked else max(room, MIN_CHUNK_TOKENS)
+                    cut = command.chunkable() if command.tokens > room else 0  # type: ignore[attr-defined]
+                    if cut >= MIN_CHUNK_TOKENS:  # the rest stays at the head of its queue
+                        if not taken and room >= MIN_CHUNK_TOKENS:
+                            batch.append(command.split(min(room, cut)))  # type: ignore[attr-defined]
+                            used, chunked = used + min(room, cut), True
+                        break
+                if used + command.tokens > self.max_batch_tokens and (batch or taken):
                     break
                 taken.append(command)
-                budget -= command.tokens
+                used += command.tokens
                 if single:
                     break
             for _ in taken:
                 queue.pending.popleft()
             batch += taken
-            if budget <= 0 or (single and batch):
+            if used >= self.max_batch_tokens or (single and batch):
                 break
         return batch
 
@@ -345,7 +384,18 @@ class Scheduler:
             self._continue(settle(batch, reply))  # type: ignore[arg-type]
         else:
             resolve_batch(batch, reply)
+        self._drop_failed_parents(batch)
         self._settled(request_id)
+
+    def _drop_failed_parents(self, batch: list[Command]) -> None:
+        """A failed prefill chunk fails its pass: the rest of it, waiting at the head of
+        its queue, never runs."""
+        parents = [c.parent for c in batch if getattr(c, "parent", None) is not None]
+        if parents:
+            with self.lock:
+                for p in parents:
+                    if p.status is Status.FAILED and p in p.queue.pending:
+                        p.queue.pending.remove(p)
 
     def _continue(self, runs: list[Pass]) -> None:
         """Runs that go on: their next step heads their queue, so it leaves in the next batch."""
