@@ -38,7 +38,7 @@ from pie.backend.weights import DEFAULT_MODEL_NAME
 
 HERE = Path(__file__).resolve().parent
 # Batching last: it restarts Pie with other policies, and nothing after it needs the default back.
-WORKLOADS = ("completion", "serving", "agents", "optimized_agent", "techniques", "models", "batching")
+WORKLOADS = ("completion", "serving", "interference", "agents", "optimized_agent", "techniques", "models", "batching")
 # Pie's own scripts (benchmarks/<name>.py), run before any system starts: each brings up its
 # own server, and a baseline idling beside it would skew its figures.
 SCRIPTS = tuple(script_tables.SCRIPTS)

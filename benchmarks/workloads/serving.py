@@ -34,6 +34,7 @@ import random
 import re
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -62,6 +63,7 @@ class Stream:
     chunks: int  # streamed chunks that carried text
     prompt_tokens: int  # the server's usage (0 where it reports none)
     usage: bool  # whether `tokens` came from the server's usage
+    times: list[float]  # when each text chunk arrived (perf_counter seconds)
 
 
 @lru_cache(maxsize=1)
@@ -119,14 +121,15 @@ def _body(endpoint: Endpoint, text: str, max_tokens: int) -> dict[str, Any]:
     return body
 
 
-async def stream(endpoint: Endpoint, text: str, max_tokens: int) -> Stream:
+async def stream(endpoint: Endpoint, text: str, max_tokens: int,
+                 on_first: Callable[[], None] | None = None) -> Stream:
     """One streamed `POST /v1/completions`, read to `[DONE]`; raises on an HTTP or stream error.
 
     Server-sent events are read line by line as they arrive (httpx does not buffer a
     streamed body), so a chunk's time is when the client could have shown it."""
     start = time.perf_counter()
     first = last = None
-    chunks, usage = 0, None
+    chunks, usage, times = 0, None, []
     async with endpoint.http.stream("POST", f"{endpoint.base_url}/v1/completions",
                                     json=_body(endpoint, text, max_tokens), headers=endpoint._headers()) as response:
         if response.status_code != 200:
@@ -142,8 +145,12 @@ async def stream(endpoint: Endpoint, text: str, max_tokens: int) -> Stream:
                 raise RuntimeError(f"{endpoint.engine}: error in the stream: {data['error']}")
             now = time.perf_counter()
             if any(choice.get("text") for choice in data.get("choices") or []):
-                first = now if first is None else first
+                if first is None:
+                    first = now
+                    if on_first is not None:
+                        on_first()
                 last, chunks = now, chunks + 1
+                times.append(now)
             if data.get("usage"):  # vLLM, Pie: a last chunk of its own; llama.cpp: on the final chunk
                 usage = data["usage"]
     seconds = time.perf_counter() - start
@@ -151,7 +158,7 @@ async def stream(endpoint: Endpoint, text: str, max_tokens: int) -> Stream:
         raise RuntimeError(f"{endpoint.engine}: the stream carried no text")
     tokens = int(usage["completion_tokens"]) if usage else chunks
     return Stream(first - start, (last - first) / (tokens - 1) if tokens > 1 else None, seconds, tokens, chunks,
-                  int((usage or {}).get("prompt_tokens", 0)), usage is not None)
+                  int((usage or {}).get("prompt_tokens", 0)), usage is not None, times)
 
 
 async def closed_loop(endpoint: Endpoint, clients: int, per_client: int, max_tokens: int,
@@ -177,6 +184,39 @@ async def closed_loop(endpoint: Endpoint, clients: int, per_client: int, max_tok
     start = time.perf_counter()
     done = await asyncio.gather(*(client(c, d) for c, d in enumerate(arrivals(clients, key, ramp_s))))
     return [s for streams in done for s in streams], time.perf_counter() - start
+
+
+async def interference(endpoint: Endpoint, key: str, decoders: int, tokens: int,
+                       long_tokens: int) -> dict[str, float]:
+    """`decoders` streams decode `tokens` tokens each; as soon as every one has its first
+    token, one request with a `long_tokens`-token prompt arrives (one output token). Its
+    prefill competes with their decode steps: an engine that runs it whole stalls every
+    decoder for its length, one that chunks it spreads it over several steps. Figures:
+    the decoders' gaps between streamed tokens (median, p99, their ratio; the issue's bound
+    is p99 <= 3x median) and the long request's time to first token."""
+    everyone = asyncio.Event()
+    firsts = 0
+
+    def first() -> None:
+        nonlocal firsts
+        firsts += 1
+        if firsts == decoders:
+            everyone.set()
+
+    tasks = [asyncio.create_task(stream(endpoint, prompt(f"{key}/decoder {i}"), tokens, first))
+             for i in range(decoders)]
+    waiter = asyncio.create_task(everyone.wait())
+    await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    for task in tasks:
+        if task.done() and task.exception():
+            raise task.exception()  # type: ignore[misc]
+    long = await stream(endpoint, prompt(f"{key}/long", long_tokens), 1)
+    streams = await asyncio.gather(*tasks)
+    gaps = [1000 * (b - a) for s in streams for a, b in zip(s.times, s.times[1:])]
+    median = statistics.median(gaps)
+    return {"gap_median_ms": median, "gap_p99_ms": percentile(gaps, 99),
+            "gap_p99_over_median": percentile(gaps, 99) / median, "long_ttft_ms": 1000 * long.ttft}
 
 
 def percentile(values: list[float], q: float) -> float:
