@@ -49,10 +49,12 @@ def random_plan(generator: torch.Generator, pages: int, page_size: int,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads, kv_heads, page_size", [(9, 3, 16), (4, 4, 8), (8, 1, 5)])
-def test_kernel_matches_reference(dtype, heads, kv_heads, page_size):
+@pytest.mark.parametrize("heads, kv_heads, page_size, dim", [
+    (9, 3, 16, 64), (4, 4, 8, 64), (8, 1, 5, 64),  # SmolLM2's group and head size; scalar pages
+    (16, 2, 16, 128), (12, 2, 32, 64), (5, 1, 16, 96)])  # 8 heads a group (two blocks of 4), odd sizes
+def test_kernel_matches_reference(dtype, heads, kv_heads, page_size, dim):
     g = torch.Generator().manual_seed(heads * 10 + kv_heads)
-    pages, dim = 200, 64
+    pages = 200
     kv = random_pool(g, pages, page_size, kv_heads, dim, dtype)
     # Decode items, short multi-token items (drafts), custom masks, and one prefill-sized
     # item that the kernel hands to SDPA.
