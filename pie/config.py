@@ -70,8 +70,10 @@ class ControlConfig:
     # Chunked prefill: while some sequence decodes, a batch carries at most this many new
     # tokens and a longer prompt is prefilled over several batches, so decoders keep going
     # (docs/architecture.md, "Chunked prefill"). Without decoders a batch fills the
-    # backend's max_batch_tokens.
-    max_step_tokens: int = 128
+    # backend's max_batch_tokens. 64 keeps 16 decoders' p99 gap under 3x their median while
+    # a 2,000-token prompt prefills (128: 4.8x) at +48% on that prompt's time to first
+    # token (benchmarks/results/interference.json).
+    max_step_tokens: int = 64
     # Hosts inferlets may reach with http-get/post (exact host names or IP literals).
     http_allowlist: list[str] = field(default_factory=lambda: ["127.0.0.1", "localhost"])
     http_timeout_s: float = 30.0
