@@ -29,7 +29,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="TOML file overriding configs/default.toml")
     parser.add_argument("--model", metavar="PATH",
                         help="local HF Llama directory (default: the pulled SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"], help="override backend.dtype")
+    parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], help="override backend.dtype")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 

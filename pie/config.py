@@ -37,7 +37,7 @@ class ModelConfig:
 @dataclass
 class BackendConfig:
     device: str = "cpu"
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # bf16 where the CPU has bf16 arithmetic, else fp32 (pie/backend/dtype.py)
     attention: str = "auto"
     page_size: int = 16
     num_kv_pages: int = 2048
@@ -47,7 +47,7 @@ class BackendConfig:
 
     def __post_init__(self) -> None:
         _check_choice("backend.device", self.device, ("cpu", "cuda"))
-        _check_choice("backend.dtype", self.dtype, ("bfloat16", "float32"))
+        _check_choice("backend.dtype", self.dtype, ("auto", "bfloat16", "float32"))
         _check_choice(
             "backend.attention", self.attention, ("auto", "torch", "cpu-kernel", "flashinfer")
         )

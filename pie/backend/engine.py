@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +25,7 @@ from pie.backend.attention import (
     PagedAttention,
     TorchPagedAttention,
 )
+from pie.backend.dtype import resolve_dtype
 from pie.backend.kv_cache import EmbedPool, KvCache
 from pie.backend.llama import Llama
 from pie.backend.passes import run_passes
@@ -103,7 +104,8 @@ class Engine:
     """Model weights, physical pools, and one method per batched handler."""
 
     def __init__(self, model_dir: Path, config: BackendConfig):
-        self.config = config
+        # "auto" resolved once: the handshake reports the dtype in use
+        self.config = config = replace(config, dtype=resolve_dtype(config.dtype, config.device))
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
         self.model_dir = model_dir

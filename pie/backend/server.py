@@ -80,6 +80,6 @@ def run_backend(model_dir: Path, config: BackendConfig, endpoint: str) -> None:
     signal.signal(signal.SIGINT, server.stop)
     log.info(
         "backend ready on %s (%s, %s, %s; loaded in %.1f s)",
-        endpoint, model_dir.name, config.dtype, config.device, time.monotonic() - started,
+        endpoint, model_dir.name, engine.config.dtype, config.device, time.monotonic() - started,
     )
     server.serve_forever()
