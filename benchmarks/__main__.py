@@ -34,6 +34,7 @@ from rich.console import Console
 from benchmarks import report, script_tables
 from benchmarks.systems import Pie, System, all_systems
 from benchmarks.workloads import Bench, Result
+from pie.backend.dtype import resolve_dtype
 from pie.backend.weights import DEFAULT_MODEL_NAME
 
 HERE = Path(__file__).resolve().parent
@@ -72,13 +73,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, one round")
     parser.add_argument("--rounds", type=int, help="alternating rounds per comparison measurement (default 3; quick 1; "
                         "each script keeps its own, at least 3)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                        help="the dtype every system computes in (default bfloat16)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                        help="the dtype every system computes in (default auto: Pie's choice for this CPU, pie/backend/dtype.py)")
     parser.add_argument("--out", type=Path, help="results folder (default benchmarks/results; "
                         "quick: benchmarks/results/quick)")
     parser.add_argument("--second-model", type=Path, help="a larger local HF Llama directory for Table 4")
     parser.add_argument("--list", action="store_true", help="say which systems can run here and exit")
     args = parser.parse_args(argv)
+    args.dtype = resolve_dtype(args.dtype, "cpu")  # one concrete dtype for every system
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     known = all_systems()

@@ -10,7 +10,7 @@ rounds, HF first in odd ones) because this machine is noisy; medians, every roun
 samples and the settings (rounds, order, dtype, CPU model and flags, torch version, HF's
 attention implementation) go to benchmarks/results/backend.json (`--out` elsewhere).
 
-    python benchmarks/backend.py [--dtype bfloat16] [--rounds 5] [--steps 8] [--quick] [--out FILE]
+    python benchmarks/backend.py [--dtype auto] [--rounds 5] [--steps 8] [--quick] [--out FILE]
 
 `--quick` (batch 1 and 2 at context 32, a 64-token prefill, 2 rounds of 2 steps) is the
 smoke run tests/test_bench_scripts.py makes; it writes every field the full run does.
@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))  # run as a script: the `benchmarks` package is in
 
 from benchmarks.run_info import command_line, machine_settings, rotated
 from pie import protocol as P
+from pie.backend.dtype import resolve_dtype
 from pie.backend.weights import resolve_model_dir
 from pie.config import load_config
 from pie.control.backend_link import BackendLink, BackendProcess
@@ -99,12 +100,14 @@ def timed(fn, *args) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                        help="default auto: Pie's choice for this CPU (pie/backend/dtype.py)")
     parser.add_argument("--rounds", type=int, default=None, help=f"alternating rounds per config (default {ROUNDS}; quick {QUICK_ROUNDS})")
     parser.add_argument("--steps", type=int, default=None, help="decode steps timed per round (default 8; quick 2)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run")
     parser.add_argument("--out", default=str(RESULTS / "backend.json"), help="where the JSON goes")
     args = parser.parse_args()
+    args.dtype = resolve_dtype(args.dtype, "cpu")  # one concrete dtype for every side
     rounds = args.rounds or (QUICK_ROUNDS if args.quick else ROUNDS)
     steps = args.steps or (2 if args.quick else 8)
     prefill_tokens = 64 if args.quick else 512

@@ -27,7 +27,7 @@ The runtime and control layer run in this process against a real `pie backend` p
 Results: benchmarks/results/overhead.json (`--out` elsewhere), with the settings: rounds,
 the order of each round, dtype, CPU model and flags, torch version.
 
-    python benchmarks/overhead.py [--rounds 3] [--dtype bfloat16] [--quick] [--out FILE]
+    python benchmarks/overhead.py [--rounds 3] [--dtype auto] [--quick] [--out FILE]
 
 `--quick` (a few tokens, batch 1 and 2, 1 and 4 launches, 4 x 8 tokens for the CPU
 figure, 2 rounds) is the smoke run tests/test_bench_scripts.py makes; it writes every
@@ -51,6 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: the `benchmarks` package is in the repository root
 
 from benchmarks.run_info import command_line, machine_settings, rotated
+from pie.backend.dtype import resolve_dtype
 from pie.backend.weights import resolve_model_dir
 from pie.config import load_config
 from pie.control.backend_link import BackendProcess
@@ -308,9 +309,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes and 2 rounds, for a smoke run")
     parser.add_argument("--rounds", type=int, default=None, help=f"rounds per measurement (default {ROUNDS}; quick {QUICK_ROUNDS})")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                        help="default auto: Pie's choice for this CPU (pie/backend/dtype.py)")
     parser.add_argument("--out", default=str(RESULTS / "overhead.json"), help="where the JSON goes")
     args = parser.parse_args()
+    args.dtype = resolve_dtype(args.dtype, "cpu")  # one concrete dtype for every side
     rounds = args.rounds or (QUICK_ROUNDS if args.quick else ROUNDS)
 
     config = load_config()
