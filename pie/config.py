@@ -44,6 +44,8 @@ class BackendConfig:
     num_embeds: int = 32768
     max_batch_tokens: int = 4096
     threads: int = 0
+    # Replay decode steps from captured CUDA graphs (pie/backend/cuda_graphs.py; unverified).
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("backend.device", self.device, ("cpu", "cuda"))
@@ -56,6 +58,11 @@ class BackendConfig:
                 raise ConfigError(f"backend.{key} must be positive, got {getattr(self, key)}")
         if self.threads < 0:
             raise ConfigError(f"backend.threads must be >= 0, got {self.threads}")
+        if self.cuda_graphs and (self.device != "cuda" or self.attention != "flashinfer"):
+            raise ConfigError(
+                "backend.cuda_graphs = true needs backend.device = \"cuda\" and backend.attention "
+                f"= \"flashinfer\" (the graphs capture FlashInfer's decode kernel); got device "
+                f"{self.device!r}, attention {self.attention!r}")
 
 
 @dataclass

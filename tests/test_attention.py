@@ -88,7 +88,7 @@ def test_kernel_kv_write_equals_index_assignment(dtype, page_size):
     generator = torch.Generator().manual_seed(3)
     kernel_side = KvCache(1, 12, page_size, 0, 3, 64, dtype, torch.device("cpu"))
     torch_side = KvCache(1, 12, page_size, 0, 3, 64, dtype, torch.device("cpu"))
-    torch_side.kernel = None  # the reference path (CUDA takes it)
+    torch_side.kernel = None  # index assignment, the path without the kernel
     slots = torch.randperm(12 * page_size, generator=generator)[:37]
     k, v = torch.randn(37, 3, 64, generator=generator), torch.randn(37, 3, 64, generator=generator)
     for kv in (kernel_side, torch_side):

@@ -31,6 +31,18 @@ class AttentionPlan:
     def num_items(self) -> int:
         return len(self.q_indptr) - 1
 
+    @property
+    def has_masks(self) -> bool:
+        """Whether some key is hidden (a page mask bit) or some item has a custom mask."""
+        return any(m is not None for m in self.custom_masks) or not bool(self.kv_visible.all())
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token per item and no masks: a step FlashInfer's decode kernel can run,
+        and the shape a captured CUDA graph replays (pie/backend/cuda_graphs.py)."""
+        return all(self.q_indptr[b + 1] - self.q_indptr[b] == 1 for b in range(self.num_items)) \
+            and not self.has_masks
+
     def item_mask(self, b: int) -> torch.Tensor:
         """Dense bool [n_new, n_keys] visibility of item b (reference path and tests)."""
         n_new = self.q_indptr[b + 1] - self.q_indptr[b]

@@ -119,6 +119,11 @@ class Engine:
         )
         self.embeds = EmbedPool(config.num_embeds, cfg.hidden_size, self.dtype, self.device)
         self.attention: PagedAttention = self._attention_backend()
+        self.graphs = None  # decode steps replayed from CUDA graphs (backend.cuda_graphs)
+        if config.cuda_graphs:
+            from pie.backend.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.model, self.kv, config.max_batch_tokens)
         self.rng = torch.Generator(device="cpu")
         self.rng.seed()
         self.counters: Counter[str] = Counter()
@@ -129,7 +134,8 @@ class Engine:
         if choice == "flashinfer":
             from pie.backend.flashinfer_attention import FlashInferAttention
 
-            return FlashInferAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.device)
+            return FlashInferAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.dtype,
+                                       self.device)
         if choice == "cpu-kernel" or (choice == "auto" and self.device.type == "cpu"):
             return CpuKernelAttention()
         return TorchPagedAttention()
@@ -348,6 +354,10 @@ class Engine:
             kv_visible=torch.cat(kv_visible),
             custom_masks=[item.mask for item in items],
         )
+        if self.graphs is not None:
+            hidden = self.graphs.forward(x, positions, write_slots, plan, out_rows)
+            if hidden is not None:
+                return hidden
         return self.model.forward(x, positions, write_slots, plan, self.attention, self.kv, out_rows)
 
     # --- next_dist / sample ------------------------------------------------------------

@@ -1,10 +1,25 @@
 """Paged attention on CUDA through FlashInfer — UNVERIFIED: it has never run on a GPU.
 
 Kept behind `backend.attention = "flashinfer"` and an optional import until a GPU machine
-runs the test suite with it. Each item's keys/values are gathered into a ragged buffer and
-attended with FlashInfer's ragged prefill kernel; page mask bits and custom masks become
-FlashInfer's flattened custom mask, otherwise its (bottom-right aligned) causal mode is used,
-which matches the plan's causal rule.
+runs tests/test_cuda.py (which holds it to TorchPagedAttention). Written against FlashInfer
+0.6.18's wrappers (python/flashinfer/decode.py, prefill.py), read, not run.
+
+The KV cache is then in its "nhd" layout (pie/backend/kv_cache.py), which FlashInfer's
+paged kernels read in place. Per forward, one plan for every layer, one of three paths:
+
+* decode — every item runs one new token and nothing is masked:
+  `BatchDecodeWithPagedKVCacheWrapper`;
+* prefill — anything else whose keys form a page table (`PagedIndex`):
+  `BatchPrefillWithPagedKVCacheWrapper`, causal (bottom-right aligned, which is the plan's
+  rule: key j is visible to new token i iff j <= n_context + i) or, where a page mask bit
+  hides a key or an item has a custom mask, with the plan's dense masks flattened;
+* ragged — keys that are not whole pages plus one partial page (new tokens on scratch
+  slots, or a partial context page followed by new tokens on another page): each item's
+  keys/values are gathered into a ragged buffer for `BatchPrefillWithRaggedKVCacheWrapper`,
+  masks as above. Correct, but it copies the keys every layer.
+
+FlashInfer's kernels take fp16/bf16 (and fp8 KV), not fp32: with backend.dtype = float32
+use attention = "torch".
 """
 
 from __future__ import annotations
@@ -13,10 +28,14 @@ import torch
 
 from pie.backend.attention import AttentionPlan
 from pie.backend.kv_cache import KvCache
+from pie.backend.paged_index import PagedIndex
+
+WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's recommended float workspace
 
 
 class FlashInferAttention:
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device):
         try:
             import flashinfer
         except ImportError as e:
@@ -26,27 +45,57 @@ class FlashInferAttention:
             ) from e
         if device.type != "cuda":
             raise RuntimeError("FlashInfer attention runs on CUDA only; use attention = 'torch'")
-        workspace = torch.zeros(128 * 1024 * 1024, dtype=torch.uint8, device=device)
-        self.wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD")
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise RuntimeError(f"FlashInfer's kernels take fp16/bf16, not {dtype}; set "
+                               "backend.dtype = 'bfloat16' or use attention = 'torch'")
+        workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        # One workspace for the three: a forward uses exactly one of them.
+        self.wrappers = {
+            "decode": flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD"),
+            "prefill": flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD"),
+            "ragged": flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD"),
+        }
         self.heads, self.kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.dtype = dtype
         self.planned_for: AttentionPlan | None = None
+        self.path = ""
 
-    def _plan(self, plan: AttentionPlan, dtype: torch.dtype) -> None:
-        device = plan.kv_slots.device
-        needs_mask = any(m is not None for m in plan.custom_masks) or not bool(plan.kv_visible.all())
-        custom = None
-        if needs_mask:
-            custom = torch.cat([plan.item_mask(b).flatten() for b in range(plan.num_items)]).to(device)
-        self.wrapper.plan(
-            torch.tensor(plan.q_indptr, dtype=torch.int32, device=device),
-            torch.tensor(plan.kv_indptr, dtype=torch.int32, device=device),
-            self.heads, self.kv_heads, self.head_dim,
-            custom_mask=custom, causal=not needs_mask, q_data_type=dtype, kv_data_type=dtype,
-        )
-        self.planned_for = plan
+    @staticmethod
+    def choose(plan: AttentionPlan, page_size: int) -> tuple[str, PagedIndex | None]:
+        """The path for `plan` (module docstring) and its page table (None for ragged)."""
+        index = PagedIndex.from_plan(plan, page_size)
+        if index is None:
+            return "ragged", None
+        return ("decode" if plan.is_decode else "prefill"), index
+
+    def _plan(self, plan: AttentionPlan, page_size: int) -> None:
+        self.path, index = self.choose(plan, page_size)
+        wrapper = self.wrappers[self.path]
+        shape = (self.heads, self.kv_heads, self.head_dim)
+        types = dict(q_data_type=self.dtype, kv_data_type=self.dtype)
+        if self.path == "decode":
+            wrapper.plan(index.indptr, index.indices, index.last_page_len, *shape, page_size,
+                         **types)
+            return
+        masks = None
+        if plan.has_masks:
+            masks = torch.cat([plan.item_mask(b).flatten() for b in range(plan.num_items)])
+            masks = masks.to(plan.kv_slots.device)
+        q_indptr = torch.tensor(plan.q_indptr, dtype=torch.int32)
+        if self.path == "prefill":
+            wrapper.plan(q_indptr, index.indptr, index.indices, index.last_page_len, *shape,
+                         page_size, custom_mask=masks, causal=masks is None, **types)
+        else:
+            wrapper.plan(q_indptr, torch.tensor(plan.kv_indptr, dtype=torch.int32), *shape,
+                         custom_mask=masks, causal=masks is None, **types)
 
     def run(self, q: torch.Tensor, kv: KvCache, layer: int, plan: AttentionPlan) -> torch.Tensor:
         if self.planned_for is not plan:  # plan once per forward, reuse for every layer
-            self._plan(plan, q.dtype)
-        keys, values = kv.gather(layer, plan.kv_slots)
-        return self.wrapper.run(q, keys, values)
+            self._plan(plan, kv.page_size)
+            self.planned_for = plan
+        wrapper = self.wrappers[self.path]
+        q = q.contiguous()  # a view into the fused qkv projection's output
+        if self.path == "ragged":
+            keys, values = kv.gather(layer, plan.kv_slots)
+            return wrapper.run(q, keys, values)
+        return wrapper.run(q, (kv.keys[layer], kv.values[layer]))
