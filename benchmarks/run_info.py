@@ -15,8 +15,9 @@ from pathlib import Path
 from pie.client import http_url
 
 # The /proc/cpuinfo flags that decide which kernels torch (oneDNN) runs: bf16 matmuls are
-# emulated without avx512_bf16 or AMX, so a figure means little without them.
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+# emulated without avx512_bf16 or AMX, int8 ones (weight_dtype = int8) want avx512_vnni or AMX,
+# so a figure means little without them.
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
 
 
 def machine_settings() -> dict:

@@ -1,5 +1,5 @@
-"""RESULTS.md sections for Pie's own benchmark scripts (backend, overhead, frontends, soak,
-drain): each writes its JSON in its own shape, so each gets a small table here.
+"""RESULTS.md sections for Pie's own benchmark scripts (backend, quantization, overhead,
+frontends, soak, drain): each writes its JSON in its own shape, so each gets a small table here.
 
 Why a table per script rather than one generic dump: those files carry every sample; the
 reader of RESULTS.md needs the medians and the ratio that each script exists to measure
@@ -110,8 +110,31 @@ def drain(data: Json) -> list[str]:
     return lines
 
 
+def quantization(data: Json) -> list[str]:
+    meta, quality, speed = data["meta"], data["quality"], data["speed"]
+    lines = [f"`backend.weight_dtype = \"int8\"` (int8 weights, per-token int8 activations) beside the model's "
+             f"weights in {_dtype(data)} (base) and fp32; {meta['prompts']} greedy continuations of "
+             f"{meta['new_tokens']} tokens compared token for token.", "",
+             "| system | perplexity | identical to fp32 | mean shared prefix vs fp32 | identical to base | load | memory |",
+             "|---|---|---|---|---|---|---|"]
+    for name, q in quality.items():
+        start = data["startup"][name]
+        lines.append(f"| {name} | {q['perplexity']:.2f} | {q['agreement_with_fp32']['identical']:.0%} | "
+                     f"{q['agreement_with_fp32']['mean_prefix_share']:.0%} | {q['agreement_with_base']['identical']:.0%} | "
+                     f"{start['load_s']} s | {start['rss_mb']} MB |")
+    prefill = speed["prefill"]
+    lines += ["", "| step | base | int8 | speed-up |", "|---|---|---|---|",
+              f"| prefill, {prefill['tokens']} tokens | {_f(prefill['base_tokens_per_s'])} tok/s | "
+              f"{_f(prefill['int8_tokens_per_s'])} tok/s | {prefill['int8_over_base']:.2f}× |"]
+    for row in speed["decode"]:
+        lines.append(f"| decode, batch {row['batch']}, context {row['context']} | {_f(row['base_step_ms'])} ms | "
+                     f"{_f(row['int8_step_ms'])} ms | {row['base_over_int8_time']:.2f}× |")
+    return lines
+
+
 SCRIPTS: dict[str, tuple[str, Callable[[Json], list[str]]]] = {
     "backend": ("Backend step vs HF transformers", backend),
+    "quantization": ("Int8 weights: speed and quality", quantization),
     "overhead": ("Control-layer overhead, host calls, control CPU and launch latency", overhead),
     "frontends": ("Front ends: native, OpenAI /v1, Python SDK", frontends),
     "soak": ("Soak", soak),

@@ -30,6 +30,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", metavar="PATH",
                         help="local HF Llama directory (default: the pulled SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], help="override backend.dtype")
+    parser.add_argument("--weight-dtype", choices=["model", "int8"],
+                        help="override backend.weight_dtype (int8: quantized weights, CPU only)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -39,6 +41,8 @@ def _config(args: argparse.Namespace) -> PieConfig:
         config.model.path = args.model
     if getattr(args, "dtype", None):
         config.backend.dtype = args.dtype
+    if getattr(args, "weight_dtype", None):
+        config.backend.weight_dtype = args.weight_dtype
     return config
 
 
@@ -203,7 +207,8 @@ async def _run(args: argparse.Namespace, data: bytes | None) -> int:
     config = _config(args)
     token = args.token or next(iter(config.server.auth_tokens), None)
     serve_args: list[str] = []
-    for flag, value in (("--config", args.config), ("--model", args.model), ("--dtype", args.dtype)):
+    for flag, value in (("--config", args.config), ("--model", args.model), ("--dtype", args.dtype),
+                        ("--weight-dtype", args.weight_dtype)):
         if value:
             serve_args += [flag, value]
     async with LocalServer(serve_args) as url:
@@ -317,6 +322,8 @@ def _backend_overrides(args: argparse.Namespace) -> list[str]:
     extra = []
     if args.dtype:
         extra += ["--dtype", args.dtype]
+    if args.weight_dtype:
+        extra += ["--weight-dtype", args.weight_dtype]
     return extra
 
 

@@ -38,6 +38,9 @@ class ModelConfig:
 class BackendConfig:
     device: str = "cpu"
     dtype: str = "auto"  # bf16 where the CPU has bf16 arithmetic, else fp32 (pie/backend/dtype.py)
+    # "int8": int8 weights and per-token int8 activations in every linear (CPU only; off by
+    # default: it changes outputs; speed and quality in benchmarks/results/quantization.json)
+    weight_dtype: str = "model"
     attention: str = "auto"
     page_size: int = 16
     num_kv_pages: int = 2048
@@ -50,6 +53,12 @@ class BackendConfig:
     def __post_init__(self) -> None:
         _check_choice("backend.device", self.device, ("cpu", "cuda"))
         _check_choice("backend.dtype", self.dtype, ("auto", "bfloat16", "float32"))
+        _check_choice("backend.weight_dtype", self.weight_dtype, ("model", "int8"))
+        if self.weight_dtype == "int8" and self.device != "cpu":
+            raise ConfigError(
+                "backend.weight_dtype = 'int8' runs on CPU only (its kernel is oneDNN's int8 "
+                "matmul); use weight_dtype = 'model' with device = 'cuda'"
+            )
         _check_choice(
             "backend.attention", self.attention, ("auto", "torch", "cpu-kernel", "flashinfer")
         )

@@ -228,6 +228,30 @@ def test_soak_quick(results):
     assert not leaks["leaked"] and leaks["threads_before"] > 0 and leaks["fds_before"] > 0, leaks
 
 
+def test_quantization_quick(results):
+    data = results("quantization")
+    meta = data["meta"]
+    check_meta(meta, ["base", "int8"])
+    systems = meta["systems"]
+    assert systems["int8"]["weight_dtype"] == "int8" and systems["base"]["weight_dtype"] == "model"
+    assert systems["base"]["handshake_dtype"] == systems["int8"]["handshake_dtype"] == meta["dtype"]
+    quality = data["quality"]
+    assert set(quality) == set(systems) == set(data["startup"])
+    reference = quality[meta["reference"]]
+    assert reference["agreement_with_fp32"]["identical"] == 1.0  # the reference against itself
+    for name, q in quality.items():
+        assert q["agreement_with_fp32"]["prompts"] == meta["prompts"] == 4
+        assert 0 <= q["agreement_with_fp32"]["identical"] <= q["agreement_with_fp32"]["mean_prefix_share"] <= 1
+        assert q["scored_tokens"] == 128
+        # int8 may cost a little perplexity, never an order of magnitude (a broken kernel does)
+        assert 1 < q["perplexity"] < 2 * reference["perplexity"], (name, q)
+        assert data["startup"][name]["load_s"] > 0 and data["startup"][name]["rss_mb"] > 0
+    assert [row["batch"] for row in data["speed"]["decode"]] == [1, 2]
+    for row in data["speed"]["decode"]:
+        assert len(row["base_step_ms_all"]) == len(row["int8_step_ms_all"]) == row["steps"] == meta["rounds"] * meta["steps_per_round"]
+        assert row["base_over_int8_time"] == pytest.approx(row["base_step_ms"] / row["int8_step_ms"])
+
+
 def test_drain_quick(results):
     data = results("drain")
     meta = data["meta"]
@@ -249,7 +273,7 @@ def test_drain_quick(results):
 def test_every_script_takes_quick_and_out():
     """Each script offers `--quick` and `--out` (without `--out` a test would write over the
     committed benchmarks/results/)."""
-    for script in ("overhead", "backend", "frontends", "soak", "drain"):
+    for script in ("overhead", "backend", "quantization", "frontends", "soak", "drain"):
         done = subprocess.run([sys.executable, f"benchmarks/{script}.py", "--help"], cwd=ROOT,
                               capture_output=True, text=True, timeout=120, check=False)
         assert done.returncode == 0 and "--out" in done.stdout and "--quick" in done.stdout, script

@@ -109,7 +109,7 @@ class Engine:
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
         self.model_dir = model_dir
-        self.model = Llama(model_dir, self.dtype, self.device)
+        self.model = Llama(model_dir, self.dtype, self.device, config.weight_dtype)
         cfg = self.model.config
         self.page_size = config.page_size
         self.num_pages = config.num_kv_pages

@@ -1,6 +1,7 @@
 """Our C++ CPU kernels, compiled once per machine with torch's cpp_extension and cached.
 
-The first build takes ~30-40 s (mostly parsing torch's headers), later loads ~10 ms.
+Each source in csrc/ is its own extension: the first build takes ~30-40 s (mostly parsing
+torch's headers), later loads ~10 ms.
 `python -m pie.backend.kernels` builds ahead of time (`make setup` does), so the first
 backend start does not pay it.
 """
@@ -18,25 +19,37 @@ from types import ModuleType
 from pie.config import PieConfig
 
 log = logging.getLogger("pie.backend")
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+CSRC = Path(__file__).parent / "csrc"
 
 
 @cache
 def paged_attention_module() -> ModuleType:
-    """Build (or load the cached build of) the paged-attention extension."""
+    """The paged-attention and KV-write kernels (csrc/paged_attention.cpp)."""
+    return _build("paged_attention")
+
+
+@cache
+def int8_linear_module() -> ModuleType:
+    """The int8 weight x int8 activation linear (csrc/int8_linear.cpp)."""
+    return _build("int8_linear")
+
+
+def _build(name: str) -> ModuleType:
+    """Build (or load the cached build of) csrc/<name>.cpp, keyed by its content."""
     from torch.utils.cpp_extension import load
 
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
-    build_dir = PieConfig().paths.cache / "kernels" / f"paged_attention-{digest}"
+    source = CSRC / f"{name}.cpp"
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:12]
+    build_dir = PieConfig().paths.cache / "kernels" / f"{name}-{digest}"
     build_dir.mkdir(parents=True, exist_ok=True)
     fresh = not any(build_dir.glob("*.so"))
     if fresh:
-        log.info("compiling the CPU paged-attention kernel (once per machine, ~30-40 s)")
+        log.info("compiling the CPU kernel %s (once per machine, ~30-40 s)", name)
     started = time.monotonic()
     os.environ.setdefault("MAX_JOBS", "2")
     module = load(
-        name="pie_paged_attention",
-        sources=[str(SOURCE)],
+        name=f"pie_{name}",
+        sources=[str(source)],
         extra_cflags=["-O3", "-march=native", "-fopenmp"],
         extra_ldflags=["-fopenmp"],
         build_directory=str(build_dir),
@@ -49,4 +62,5 @@ def paged_attention_module() -> ModuleType:
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     paged_attention_module()
+    int8_linear_module()
     print("pie CPU kernels ready")

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from pie.backend.attention import AttentionPlan, PagedAttention
 from pie.backend.kv_cache import KvCache
-from pie.backend.linear import Linear
+from pie.backend.linear import Int8Linear, Linear, make_linear
 from pie.backend.weights import ModelFormatError, Tensors, load_checkpoint
 
 
@@ -114,14 +114,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-def project(linear: Linear, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+def project(linear: Linear | Int8Linear, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
     """x @ W.T (+ bias, for checkpoints with attention_bias / mlp_bias)."""
     y = linear(x)
     return y if bias is None else y + bias
 
 
 class LlamaLayer:
-    def __init__(self, weights: Tensors, prefix: str, config: LlamaConfig):
+    def __init__(self, weights: Tensors, prefix: str, config: LlamaConfig, weight_dtype: str):
         w = lambda name: weights.take(f"{prefix}.{name}")  # noqa: E731
 
         def biases(names: list[str], flag: str) -> torch.Tensor | None:
@@ -133,13 +133,14 @@ class LlamaLayer:
         self.input_norm = w("input_layernorm.weight")
         self.post_norm = w("post_attention_layernorm.weight")
         # Fused projections: one matmul for q/k/v and one for gate/up.
-        self.qkv = Linear(
+        linear = lambda weight: make_linear(weight, weight_dtype)  # noqa: E731
+        self.qkv = linear(
             torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"),
                        w("self_attn.v_proj.weight")])
         )
-        self.o = Linear(w("self_attn.o_proj.weight"))
-        self.gate_up = Linear(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]))
-        self.down = Linear(w("mlp.down_proj.weight"))
+        self.o = linear(w("self_attn.o_proj.weight"))
+        self.gate_up = linear(torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")]))
+        self.down = linear(w("mlp.down_proj.weight"))
         attn, mlp = "self_attn.", "mlp."
         self.qkv_bias = biases([attn + "q_proj", attn + "k_proj", attn + "v_proj"], "attention_bias")
         self.o_bias = biases([attn + "o_proj"], "attention_bias")
@@ -153,7 +154,8 @@ class LlamaLayer:
 class Llama:
     """Weights plus the math of one batched forward pass over a paged KV cache."""
 
-    def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device,
+                 weight_dtype: str = "model"):
         self.config = LlamaConfig.from_json(model_dir / "config.json")
         self.dtype, self.device = dtype, device
         weights = load_checkpoint(model_dir, dtype, device)
@@ -162,9 +164,9 @@ class Llama:
         lm_head = weights.pop("lm_head.weight", None)
         if lm_head is None or cfg.tie_word_embeddings:
             lm_head = self.embed_tokens
-        self.lm_head = Linear(lm_head)
+        self.lm_head = make_linear(lm_head, weight_dtype)
         self.norm = weights.take("model.norm.weight")
-        self.layers = [LlamaLayer(weights, f"model.layers.{i}", cfg) for i in range(cfg.num_layers)]
+        self.layers = [LlamaLayer(weights, f"model.layers.{i}", cfg, weight_dtype) for i in range(cfg.num_layers)]
         weights.pop("lm_head.weight", None)
         unused = sorted(k for k in weights if "rotary_emb" not in k)
         if unused:

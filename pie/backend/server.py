@@ -79,7 +79,9 @@ def run_backend(model_dir: Path, config: BackendConfig, endpoint: str) -> None:
     signal.signal(signal.SIGTERM, server.stop)
     signal.signal(signal.SIGINT, server.stop)
     log.info(
-        "backend ready on %s (%s, %s, %s; loaded in %.1f s)",
-        endpoint, model_dir.name, engine.config.dtype, config.device, time.monotonic() - started,
+        "backend ready on %s (%s, %s%s, %s; loaded in %.1f s)",
+        endpoint, model_dir.name, engine.config.dtype,
+        " with int8 weights" if config.weight_dtype == "int8" else "", config.device,
+        time.monotonic() - started,
     )
     server.serve_forever()
