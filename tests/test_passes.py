@@ -289,6 +289,33 @@ def test_a_long_prefill_goes_in_chunks_while_a_run_decodes(chunking):
     p.close()
 
 
+def test_prefills_that_outnumber_the_decoders_go_whole(chunking):
+    """Chunking protects decoders only while they are at least as many as the prefills
+    waiting: at the start of a wave (one early decoder, the rest of the wave prefilling)
+    chunking spread 32 prompts over ~18 small batches and cost 25% against the direct
+    driver (benchmarks/overhead.py); the prefills now ride one batch beside the decoder."""
+    controller, backend = chunking
+    d = controller.session("d", [])
+    qd = d.create_queue("m")
+    backend.hold.clear()
+    submit(d, qd, [1, 2, 3], run=4, out=d.alloc_kvpage(qd, 1))
+    wait_for(lambda: backend.batches)  # the decoder's prefill is in flight
+    sessions = [controller.session(f"p{i}", []) for i in range(2)]
+    queues = [s.create_queue("m") for s in sessions]
+    for s, q in zip(sessions, queues):
+        submit(s, q, list(range(100, 124)), out=s.alloc_kvpage(q, 2), outputs=[sampled(23)])
+    backend.hold.set()
+    for s, q in zip(sessions, queues):
+        ((_, status, tokens, _, error),) = take_all(s, q)
+        assert status == "done" and error is None
+    # the decoder's prefill, then one batch: its step and both 24-token prompts whole
+    # (chunking would have sent 16 prefill tokens beside the step)
+    assert [n for _, n in backend.batches][:2] == [1, 3]
+    assert columns(backend.passes[1], "token_indptr")[-1] == 1 + 24 + 24
+    for s in [d, *sessions]:
+        s.close()
+
+
 def test_chunking_spares_passes_it_cannot_cut_and_fails_a_pass_whose_chunk_failed(chunking):
     """A pass with a custom mask or an output at its first token goes whole; a chunk that
     fails fails its pass, whose rest never runs, and the decoder beside it goes on."""
