@@ -1,5 +1,5 @@
-"""RESULTS.md sections for Pie's own benchmark scripts (backend, quantization, overhead,
-frontends, soak, drain): each writes its JSON in its own shape, so each gets a small table here.
+"""RESULTS.md sections for Pie's own benchmark scripts (backend, quantization, placement,
+overhead, frontends, soak, drain): each writes its JSON in its own shape, so each gets a small table here.
 
 Why a table per script rather than one generic dump: those files carry every sample; the
 reader of RESULTS.md needs the medians and the ratio that each script exists to measure
@@ -132,9 +132,21 @@ def quantization(data: Json) -> list[str]:
     return lines
 
 
+def placement(data: Json) -> list[str]:
+    lines = ["Thread placement: `text_completion` waves through Pie and the backend driven directly, one child "
+             "process per variant and round; ms per token (medians) and against `default`.", "",
+             "| variant | batch | Pie ms/token | vs default | direct ms/token | vs default | mean forward batch |",
+             "|---|---|---|---|---|---|---|"]
+    for row in data["rows"]:
+        lines.append(f"| {row['variant']} | {row['batch']} | {_f(row['pie_ms_per_token'])} | {row['pie_over_default']:.2f}× | "
+                     f"{_f(row['direct_ms_per_token'])} | {row['direct_over_default']:.2f}× | {row['mean_forward_batch']:.1f} |")
+    return lines
+
+
 SCRIPTS: dict[str, tuple[str, Callable[[Json], list[str]]]] = {
     "backend": ("Backend step vs HF transformers", backend),
     "quantization": ("Int8 weights: speed and quality", quantization),
+    "placement": ("Thread placement", placement),
     "overhead": ("Control-layer overhead, host calls, control CPU and launch latency", overhead),
     "frontends": ("Front ends: native, OpenAI /v1, Python SDK", frontends),
     "soak": ("Soak", soak),

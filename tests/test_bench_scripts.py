@@ -252,6 +252,21 @@ def test_quantization_quick(results):
         assert row["base_over_int8_time"] == pytest.approx(row["base_step_ms"] / row["int8_step_ms"])
 
 
+def test_placement_quick(results):
+    data = results("placement")
+    meta = data["meta"]
+    check_meta(meta, ["default", "control-nice"])
+    assert set(data["samples"]) == {"default", "control-nice"}
+    assert all(len(s) == meta["rounds"] for s in data["samples"].values())
+    assert {(row["variant"], row["batch"]) for row in data["rows"]} == {
+        (v, b) for v in ("default", "control-nice") for b in (1, 2)}
+    for row in data["rows"]:
+        assert row["pie_ms_per_token"] > 0 and row["direct_ms_per_token"] > 0
+        if row["variant"] == "default":
+            assert row["pie_over_default"] == row["direct_over_default"] == 1.0
+        assert 0 < row["mean_forward_batch"] <= row["batch"]
+
+
 def test_drain_quick(results):
     data = results("drain")
     meta = data["meta"]
@@ -273,7 +288,7 @@ def test_drain_quick(results):
 def test_every_script_takes_quick_and_out():
     """Each script offers `--quick` and `--out` (without `--out` a test would write over the
     committed benchmarks/results/)."""
-    for script in ("overhead", "backend", "quantization", "frontends", "soak", "drain"):
+    for script in ("overhead", "backend", "quantization", "placement", "frontends", "soak", "drain"):
         done = subprocess.run([sys.executable, f"benchmarks/{script}.py", "--help"], cwd=ROOT,
                               capture_output=True, text=True, timeout=120, check=False)
         assert done.returncode == 0 and "--out" in done.stdout and "--quick" in done.stdout, script
