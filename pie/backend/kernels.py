@@ -34,12 +34,20 @@ def int8_linear_module() -> ModuleType:
     return _build("int8_linear")
 
 
+@cache
+def fused_ops_module() -> ModuleType:
+    """Residual add + RMSNorm, RoPE, SiLU * up in bf16 (csrc/fused_ops.cpp)."""
+    return _build("fused_ops")
+
+
 def _build(name: str) -> ModuleType:
-    """Build (or load the cached build of) csrc/<name>.cpp, keyed by its content."""
+    """Build (or load the cached build of) csrc/<name>.cpp, keyed by its content and the
+    shared headers'."""
     from torch.utils.cpp_extension import load
 
     source = CSRC / f"{name}.cpp"
-    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:12]
+    text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))
+    digest = hashlib.sha256(text).hexdigest()[:12]
     build_dir = PieConfig().paths.cache / "kernels" / f"{name}-{digest}"
     build_dir.mkdir(parents=True, exist_ok=True)
     fresh = not any(build_dir.glob("*.so"))
@@ -63,4 +71,5 @@ if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     paged_attention_module()
     int8_linear_module()
+    fused_ops_module()
     print("pie CPU kernels ready")

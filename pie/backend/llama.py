@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from pie.backend.attention import AttentionPlan, PagedAttention
+from pie.backend.glue import make_glue, rms_norm
 from pie.backend.kv_cache import KvCache
 from pie.backend.linear import Int8Linear, Linear, make_linear
 from pie.backend.weights import ModelFormatError, Tensors, load_checkpoint
@@ -96,24 +96,6 @@ def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
     raise ValueError(f"unsupported rope_type {kind!r} (supported: default, linear, llama3)")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's LlamaRMSNorm: normalise in fp32, cast back, then scale in the model dtype.
-
-    Not F.rms_norm: its single rounding differs from HF's two in bf16 and, compounded over
-    30 layers, flipped SmolLM2's greedy answers (tests/test_bf16.py guards this).
-    """
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D]; cos/sin: [T, 1, D] in x's dtype (HF's rotate_half convention)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 def project(linear: Linear | Int8Linear, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
     """x @ W.T (+ bias, for checkpoints with attention_bias / mlp_bias)."""
     y = linear(x)
@@ -178,6 +160,7 @@ class Llama:
                 f"does not use{why}: {', '.join(unused[:5])}"
             )
         self.inv_freq = rope_inv_freq(cfg).to(device)
+        self.glue = make_glue(dtype, device)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens[token_ids]
@@ -202,25 +185,26 @@ class Llama:
 
         x: [T, hidden]; positions, write_slots: [T]; out_rows: [R] indices into T.
         """
-        cfg = self.config
+        cfg, glue, eps = self.config, self.glue, self.config.rms_norm_eps
         cos, sin = self.rope_tables(positions)
         tokens = x.shape[0]
+        delta = None  # the previous layer's MLP output, added to x by the next norm
         for index, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+            x, h = glue.add_norm(x, delta, layer.input_norm, eps)
             qkv = project(layer.qkv, layer.qkv_bias, h)
             # RoPE on q and k heads together: one set of elementwise ops instead of two.
-            qk = apply_rope(qkv[:, : layer.q_size + layer.kv_size].view(tokens, -1, cfg.head_dim),
-                            cos, sin)
+            qk = glue.rope(qkv[:, : layer.q_size + layer.kv_size].view(tokens, -1, cfg.head_dim),
+                           cos, sin)
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
             v = qkv[:, layer.q_size + layer.kv_size :].view(tokens, cfg.num_kv_heads, cfg.head_dim)
             kv.write(index, write_slots, k, v)
             attn = attention.run(q, kv, index, plan)
-            x = x + project(layer.o, layer.o_bias, attn.reshape(tokens, layer.q_size))
-            h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+            x, h = glue.add_norm(x, project(layer.o, layer.o_bias, attn.reshape(tokens, layer.q_size)),
+                                 layer.post_norm, eps)
             gate_up = project(layer.gate_up, layer.gate_up_bias, h)
-            act = F.silu(gate_up[:, : layer.intermediate]) * gate_up[:, layer.intermediate :]
-            x = x + project(layer.down, layer.down_bias, act)
-        return rms_norm(x[out_rows], self.norm, cfg.rms_norm_eps)
+            delta = project(layer.down, layer.down_bias, glue.silu_mul(gate_up, layer.intermediate))
+        x = x if delta is None else x + delta
+        return rms_norm(x[out_rows], self.norm, eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of final-normed hidden states (computed in the model dtype, as HF does)."""

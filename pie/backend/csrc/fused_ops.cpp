@@ -1,0 +1,131 @@
+// The elementwise glue of a Llama layer in bf16, one call each where eager PyTorch makes
+// 4-9 (each a Python dispatch and, above torch's grain, an OpenMP region): residual add +
+// RMSNorm, RoPE on q and k, SiLU(gate) * up. Each rounds to bf16 exactly where the torch ops
+// it replaces do (HF's arithmetic: norm in fp32, cast, scale by the weight in bf16), so a
+// step differs from the eager one only in the order the mean of squares is summed.
+// Rows run in parallel in tasks of 8 (a step of a few sequences stays on one thread: a
+// parallel region costs more than a few rows).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "fast_exp.h"
+
+namespace {
+
+using bf16 = at::BFloat16;
+constexpr int64_t ROWS_PER_TASK = 8;
+
+inline float f(bf16 v) { return static_cast<float>(v); }
+inline bf16 b(float v) { return static_cast<bf16>(v); }  // round to nearest even, as torch does
+
+void check_bf16(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.device().is_cpu(), name, " must be a bf16 CPU tensor");
+}
+
+}  // namespace
+
+// x = x + delta (delta may be None), h = weight * bf16(x * rsqrt(mean(x^2) + eps)); returns {x, h}.
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> delta,
+                                        torch::Tensor weight, double eps) {
+  check_bf16(x, "x");
+  check_bf16(weight, "weight");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous() && weight.numel() == x.size(1),
+              "add_rms_norm: x must be contiguous [T, hidden] and weight [hidden]");
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  auto sum = delta.has_value() ? torch::empty_like(x) : x;
+  const bf16* d = nullptr;
+  if (delta.has_value()) {
+    check_bf16(*delta, "delta");
+    TORCH_CHECK(delta->is_contiguous() && delta->sizes() == x.sizes(), "add_rms_norm: delta must match x");
+    d = delta->data_ptr<bf16>();
+  }
+  auto h = torch::empty_like(x);
+  const bf16* in = x.data_ptr<bf16>();
+  const bf16* w = weight.data_ptr<bf16>();
+  bf16* s = sum.data_ptr<bf16>();
+  bf16* out = h.data_ptr<bf16>();
+  at::parallel_for(0, rows, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(hidden);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t o = i * hidden;
+      float squares = 0.f;
+      for (int64_t j = 0; j < hidden; ++j) {
+        const float v = d ? f(b(f(in[o + j]) + f(d[o + j]))) : f(in[o + j]);
+        row[j] = v;
+        squares += v * v;
+      }
+      if (d)
+        for (int64_t j = 0; j < hidden; ++j) s[o + j] = b(row[j]);
+      const float scale = 1.f / std::sqrt(squares / static_cast<float>(hidden) + static_cast<float>(eps));
+      for (int64_t j = 0; j < hidden; ++j) out[o + j] = b(f(w[j]) * f(b(row[j] * scale)));
+    }
+  });
+  return {sum, h};
+}
+
+// x: [T, heads, D] (rows may be strided, e.g. a slice of the fused qkv); cos, sin: [T, 1, D]
+// contiguous. Returns x * cos + rotate_half(x) * sin, contiguous, each product and the sum
+// rounded to bf16 as the three torch ops are.
+torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  check_bf16(x, "x");
+  check_bf16(cos, "cos");
+  check_bf16(sin, "sin");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "rope: x must be [T, heads, D] with contiguous heads");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == x.size(0) * x.size(2) &&
+              sin.numel() == cos.numel(), "rope: cos/sin must be contiguous [T, 1, D]");
+  const int64_t rows = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2, stride = x.stride(0);
+  auto out = torch::empty({rows, heads, dim}, x.options());
+  const bf16* in = x.data_ptr<bf16>();
+  const bf16* c = cos.data_ptr<bf16>();
+  const bf16* sn = sin.data_ptr<bf16>();
+  bf16* y = out.data_ptr<bf16>();
+  at::parallel_for(0, rows, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const bf16* ct = c + t * dim;
+      const bf16* st = sn + t * dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        const bf16* v = in + t * stride + h * dim;
+        bf16* o = y + (t * heads + h) * dim;
+        for (int64_t j = 0; j < dim; ++j) {
+          const float rotated = j < half ? -f(v[j + half]) : f(v[j - half]);
+          o[j] = b(f(b(f(v[j]) * f(ct[j]))) + f(b(rotated * f(st[j]))));
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// gate_up: [T, 2I] -> bf16(silu(gate)) * up, [T, I].
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  check_bf16(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "silu_mul: gate_up must be contiguous [T, 2 * intermediate]");
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  auto out = torch::empty({rows, inter}, gate_up.options());
+  const bf16* g = gate_up.data_ptr<bf16>();
+  bf16* y = out.data_ptr<bf16>();
+  at::parallel_for(0, rows, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const bf16* gt = g + t * 2 * inter;
+      bf16* o = y + t * inter;
+      for (int64_t j = 0; j < inter; ++j) {  // silu(v) = v * sigmoid(v), e^-|v| vectorised
+        const float v = f(gt[j]), e = exp_nonpositive(-std::fabs(v));
+        const float sigmoid = v >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
+        o[j] = b(f(b(v * sigmoid)) * f(gt[inter + j]));
+      }
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm, HF's bf16 roundings (CPU)");
+  m.def("rope", &rope, "rotary embedding on [T, heads, D], HF's bf16 roundings (CPU)");
+  m.def("silu_mul", &silu_mul, "SiLU(gate) * up from the fused gate/up projection (CPU)");
+}

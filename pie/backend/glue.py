@@ -1,0 +1,79 @@
+"""The elementwise glue between a Llama layer's matmuls: residual add + RMSNorm, RoPE,
+SiLU(gate) * up — in torch ops (HF's arithmetic, the fp32 correctness oracle) or, for
+bf16 steps of few tokens on CPU, one C++ call each (csrc/fused_ops.cpp).
+
+Why: eager, the glue is ~20 Python-dispatched ops per layer, 600 per step. Fused, the bf16
+decode step (benchmarks/quantization.py's "base", Xeon 2 vCPU, context 128) went from 22.0
+/ 38.3 / 94.2 ms to 19.5 / 35.2 / 92.9 ms at batch 1 / 8 / 32, int8 weights from 12.8 /
+24.5 / 52.9 to 11.1 / 22.5 / 49.6. The fused calls round to bf16 where the torch ops do;
+steps of more than FUSED_MAX_TOKENS tokens (prefills) keep the torch ops, whose per-op
+cost is spread over many rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FUSED_MAX_TOKENS = 64
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's LlamaRMSNorm: normalise in fp32, cast back, then scale in the model dtype.
+
+    Not F.rms_norm: its single rounding differs from HF's two in bf16 and, compounded over
+    30 layers, flipped SmolLM2's greedy answers (tests/test_bf16.py guards this).
+    """
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D]; cos/sin: [T, 1, D] in x's dtype (HF's rotate_half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class TorchGlue:
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, rms_norm(x + delta)); delta None: (x, rms_norm(x))."""
+        x = x if delta is None else x + delta
+        return x, rms_norm(x, weight, eps)
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return apply_rope(x, cos, sin)
+
+    def silu_mul(self, gate_up: torch.Tensor, intermediate: int) -> torch.Tensor:
+        return F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+
+
+class FusedGlue(TorchGlue):
+    """bf16 on CPU: the C++ calls for steps of at most FUSED_MAX_TOKENS tokens."""
+
+    def __init__(self) -> None:
+        from pie.backend.kernels import fused_ops_module
+
+        self.ops = fused_ops_module()
+
+    def add_norm(self, x, delta, weight, eps):
+        if x.shape[0] > FUSED_MAX_TOKENS:
+            return super().add_norm(x, delta, weight, eps)
+        x, h = self.ops.add_rms_norm(x, delta, weight, eps)
+        return x, h
+
+    def rope(self, x, cos, sin):
+        if x.shape[0] > FUSED_MAX_TOKENS:
+            return super().rope(x, cos, sin)
+        return self.ops.rope(x, cos, sin)
+
+    def silu_mul(self, gate_up, intermediate):
+        if gate_up.shape[0] > FUSED_MAX_TOKENS:
+            return super().silu_mul(gate_up, intermediate)
+        return self.ops.silu_mul(gate_up)
+
+
+def make_glue(dtype: torch.dtype, device: torch.device) -> TorchGlue:
+    return FusedGlue() if dtype == torch.bfloat16 and device.type == "cpu" else TorchGlue()

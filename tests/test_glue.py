@@ -1,0 +1,66 @@
+"""The fused bf16 glue (csrc/fused_ops.cpp) against the torch ops it replaces: the same
+bf16 roundings, so results are equal except where the mean of squares, summed in another
+order, lands a value on the other side of a bf16 rounding boundary."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pie.backend.glue import FUSED_MAX_TOKENS, FusedGlue, TorchGlue, make_glue
+
+BF16 = torch.bfloat16
+
+
+def close_in_bf16(ours: torch.Tensor, theirs: torch.Tensor, max_mismatch: float) -> None:
+    """Equal values, or one bf16 step apart on at most `max_mismatch` of the elements."""
+    assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
+    diff = (ours.float() - theirs.float()).abs()
+    ulp = theirs.float().abs().clamp(min=1e-30) * 2 ** -7
+    assert bool((diff <= ulp * 1.01).all()), float((diff / ulp).max())
+    assert float((diff > 0).float().mean()) <= max_mismatch
+
+
+@pytest.fixture(scope="module")
+def glues():
+    return FusedGlue(), TorchGlue()
+
+
+@pytest.mark.parametrize("rows", [1, 7, 40])
+def test_add_norm_matches_torch(glues, rows):
+    fused, eager = glues
+    torch.manual_seed(rows)
+    x, delta = torch.randn(rows, 576).to(BF16), (3 * torch.randn(rows, 576)).to(BF16)
+    weight = torch.rand(576).to(BF16) * 2
+    for d in (delta, None):
+        (sx, h), (tx, th) = fused.add_norm(x, d, weight, 1e-5), eager.add_norm(x, d, weight, 1e-5)
+        assert torch.equal(sx, tx)  # the residual add: one rounding, exact
+        close_in_bf16(h, th, max_mismatch=0.01)
+
+
+@pytest.mark.parametrize("rows", [1, 9])
+def test_rope_and_silu_match_torch_exactly(glues, rows):
+    fused, eager = glues
+    torch.manual_seed(rows)
+    qkv = torch.randn(rows, 9 * 64 + 6 * 64).to(BF16)  # q (9 heads) + k (3) + v (3)
+    qk = qkv[:, : 12 * 64].view(rows, -1, 64)  # strided rows, as in the model
+    angles = torch.rand(rows, 1, 64) * 6
+    cos, sin = angles.cos().to(BF16), angles.sin().to(BF16)
+    assert torch.equal(fused.rope(qk, cos, sin), eager.rope(qk, cos, sin))
+    gate_up = (4 * torch.randn(rows, 2 * 1536)).to(BF16)
+    close_in_bf16(fused.silu_mul(gate_up, 1536), eager.silu_mul(gate_up, 1536), max_mismatch=0.001)
+
+
+def test_long_inputs_take_the_torch_path_and_choice_by_dtype(glues):
+    fused, eager = glues
+    rows = FUSED_MAX_TOKENS + 1
+    gate_up = torch.randn(rows, 64).to(BF16)
+    assert torch.equal(fused.silu_mul(gate_up, 32), eager.silu_mul(gate_up, 32))
+    assert isinstance(make_glue(BF16, torch.device("cpu")), FusedGlue)
+    assert type(make_glue(torch.float32, torch.device("cpu"))) is TorchGlue  # the fp32 oracle path
+
+
+def test_fused_ops_reject_other_dtypes(glues):
+    fused, _ = glues
+    with pytest.raises(RuntimeError, match="bf16"):
+        fused.ops.silu_mul(torch.randn(2, 8))
