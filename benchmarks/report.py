@@ -180,10 +180,15 @@ def render(out: Path, results_md: Path, order: tuple[str, ...]) -> str:
              "Medians over alternating rounds. Ratios are × in Pie's favour: > 1 Pie is better.", ""]
     if runs:
         lines += machine_lines(max(runs, key=lambda r: r["date"]), run)
+        cpus = sorted({r.get("machine", {}).get("cpu", "?") for r in runs})
+        if len(cpus) > 1:  # sessions run on different machines: say so before any figure
+            lines += [f"**These results come from {len(cpus)} machines ({'; '.join(cpus)}):** each section "
+                      "names its CPU; compare figures only within one machine.", ""]
     for data in runs:
         result = _result(data)
         lines += [f"## {result.title}", "",
-                  f"`{data['workload']}.json`, {data['date']}, rounds {data['rounds']}{', quick' if data['quick'] else ''}."]
+                  f"`{data['workload']}.json`, {data['date']}, {data.get('machine', {}).get('cpu', 'CPU not recorded')}, "
+                  f"rounds {data['rounds']}{', quick' if data['quick'] else ''}."]
         if result.rows:
             lines.append(f"![{result.workload}]({os.path.relpath(out / (result.workload + '.png'), results_md.parent)})")
         lines.append("")

@@ -87,8 +87,8 @@ class ControlConfig:
     # tokens and a longer prompt is prefilled over several batches, so decoders keep going
     # (docs/architecture.md, "Chunked prefill"). Without decoders a batch fills the
     # backend's max_batch_tokens. 64 keeps 16 decoders' p99 gap under 3x their median while
-    # a 2,000-token prompt prefills (128: 4.8x) at +48% on that prompt's time to first
-    # token (benchmarks/results/interference.json).
+    # a 2,000-token prompt prefills (1.6x here; 128: 4.4x; unchunked: 64x) at +67% on that
+    # prompt's time to first token (benchmarks/results/interference.json, Xeon 2 vCPU).
     max_step_tokens: int = 64
     # Hosts inferlets may reach with http-get/post (exact host names or IP literals).
     http_allowlist: list[str] = field(default_factory=lambda: ["127.0.0.1", "localhost"])
