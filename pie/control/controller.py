@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 import time
 
 from pie import __version__
 from pie import protocol as P
 from pie.config import PieConfig
 from pie.control.errors import ErrorKind, HostError
-from pie.control.future import HostFuture, wait_any
+from pie.control.future import Cancellation, HostFuture, wait_any
 from pie.control.grammar import GrammarCompiler, Matcher
 from pie.control.http_client import HttpClient
 from pie.control.messaging import Inbox, KeyValueStore, MessageBus
@@ -368,7 +367,7 @@ class InstanceSession:
         self._submit(p)  # type: ignore[arg-type]
         return p.pass_id
 
-    def take(self, q: CommandQueue, block: bool, cancelled: threading.Event | None = None) -> list:
+    def take(self, q: CommandQueue, block: bool, cancelled: Cancellation | None = None) -> list:
         """`inference.take`: results of q's passes; with `block`, waits for one while any
         is in flight. A final result forgets its pass. Runs' tokens count when taken."""
         results = q.results

@@ -19,7 +19,7 @@ from wasmtime import Store
 from wasmtime.component import ResourceAny, ResourceHost
 
 from pie.control.controller import InstanceSession
-from pie.control.future import HostFuture, wait_any
+from pie.control.future import Cancellation, HostFuture, wait_any
 
 
 class Kind(IntEnum):
@@ -80,7 +80,7 @@ class HostState:
         self.budgets = budgets
         self.objects: dict[int, tuple[Kind, Any]] = {}
         self.next_rep = 1
-        self.cancelled = threading.Event()
+        self.cancelled = Cancellation()
         self.store: Store | None = None
         self.calls: Counter[str] = Counter()  # host function name -> calls (benchmarks)
         self.watched: dict[int, tuple[int, HostFuture]] = {}  # pollable rep -> (key, future)
