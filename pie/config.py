@@ -41,6 +41,10 @@ class BackendConfig:
     # "int8": int8 weights and per-token int8 activations in every linear (CPU only; off by
     # default: it changes outputs; speed and quality in benchmarks/results/quantization.json)
     weight_dtype: str = "model"
+    # "float32": steps of 64+ tokens (prefills) multiply in fp32 over an fp32 copy of the
+    # weights (memory: + 2x the bf16 weights); "auto": where a startup probe finds fp32
+    # matmuls faster than bf16 ones on this CPU (pie/backend/dtype.py)
+    prefill_dtype: str = "auto"
     attention: str = "auto"
     page_size: int = 16
     num_kv_pages: int = 2048
@@ -54,6 +58,7 @@ class BackendConfig:
         _check_choice("backend.device", self.device, ("cpu", "cuda"))
         _check_choice("backend.dtype", self.dtype, ("auto", "bfloat16", "float32"))
         _check_choice("backend.weight_dtype", self.weight_dtype, ("model", "int8"))
+        _check_choice("backend.prefill_dtype", self.prefill_dtype, ("auto", "model", "float32"))
         if self.weight_dtype == "int8" and self.device != "cpu":
             raise ConfigError(
                 "backend.weight_dtype = 'int8' runs on CPU only (its kernel is oneDNN's int8 "

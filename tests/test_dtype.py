@@ -44,3 +44,33 @@ def test_the_engine_reports_the_resolved_dtype(model_dir):
     engine = Engine(model_dir, BackendConfig(num_kv_pages=4, num_embeds=8))
     reply = engine.handshake(P.HandshakeRequest(P.PROTOCOL_VERSION))
     assert reply.dtype == resolve_dtype("auto", "cpu") and reply.dtype != "auto"
+
+
+def test_prefill_dtype_resolution():
+    """`backend.prefill_dtype`: explicit values stand; auto is fp32 only for a bf16 model
+    on CPU, decided by a timed probe (whose answer depends on the CPU, so only its type is
+    checked here)."""
+    from pie.backend.dtype import fp32_prefill_is_faster, resolve_prefill_dtype
+
+    assert resolve_prefill_dtype("model", "cpu", "bfloat16") == "model"
+    assert resolve_prefill_dtype("float32", "cpu", "bfloat16") == "float32"
+    assert resolve_prefill_dtype("auto", "cuda", "bfloat16") == "model"
+    assert resolve_prefill_dtype("auto", "cpu", "float32") == "model"
+    assert resolve_prefill_dtype("auto", "cpu", "bfloat16") in ("model", "float32")
+    assert isinstance(fp32_prefill_is_faster(rows=16, repeats=2), bool)
+
+
+def test_linear_prefills_in_fp32_from_64_tokens():
+    import torch
+    import torch.nn.functional as F
+
+    from pie.backend.linear import PREFILL_MIN_TOKENS, Linear
+
+    torch.manual_seed(0)
+    weight = torch.randn(48, 32).bfloat16()
+    mixed, plain = Linear(weight, prefill_fp32=True), Linear(weight)
+    long = torch.randn(PREFILL_MIN_TOKENS, 32).bfloat16()
+    assert torch.equal(mixed(long), F.linear(long.float(), weight.float()).bfloat16())
+    short = long[: PREFILL_MIN_TOKENS - 1]
+    assert torch.equal(mixed(short), plain(short))  # decode steps keep the bf16 kernel
+    assert Linear(weight.float(), prefill_fp32=True).weight32 is None  # an fp32 model needs no copy

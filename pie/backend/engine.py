@@ -25,7 +25,7 @@ from pie.backend.attention import (
     PagedAttention,
     TorchPagedAttention,
 )
-from pie.backend.dtype import resolve_dtype
+from pie.backend.dtype import resolve_dtype, resolve_prefill_dtype
 from pie.backend.kv_cache import EmbedPool, KvCache
 from pie.backend.llama import Llama
 from pie.backend.passes import run_passes
@@ -105,11 +105,14 @@ class Engine:
 
     def __init__(self, model_dir: Path, config: BackendConfig):
         # "auto" resolved once: the handshake reports the dtype in use
-        self.config = config = replace(config, dtype=resolve_dtype(config.dtype, config.device))
+        dtype = resolve_dtype(config.dtype, config.device)
+        self.config = config = replace(config, dtype=dtype, prefill_dtype=resolve_prefill_dtype(
+            config.prefill_dtype, config.device, dtype) if config.weight_dtype == "model" else "model")
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
         self.model_dir = model_dir
-        self.model = Llama(model_dir, self.dtype, self.device, config.weight_dtype)
+        self.model = Llama(model_dir, self.dtype, self.device, config.weight_dtype,
+                           prefill_fp32=config.prefill_dtype == "float32")
         cfg = self.model.config
         self.page_size = config.page_size
         self.num_pages = config.num_kv_pages

@@ -19,16 +19,25 @@ import torch.nn.functional as F
 WEIGHT_DTYPES = ("model", "int8")
 
 
+PREFILL_MIN_TOKENS = 64  # from here on fp32 matmuls won on the Xeon that motivated them
+
+
 class Linear:
-    def __init__(self, weight: torch.Tensor):
+    """`prefill_fp32`: also keep an fp32 copy of the weight and multiply steps of at least
+    PREFILL_MIN_TOKENS tokens in fp32 (`backend.prefill_dtype`, pie/backend/dtype.py)."""
+
+    def __init__(self, weight: torch.Tensor, prefill_fp32: bool = False):
         self.weight = weight.contiguous()
         self.out_features = weight.shape[0]
         self.packed = None
         if (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
                 and torch.backends.mkldnn.is_available()):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, None)
+        self.weight32 = self.weight.float() if prefill_fp32 and weight.dtype != torch.float32 else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight32 is not None and x.shape[0] >= PREFILL_MIN_TOKENS:
+            return F.linear(x.float(), self.weight32).to(x.dtype)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         return F.linear(x, self.weight)
@@ -52,6 +61,7 @@ class Int8Linear:
         return y.view(*x.shape[:-1], self.out_features)
 
 
-def make_linear(weight: torch.Tensor, weight_dtype: str) -> Linear | Int8Linear:
-    """The layer for `backend.weight_dtype` (checked in BackendConfig)."""
-    return Int8Linear(weight) if weight_dtype == "int8" else Linear(weight)
+def make_linear(weight: torch.Tensor, weight_dtype: str, prefill_fp32: bool = False) -> Linear | Int8Linear:
+    """The layer for `backend.weight_dtype` (checked in BackendConfig); int8 layers prefill
+    in int8 (faster than either float dtype)."""
+    return Int8Linear(weight) if weight_dtype == "int8" else Linear(weight, prefill_fp32)

@@ -103,7 +103,8 @@ def project(linear: Linear | Int8Linear, bias: torch.Tensor | None, x: torch.Ten
 
 
 class LlamaLayer:
-    def __init__(self, weights: Tensors, prefix: str, config: LlamaConfig, weight_dtype: str):
+    def __init__(self, weights: Tensors, prefix: str, config: LlamaConfig, weight_dtype: str,
+                 prefill_fp32: bool):
         w = lambda name: weights.take(f"{prefix}.{name}")  # noqa: E731
 
         def biases(names: list[str], flag: str) -> torch.Tensor | None:
@@ -115,7 +116,7 @@ class LlamaLayer:
         self.input_norm = w("input_layernorm.weight")
         self.post_norm = w("post_attention_layernorm.weight")
         # Fused projections: one matmul for q/k/v and one for gate/up.
-        linear = lambda weight: make_linear(weight, weight_dtype)  # noqa: E731
+        linear = lambda weight: make_linear(weight, weight_dtype, prefill_fp32)  # noqa: E731
         self.qkv = linear(
             torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"),
                        w("self_attn.v_proj.weight")])
@@ -137,7 +138,7 @@ class Llama:
     """Weights plus the math of one batched forward pass over a paged KV cache."""
 
     def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device,
-                 weight_dtype: str = "model"):
+                 weight_dtype: str = "model", prefill_fp32: bool = False):
         self.config = LlamaConfig.from_json(model_dir / "config.json")
         self.dtype, self.device = dtype, device
         weights = load_checkpoint(model_dir, dtype, device)
@@ -148,7 +149,7 @@ class Llama:
             lm_head = self.embed_tokens
         self.lm_head = make_linear(lm_head, weight_dtype)
         self.norm = weights.take("model.norm.weight")
-        self.layers = [LlamaLayer(weights, f"model.layers.{i}", cfg, weight_dtype) for i in range(cfg.num_layers)]
+        self.layers = [LlamaLayer(weights, f"model.layers.{i}", cfg, weight_dtype, prefill_fp32) for i in range(cfg.num_layers)]
         weights.pop("lm_head.weight", None)
         unused = sorted(k for k in weights if "rotary_emb" not in k)
         if unused:

@@ -81,7 +81,8 @@ def run_backend(model_dir: Path, config: BackendConfig, endpoint: str) -> None:
     log.info(
         "backend ready on %s (%s, %s%s, %s; loaded in %.1f s)",
         endpoint, model_dir.name, engine.config.dtype,
-        " with int8 weights" if config.weight_dtype == "int8" else "", config.device,
+        " with int8 weights" if config.weight_dtype == "int8"
+        else ", prefills in float32" if engine.config.prefill_dtype == "float32" else "", config.device,
         time.monotonic() - started,
     )
     server.serve_forever()
