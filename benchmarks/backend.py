@@ -19,7 +19,6 @@ smoke run tests/test_bench_scripts.py makes; it writes every field the full run 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -31,7 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: the `benchmarks` package is in the repository root
 
-from benchmarks.run_info import command_line, machine_settings, rotated
+from benchmarks.run_info import command_line, machine_settings, rotated, write_results
 from pie import protocol as P
 from pie.backend.dtype import resolve_dtype
 from pie.backend.weights import resolve_model_dir
@@ -178,9 +177,7 @@ def main() -> None:
         "method": "medians over alternating rounds after an untimed warm-up of each side; "
                   "Pie through a real backend process over ZeroMQ, HF in this process",
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, results)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: the `benchmarks` package is in the repository root
 
-from benchmarks.run_info import command_line, machine_settings, rotated
+from benchmarks.run_info import command_line, machine_settings, rotated, write_results
 from pie.backend.dtype import resolve_dtype
 from pie.backend.weights import resolve_model_dir
 from pie.config import load_config
@@ -368,9 +368,7 @@ def main() -> None:
                   "per_token": [rotated(["pie", "direct"], r) for r in range(rounds)]},
         "warmup": "one untimed run of every path (and launch level) before its timed rounds",
         "model": model_dir.name, "dtype": hs.dtype, **machine_settings()}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, results)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: the `benchmarks` package is in the repository root
 
-from benchmarks.run_info import command_line, machine_settings, rotated
+from benchmarks.run_info import command_line, machine_settings, rotated, write_results
 
 RESULTS = ROOT / "benchmarks" / "results"
 VARIANTS: dict[str, dict] = {
@@ -49,7 +49,7 @@ VARIANTS: dict[str, dict] = {
 
 def measure(variant: str, batches: list[int], tokens: int, dtype: str) -> dict:
     """One round of one variant, in this (child) process."""
-    from benchmarks.overhead import PROMPTS, per_token  # noqa: F401 (PROMPTS: the same prompts)
+    from benchmarks.overhead import per_token
     from pie.backend.weights import resolve_model_dir
     from pie.config import load_config
     from pie.control.backend_link import BackendProcess
@@ -148,10 +148,7 @@ def main() -> None:
         "quick": args.quick, "rounds": rounds, "order": order, "tokens": tokens, "dtype": args.dtype,
         "model": _model_name(), **machine_settings(),
         "method": "one child process per variant and round (its own backend), rotated order; medians over rounds"}}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_results(args.out, results)
 
 
 if __name__ == "__main__":

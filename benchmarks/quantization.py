@@ -18,7 +18,6 @@ backend's load time (int8 quantizes at load) and resident memory.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -30,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: the `benchmarks` package is in the repository root
 
-from benchmarks.run_info import command_line, machine_settings, rotated
+from benchmarks.run_info import command_line, machine_settings, rotated, write_results
 from pie.backend.dtype import resolve_dtype
 from pie.backend.weights import resolve_model_dir
 from pie.config import load_config
@@ -100,7 +99,8 @@ def agreement(ours: list[list[int]], reference: list[list[int]]) -> dict:
             "mean_prefix_share": statistics.fmean(prefix), "prompts": len(reference)}
 
 
-def time_decode(backend: Backend, batch: int, context: int, steps: int) -> DirectBatch:
+def decode_batch(backend: Backend, batch: int, context: int, steps: int) -> DirectBatch:
+    """`batch` prefilled sequences of `context` tokens, one untimed step taken."""
     prompts = [[100 + (b + i) % 1000 for i in range(context)] for b in range(batch)]
     run = DirectBatch(backend.link, backend.hs, prompts, steps + 2)
     run.prefill()
@@ -173,7 +173,7 @@ def main() -> None:
             **{f"{s}_round_s": prefill_s[s] for s in sides}}
         speed["prefill"]["int8_over_base"] = speed["prefill"]["int8_tokens_per_s"] / speed["prefill"]["base_tokens_per_s"]
         for batch, context in configs:
-            runs = {s: time_decode(backends[s], batch, context, rounds * steps) for s in sides}
+            runs = {s: decode_batch(backends[s], batch, context, rounds * steps) for s in sides}
             step_s: dict[str, list[float]] = {s: [] for s in sides}
             for names in order:
                 for side in names:
@@ -204,10 +204,7 @@ def main() -> None:
                   "perplexity from the fused pass's log-probabilities; speed as medians over "
                   "alternating rounds after an untimed warm-up, real backend processes over ZeroMQ",
     }}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_results(args.out, results)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,14 @@ def rotated(items: list, round_: int) -> list:
     return list(items[shift:]) + list(items[:shift])
 
 
+def write_results(out: str | Path, results: dict) -> None:
+    """A script's results as indented JSON at `out` (its folder made if missing)."""
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
 def command_line() -> str:
     return " ".join(["python", *sys.argv])
 
