@@ -40,6 +40,12 @@ def fused_ops_module() -> ModuleType:
     return _build("fused_ops")
 
 
+@cache
+def bf16_gemv_module() -> ModuleType:
+    """The bf16 linear for 1-4 tokens (csrc/bf16_gemv.cpp)."""
+    return _build("bf16_gemv")
+
+
 def _build(name: str) -> ModuleType:
     """Build (or load the cached build of) csrc/<name>.cpp, keyed by its content and the
     shared headers'."""
@@ -72,4 +78,5 @@ if __name__ == "__main__":
     paged_attention_module()
     int8_linear_module()
     fused_ops_module()
+    bf16_gemv_module()
     print("pie CPU kernels ready")
