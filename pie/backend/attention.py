@@ -122,13 +122,17 @@ class CpuKernelAttention:
         self.kv_indptr = torch.tensor(plan.kv_indptr, dtype=torch.int64)
         self.prepared_for = plan
 
-    def run(self, q: torch.Tensor, kv: KvCache, layer: int, plan: AttentionPlan) -> torch.Tensor:
+    def kernel_args(self, plan: AttentionPlan) -> tuple[torch.Tensor, ...]:
+        """The kernel's arguments after the pools: q_indptr, kv_indptr, kv_slots, kv_visible,
+        mask_offsets, masks, enabled (pie/backend/decode_step.py passes them too)."""
         if self.prepared_for is not plan:
             self._prepare(plan)
+        return (self.q_indptr, self.kv_indptr, plan.kv_slots, plan.kv_visible, self.mask_offsets,
+                self.masks, self.enabled)
+
+    def run(self, q: torch.Tensor, kv: KvCache, layer: int, plan: AttentionPlan) -> torch.Tensor:
         out = self.kernel.paged_attention(
-            q.float().contiguous(), kv.keys[layer], kv.values[layer], self.q_indptr,
-            self.kv_indptr, plan.kv_slots,
-            plan.kv_visible, self.mask_offsets, self.masks, self.enabled,
+            q.float().contiguous(), kv.keys[layer], kv.values[layer], *self.kernel_args(plan),
             1.0 / math.sqrt(q.shape[-1]),
         ).to(q.dtype)
         for b in self.prefill_items:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import time
 from functools import cache
 from pathlib import Path
@@ -46,13 +47,20 @@ def bf16_gemv_module() -> ModuleType:
     return _build("bf16_gemv")
 
 
+@cache
+def decode_step_module() -> ModuleType:
+    """Every decoder layer of a bf16 decode step in one call (csrc/decode_step.cpp)."""
+    return _build("decode_step")
+
+
 def _build(name: str) -> ModuleType:
-    """Build (or load the cached build of) csrc/<name>.cpp, keyed by its content and the
-    shared headers'."""
+    """Build (or load the cached build of) csrc/<name>.cpp, keyed by its content, the shared
+    headers' and that of the sources it includes (decode_step.cpp includes three)."""
     from torch.utils.cpp_extension import load
 
     source = CSRC / f"{name}.cpp"
-    text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))
+    included = re.findall(r'^#include "(\w+\.cpp)"', source.read_text(), flags=re.MULTILINE)
+    text = b"".join(f.read_bytes() for f in [source, *(CSRC / i for i in included), *sorted(CSRC.glob("*.h"))])
     digest = hashlib.sha256(text).hexdigest()[:12]
     build_dir = PieConfig().paths.cache / "kernels" / f"{name}-{digest}"
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -79,4 +87,5 @@ if __name__ == "__main__":
     int8_linear_module()
     fused_ops_module()
     bf16_gemv_module()
+    decode_step_module()
     print("pie CPU kernels ready")

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from pie.backend.attention import AttentionPlan, PagedAttention
+from pie.backend.decode_step import FusedDecode
 from pie.backend.glue import make_glue, rms_norm
 from pie.backend.kv_cache import KvCache
 from pie.backend.linear import Int8Linear, Linear, make_linear
@@ -162,6 +163,9 @@ class Llama:
             )
         self.inv_freq = rope_inv_freq(cfg).to(device)
         self.glue = make_glue(dtype, device)
+        self.fused_decode = FusedDecode(self.layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                        cfg.rms_norm_eps) \
+            if FusedDecode.usable(self.layers, dtype, device) else None
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens[token_ids]
@@ -189,6 +193,9 @@ class Llama:
         cfg, glue, eps = self.config, self.glue, self.config.rms_norm_eps
         cos, sin = self.rope_tables(positions)
         tokens = x.shape[0]
+        if self.fused_decode is not None and self.fused_decode.applies(tokens, attention, kv):
+            x = self.fused_decode.run(x, cos, sin, write_slots, plan, attention, kv)  # type: ignore[arg-type]
+            return rms_norm(x[out_rows], self.norm, eps)
         delta = None  # the previous layer's MLP output, added to x by the next norm
         for index, layer in enumerate(self.layers):
             x, h = glue.add_norm(x, delta, layer.input_norm, eps)

@@ -102,8 +102,10 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor weight) {
   return y;
 }
 
+#ifndef PIE_NO_BINDINGS  // csrc/decode_step.cpp includes this file for its functions
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supported", &supported, "whether this build has the AVX-512 BF16 kernel");
   m.def("max_tokens", &max_tokens, "the most rows of x one call takes");
   m.def("gemv", &gemv, "y = x @ weight.T in bf16 for 1..max_tokens() rows of x");
 }
+#endif

@@ -124,8 +124,10 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
+#ifndef PIE_NO_BINDINGS  // csrc/decode_step.cpp includes this file for its functions
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual add + RMSNorm, HF's bf16 roundings (CPU)");
   m.def("rope", &rope, "rotary embedding on [T, heads, D], HF's bf16 roundings (CPU)");
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up from the fused gate/up projection (CPU)");
 }
+#endif

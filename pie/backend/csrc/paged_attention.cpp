@@ -319,7 +319,9 @@ void write_kv(torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots, t
     copy(k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>());
 }
 
+#ifndef PIE_NO_BINDINGS  // csrc/decode_step.cpp includes this file for its functions
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over the KV page pools (CPU)");
   m.def("write_kv", &write_kv, "write new keys and values to their slots in the pools (CPU)");
 }
+#endif

@@ -1,0 +1,53 @@
+"""A bf16 CPU decode step's decoder layers in one C++ call (csrc/decode_step.cpp).
+
+The Python loop of `Llama.forward` dispatches ~9 calls per layer (norms, four linears, RoPE,
+KV write, attention, SiLU * up) plus the slicing between them: ~270 calls and ~2.5 ms of a
+14 ms batch-1 step on the Xeon of 2026-11-26 (2 vCPUs; the linears, ~9.6 ms, are at the
+memory bandwidth). The C++ loop runs the same kernels in the same order, so its result is
+bit-identical to the Python loop's (tests/test_decode_step.py); decode steps of at most
+`max_tokens` tokens take it, everything else (prefill, fp32, int8, biases, other attention
+backends) keeps the Python loop.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pie.backend.attention import AttentionPlan, CpuKernelAttention, PagedAttention
+from pie.backend.kv_cache import KvCache
+from pie.backend.linear import Linear
+
+
+class FusedDecode:
+    def __init__(self, layers: list, heads: int, kv_heads: int, head_dim: int, eps: float):
+        from pie.backend.kernels import decode_step_module
+
+        self.kernel = decode_step_module()
+        self.max_tokens = self.kernel.max_tokens()
+        self.weights = [t for layer in layers for t in (
+            layer.input_norm, layer.qkv.weight, layer.o.weight, layer.post_norm,
+            layer.gate_up.weight, layer.down.weight)]
+        self.shape = (heads, kv_heads, head_dim, eps)
+
+    @staticmethod
+    def usable(layers: list, dtype: torch.dtype, device: torch.device) -> bool:
+        """bf16 on CPU with the AVX-512 BF16 linear for every projection and no biases."""
+        if dtype != torch.bfloat16 or device.type != "cpu":
+            return False
+        linears = [getattr(layer, name) for layer in layers for name in ("qkv", "o", "gate_up", "down")]
+        biases = [getattr(layer, name) for layer in layers
+                  for name in ("qkv_bias", "o_bias", "gate_up_bias", "down_bias")]
+        return all(isinstance(lin, Linear) and lin.gemv is not None for lin in linears) \
+            and all(b is None for b in biases)
+
+    def applies(self, tokens: int, attention: PagedAttention, kv: KvCache) -> bool:
+        return tokens <= self.max_tokens and isinstance(attention, CpuKernelAttention) \
+            and kv.kernel is not None
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write_slots: torch.Tensor,
+            plan: AttentionPlan, attention: CpuKernelAttention, kv: KvCache) -> torch.Tensor:
+        """The residual stream after the last layer (before the final norm)."""
+        heads, kv_heads, head_dim, eps = self.shape
+        return self.kernel.decode_layers(
+            x.contiguous(), self.weights, kv.keys, kv.values, cos.contiguous(), sin.contiguous(),
+            write_slots, *attention.kernel_args(plan), heads, kv_heads, head_dim, eps)

@@ -1,0 +1,94 @@
+"""The one-call bf16 decode step (csrc/decode_step.cpp) is bit-identical to the Python layer
+loop it replaces, on the real model through the engine's fused passes."""
+
+from __future__ import annotations
+
+from array import array
+
+import pytest
+import torch
+
+from pie.backend.engine import Engine
+from pie.config import BackendConfig
+from pie.control.passes import Output, Pass, encode
+
+
+def run_steps(engine: Engine) -> tuple[list[torch.Tensor], list[int], int]:
+    """Three prompts prefilled together, then decode steps of 1 token per sequence and one
+    step where a sequence takes 3 tokens at once (causal within the step); every forward's
+    final hidden states, the greedy tokens, and how many forwards the C++ loop ran."""
+    hidden: list[torch.Tensor] = []
+    model = engine.model
+    forward, fused_calls = model.forward, [0]
+
+    def recording_forward(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        hidden.append(out.clone())
+        return out
+
+    model.forward = recording_forward  # type: ignore[method-assign]
+    if model.fused_decode is not None:
+        run = model.fused_decode.run
+
+        def counting_run(*args, **kwargs):
+            fused_calls[0] += 1
+            return run(*args, **kwargs)
+
+        model.fused_decode.run = counting_run  # type: ignore[method-assign]
+
+    ps = engine.page_size
+    prompts = [list(range(100, 140)), list(range(500, 517)), list(range(900, 933))]
+    pages = [list(range(8 * i, 8 * i + 8)) for i in range(len(prompts))]
+
+    def item(tokens: list[int], length: int, pages: list[int]) -> Pass:
+        ctx = pages[: -(-length // ps)]
+        last = length - (len(ctx) - 1) * ps if ctx else 0
+        return Pass(None, 0, ps, tokens, list(range(length, length + len(tokens))), [], ctx, last,  # type: ignore[arg-type]
+                    pages[length // ps:], length % ps, None, [Output(len(tokens) - 1, sample=True)])
+
+    def run_pass(items: list[Pass]) -> list[int]:
+        reply = engine.handle(encode(items))
+        assert reply.errors == {}
+        out = array("i")
+        out.frombytes(reply.tokens)
+        return out.tolist()
+
+    tokens = run_pass([item(p, 0, pg) for p, pg in zip(prompts, pages)])
+    lengths = [len(p) for p in prompts]
+    generated = list(tokens)
+    for step in range(5):
+        feeds = [[t] for t in tokens]
+        if step == 2:
+            feeds[1] = [tokens[1], 42, 43]  # 5 tokens in this step: still a decode step
+        tokens = run_pass([item(f, n, pg) for f, n, pg in zip(feeds, lengths, pages)])
+        lengths = [n + len(f) for n, f in zip(lengths, feeds)]
+        generated += tokens
+    return hidden, generated, fused_calls[0]
+
+
+def test_fused_decode_is_bit_identical_to_the_python_loop(model_dir):
+    config = BackendConfig(dtype="bfloat16", num_kv_pages=32, num_embeds=16)
+    fused = Engine(model_dir, config)
+    if fused.model.fused_decode is None:
+        pytest.skip("this CPU has no AVX-512 BF16: the Python loop is the only decode path")
+    eager = Engine(model_dir, config)
+    eager.model.fused_decode = None
+    fused_hidden, fused_tokens, calls = run_steps(fused)
+    eager_hidden, eager_tokens, none = run_steps(eager)
+    assert calls == 5 and none == 0  # the prefill (90 tokens) keeps the Python loop
+    assert fused_tokens == eager_tokens
+    assert len(fused_hidden) == len(eager_hidden) == 6
+    for ours, theirs in zip(fused_hidden, eager_hidden):
+        assert torch.equal(ours, theirs)
+
+
+def test_fused_decode_is_only_for_bf16_kernels(model_dir):
+    """fp32 (the correctness oracle's dtype), int8 weights and the torch attention backend
+    keep the Python loop."""
+    assert Engine(model_dir, BackendConfig(dtype="float32", num_kv_pages=8, num_embeds=8)).model.fused_decode is None
+    int8 = Engine(model_dir, BackendConfig(dtype="bfloat16", weight_dtype="int8", num_kv_pages=8, num_embeds=8))
+    assert int8.model.fused_decode is None
+    torch_attention = Engine(model_dir, BackendConfig(dtype="bfloat16", attention="torch",
+                                                      num_kv_pages=8, num_embeds=8))
+    assert torch_attention.model.fused_decode is None or not torch_attention.model.fused_decode.applies(
+        1, torch_attention.attention, torch_attention.kv)
