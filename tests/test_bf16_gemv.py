@@ -28,7 +28,7 @@ def check_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
     assert bool(((y.double() - exact).abs() <= bound).all())
 
 
-@pytest.mark.parametrize("rows", range(1, 9))
+@pytest.mark.parametrize("rows", range(1, 17))
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (7, 64), (131, 32)])
 def test_gemv_matches_exact_products(gemv, rows, n, k):
     """Every token count the kernel takes; row counts that leave partial blocks of 4 / 2
@@ -41,7 +41,7 @@ def test_gemv_matches_exact_products(gemv, rows, n, k):
 def test_gemv_rejects_what_it_cannot_do(gemv):
     w = torch.randn(64, 576).to(BF16)
     cases = [
-        (torch.randn(9, 576).to(BF16), w, "9 rows"),
+        (torch.randn(17, 576).to(BF16), w, "17 rows"),
         (torch.randn(1, 576), w, "x must be a contiguous bfloat16"),
         (torch.randn(1, 576).to(BF16), torch.randn(64, 576), "weight must be a contiguous bfloat16"),
         (torch.randn(1, 512).to(BF16), w, "x has 512 columns"),
@@ -58,8 +58,8 @@ def test_linear_uses_the_kernel_for_decode_sizes_only(gemv):
     A weight whose width is no multiple of 32 never takes the kernel."""
     torch.manual_seed(0)
     layer = Linear((torch.randn(96, 576) / 24).to(BF16))
-    assert layer.gemv is gemv and layer.gemv_max_tokens == gemv.max_tokens() == 8
-    for rows in (1, 8, 9, 70):
+    assert layer.gemv is gemv and layer.gemv_max_tokens == gemv.max_tokens() == 16
+    for rows in (1, 16, 17, 70):
         x = torch.randn(rows, 576).to(BF16)
         check_close(layer(x), x, layer.weight)
     odd = Linear(torch.randn(8, 40).to(BF16))

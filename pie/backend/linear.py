@@ -2,10 +2,12 @@
 
 On CPU in bf16 the weight is prepacked once into oneDNN's blocked layout (AMX/AVX-512
 kernels): measured 1.3-1.5x faster than F.linear across batch sizes here (DESIGN §6).
-Steps of at most 8 tokens (decode) go instead to our AVX-512 BF16 loop (csrc/bf16_gemv.cpp)
-where the CPU has the instructions: it streams each weight once with software prefetch, and
-the 120 layer linears of a SmolLM2-135M step took 8.7 / 11.1 / 16.3 ms at 1 / 4 / 8 tokens
-against oneDNN's 14.0 / 15.6 / 23.9 (Xeon, avx512_bf16, 2 vCPUs; weights not in cache).
+Steps of at most 16 tokens (decode, short prompts) go instead to our AVX-512 BF16 loop
+(csrc/bf16_gemv.cpp) where the CPU has the instructions: it streams each weight once with
+software prefetch, and the 120 layer linears of a SmolLM2-135M step took 8.7 / 11.1 / 16.3 /
+21.4 / 27.2 ms at 1 / 4 / 8 / 12 / 16 tokens against oneDNN's 14.0 / 15.6 / 23.9 / 25.2 / 30.0
+(Xeon, avx512_bf16, 2 vCPUs; weights not in cache). Past 16 tokens oneDNN's blocked kernels
+win (50 vs 54 ms at 32).
 fp32 keeps F.linear so the fp32 path stays HF's arithmetic for the correctness oracle.
 
 `backend.weight_dtype = "int8"` (off by default) stores weights as int8 with one scale per

@@ -1,4 +1,5 @@
-// y = x @ W.T for a few bf16 rows of x (a decode step's tokens), fp32 accumulation, bf16 out.
+// y = x @ W.T for a few bf16 rows of x (a decode step's tokens, a short prompt), fp32
+// accumulation, bf16 out.
 // Why: at 1-4 tokens a linear is a stream over its weight, and oneDNN's bf16 primitive
 // (prepacked) moved the 212 MB of a SmolLM2-135M step's layer weights at ~15 GB/s here
 // (Xeon, avx512_bf16, 2 vCPUs) while the 57 MB LM head moved at ~25 GB/s: per-call setup
@@ -14,9 +15,9 @@
 
 namespace {
 
-constexpr int64_t kMaxTokens = 8;
+constexpr int64_t kMaxTokens = 16;
 // Weight rows per inner block: M x rows accumulators + M x-vectors must fit 32 zmm registers.
-constexpr int rows_per_block(int m) { return m <= 4 ? 4 : 2; }
+constexpr int rows_per_block(int m) { return m <= 4 ? 4 : m <= 8 ? 2 : 1; }
 #ifndef PF
 #define PF 12
 #endif
@@ -95,7 +96,15 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor weight) {
       case 5: rows<5>(xp, wp, k, n, lo, hi, yp); break;
       case 6: rows<6>(xp, wp, k, n, lo, hi, yp); break;
       case 7: rows<7>(xp, wp, k, n, lo, hi, yp); break;
-      default: rows<8>(xp, wp, k, n, lo, hi, yp); break;
+      case 8: rows<8>(xp, wp, k, n, lo, hi, yp); break;
+      case 9: rows<9>(xp, wp, k, n, lo, hi, yp); break;
+      case 10: rows<10>(xp, wp, k, n, lo, hi, yp); break;
+      case 11: rows<11>(xp, wp, k, n, lo, hi, yp); break;
+      case 12: rows<12>(xp, wp, k, n, lo, hi, yp); break;
+      case 13: rows<13>(xp, wp, k, n, lo, hi, yp); break;
+      case 14: rows<14>(xp, wp, k, n, lo, hi, yp); break;
+      case 15: rows<15>(xp, wp, k, n, lo, hi, yp); break;
+      default: rows<16>(xp, wp, k, n, lo, hi, yp); break;
     }
   });
 #endif
