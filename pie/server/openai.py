@@ -289,6 +289,8 @@ def parse(body: dict[str, Any], chat: bool, served_model: str) -> Completion:
     if options is not None and not isinstance(options, dict):
         raise ApiError(400, "stream_options must be an object", "stream_options")
     include_usage = bool(options and options.get("include_usage"))
+    if not stream:
+        args.append("--whole")  # the inferlet may then report its text once, at the end
     for arg in args:
         try:
             arg.encode("utf-8")
