@@ -62,6 +62,7 @@ def test_linear_uses_the_kernel_for_decode_sizes_only(gemv):
     for rows in (1, 16, 17, 70):
         x = torch.randn(rows, 576).to(BF16)
         check_close(layer(x), x, layer.weight)
+    assert layer(torch.empty(0, 576, dtype=BF16)).shape == (0, 96)  # no rows: oneDNN's empty result
     odd = Linear(torch.randn(8, 40).to(BF16))
     assert odd.gemv is None
     x = torch.randn(1, 40).to(BF16)

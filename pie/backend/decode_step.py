@@ -43,7 +43,7 @@ class FusedDecode:
             and all(b is None for b in biases)
 
     def applies(self, tokens: int, attention: PagedAttention, kv: KvCache) -> bool:
-        return tokens <= self.max_tokens and isinstance(attention, CpuKernelAttention) \
+        return 0 < tokens <= self.max_tokens and isinstance(attention, CpuKernelAttention) \
             and kv.kernel is not None
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write_slots: torch.Tensor,

@@ -49,7 +49,7 @@ class Linear:
                 self.gemv, self.gemv_max_tokens = module, module.max_tokens()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.gemv_max_tokens and x.dtype == torch.bfloat16:
+        if 0 < x.shape[0] <= self.gemv_max_tokens and x.dtype == torch.bfloat16:
             return self.gemv.gemv(x.contiguous(), self.weight)  # type: ignore[union-attr]
         if self.weight32 is not None and x.shape[0] >= PREFILL_MIN_TOKENS:
             return F.linear(x.float(), self.weight32).to(x.dtype)
