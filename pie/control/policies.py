@@ -16,13 +16,19 @@ from pie.config import ControlConfig
 
 HEAVY = (P.Kind.FORWARD, P.Kind.PASS)  # kinds that run the model: batched together, gathered
 K_POLICY_MAX_WAIT_S = 0.1
+# How long prompts may wait for the rest of a wave of launches when nothing decodes: 8
+# launched at once submitted their prompts over 23 ms here (instantiation runs one at a
+# time), and the first, sent alone after half a decode step, cost the wave ~75 ms.
+GATHER_WAIT_S = 0.03
 
 
 @dataclass(frozen=True)
 class ReadyView:
     """What a policy decides on: per kind, how many heads could go and when the oldest was
     enqueued; the backend's state; and, per heavy kind, whether queues that ran the model
-    within the last three forwards are about to submit again (`stragglers`)."""
+    within the last three forwards are about to submit again (`stragglers`), and whether only
+    prompts wait (nothing decodes) while launched instances have yet to submit theirs
+    (`gathering`)."""
 
     count: dict[str, int]
     oldest: dict[str, float]
@@ -30,6 +36,7 @@ class ReadyView:
     last_forward_s: float
     now: float
     stragglers: frozenset[str] = frozenset()
+    gathering: bool = False
 
     def preferred(self) -> str:
         """The oldest-waiting kind, except that the model-running kinds yield to cheaper ones.
@@ -66,8 +73,9 @@ class Adaptive:
     """Work-conserving (the default): send as soon as the backend is idle. One exception:
     while queues that ran the model recently are still between calls (about to submit their
     next one), wait for them — at most half a forward's duration — so decoders share one
-    batch instead of drifting into groups that each pay a full forward. (Host-side runs need
-    no waiting: the reply that ends a run's step queues its next one.)"""
+    batch instead of drifting into groups that each pay a full forward; while only prompts
+    wait for a wave of launches, up to GATHER_WAIT_S. (Host-side runs need no waiting: the
+    reply that ends a run's step queues its next one.)"""
 
     single = False
 
@@ -76,6 +84,8 @@ class Adaptive:
             return None, None  # the idle signal wakes the loop
         kind = view.preferred()
         patience = 0.5 * view.last_forward_s
+        if view.gathering:
+            patience = max(patience, GATHER_WAIT_S)
         if kind not in view.stragglers or view.waited(kind) >= patience:
             return kind, None
         return None, max(1, int((patience - view.waited(kind)) * 1e3))

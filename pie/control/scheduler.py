@@ -312,7 +312,10 @@ class Scheduler:
             self.arrivals = {i: t for i, t in self.arrivals.items() if now - t < window}
         stragglers = frozenset(k for k in HEAVY if k in ready
                                and (self.arrivals or recent - ready[k]))
-        return ReadyView(dict(count), oldest, self.backend_idle, self.last_forward_s, now, stragglers)
+        heavy = [c for c in heads if c.kind in HEAVY]
+        gathering = bool(self.arrivals) and bool(heavy) and all(c.tokens > DECODE_TOKENS for c in heavy)
+        return ReadyView(dict(count), oldest, self.backend_idle, self.last_forward_s, now, stragglers,
+                         gathering)
 
     def _form_batch(self, kind: str, single: bool = False) -> list[Command]:
         """The waiting commands of `kind` to send together (just the oldest one if `single`).
