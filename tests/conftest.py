@@ -96,6 +96,31 @@ def hf_chat(hf_model, tokenizer, chat_template) -> HfChat:
     return HfChat(hf_model, tokenizer, chat_template)
 
 
+def sampling_pass(tokens: list[int], length: int, pages: list[int], page_size: int):
+    """A fused pass appending `tokens` to a sequence of `length` cached tokens on `pages`
+    and sampling greedily after its last token (engine-level tests drive `Engine.handle`)."""
+    from pie.control.passes import Output, Pass
+
+    ctx = pages[: -(-length // page_size)]
+    last = length - (len(ctx) - 1) * page_size if ctx else 0
+    return Pass(None, 0, page_size, list(tokens), list(range(length, length + len(tokens))), [],  # type: ignore[arg-type]
+                ctx, last, pages[length // page_size:], length % page_size, None,
+                [Output(len(tokens) - 1, sample=True)])
+
+
+def run_sampling_passes(engine, items: list) -> list[int]:
+    """One batch of `sampling_pass` items through the engine: the token each drew."""
+    from array import array
+
+    from pie.control.passes import encode
+
+    reply = engine.handle(encode(items))
+    assert reply.errors == {}
+    tokens = array("i")
+    tokens.frombytes(reply.tokens)
+    return tokens.tolist()
+
+
 def hf_probe_continuation(hf_model, tokenizer, prompt: str, page_size: int = 16) -> str:
     """What the probe inferlet's `export`/`import` modes send: the prompt's whole pages
     (leaving at least one token) are cached, the next token is fed, and 8 tokens are

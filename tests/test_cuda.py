@@ -13,6 +13,7 @@ import importlib.util
 
 import pytest
 import torch
+from conftest import run_sampling_passes, sampling_pass
 from test_attention import random_plan
 
 from pie.backend.attention import AttentionPlan, TorchPagedAttention
@@ -249,32 +250,12 @@ def test_flashinfer_matches_the_reference(case, path):
 def greedy(engine, prompts: list[list[int]], steps: int) -> list[list[int]]:
     """Greedy tokens of each prompt through fused passes: one prefill batch, then `steps`
     decode batches of every sequence (each on its own 8 pages)."""
-    from array import array
-
-    from pie.control.passes import Output, Pass, encode
-
     ps = engine.page_size
-
-    def run(items: list[Pass]) -> list[int]:
-        reply = engine.handle(encode(items))
-        assert reply.errors == {}
-        tokens = array("i")
-        tokens.frombytes(reply.tokens)
-        return tokens.tolist()
-
-    def item(tokens, start, pages, length) -> Pass:
-        ctx = pages[: -(-length // ps)]
-        last = length - (len(ctx) - 1) * ps if ctx else 0
-        positions = list(range(start, start + len(tokens)))
-        return Pass(None, 0, ps, list(tokens), positions, [], ctx, last,  # type: ignore[arg-type]
-                    pages[length // ps :], length % ps, None,
-                    [Output(len(tokens) - 1, sample=True)])
-
     pages = [list(range(8 * i, 8 * i + 8)) for i in range(len(prompts))]
-    out = [[t] for t in run([item(p, 0, pages[i], 0) for i, p in enumerate(prompts)])]
+    out = [[t] for t in run_sampling_passes(engine, [sampling_pass(p, 0, pages[i], ps) for i, p in enumerate(prompts)])]
     for _ in range(steps):
         lengths = [len(p) + len(o) - 1 for p, o in zip(prompts, out)]
-        step = run([item([o[-1]], n, pg, n) for o, n, pg in zip(out, lengths, pages)])
+        step = run_sampling_passes(engine, [sampling_pass([o[-1]], n, pg, ps) for o, n, pg in zip(out, lengths, pages)])
         for o, t in zip(out, step):
             o.append(t)
     return out

@@ -3,14 +3,13 @@ loop it replaces, on the real model through the engine's fused passes."""
 
 from __future__ import annotations
 
-from array import array
-
 import pytest
 import torch
 
 from pie.backend.engine import Engine
 from pie.config import BackendConfig
-from pie.control.passes import Output, Pass, encode
+
+from conftest import run_sampling_passes, sampling_pass
 
 
 def run_steps(engine: Engine) -> tuple[list[torch.Tensor], list[int], int]:
@@ -40,27 +39,14 @@ def run_steps(engine: Engine) -> tuple[list[torch.Tensor], list[int], int]:
     prompts = [list(range(100, 140)), list(range(500, 517)), list(range(900, 933))]
     pages = [list(range(8 * i, 8 * i + 8)) for i in range(len(prompts))]
 
-    def item(tokens: list[int], length: int, pages: list[int]) -> Pass:
-        ctx = pages[: -(-length // ps)]
-        last = length - (len(ctx) - 1) * ps if ctx else 0
-        return Pass(None, 0, ps, tokens, list(range(length, length + len(tokens))), [], ctx, last,  # type: ignore[arg-type]
-                    pages[length // ps:], length % ps, None, [Output(len(tokens) - 1, sample=True)])
-
-    def run_pass(items: list[Pass]) -> list[int]:
-        reply = engine.handle(encode(items))
-        assert reply.errors == {}
-        out = array("i")
-        out.frombytes(reply.tokens)
-        return out.tolist()
-
-    tokens = run_pass([item(p, 0, pg) for p, pg in zip(prompts, pages)])
+    tokens = run_sampling_passes(engine, [sampling_pass(p, 0, pg, ps) for p, pg in zip(prompts, pages)])
     lengths = [len(p) for p in prompts]
     generated = list(tokens)
     for step in range(5):
         feeds = [[t] for t in tokens]
         if step == 2:
             feeds[1] = [tokens[1], 42, 43]  # 5 tokens in this step: still a decode step
-        tokens = run_pass([item(f, n, pg) for f, n, pg in zip(feeds, lengths, pages)])
+        tokens = run_sampling_passes(engine, [sampling_pass(f, n, pg, ps) for f, n, pg in zip(feeds, lengths, pages)])
         lengths = [n + len(f) for n, f in zip(lengths, feeds)]
         generated += tokens
     return hidden, generated, fused_calls[0]

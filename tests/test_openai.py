@@ -48,6 +48,24 @@ def test_each_request_is_served_by_the_openai_completion_inferlet(client, pie_se
     assert after.get("sample", 0) == before.get("sample", 0)
 
 
+def test_a_whole_response_wakes_its_inferlet_once_and_prefills_in_the_run(client, pie_server):
+    """Not streamed, no stop strings: the run reports its tokens at its end (a take or two,
+    not one per token), and one choice needs no separate prefill pass (`execute`)."""
+    def calls() -> dict:
+        return dict(pie_server.get("/stats")[1]["host_calls"].get("openai_completion", {}))
+
+    prompt = "The three primary colors are red, yellow and"
+    before = calls()
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    after = calls()
+    assert after.get("take", 0) - before.get("take", 0) <= 2
+    assert after.get("execute", 0) == before.get("execute", 0)
+    streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                         stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed) == whole.choices[0].text
+    assert calls().get("take", 0) - after.get("take", 0) >= 12  # streamed: woken per token
+
+
 def test_completion_equals_hf_greedy_with_logprobs(client, hf_model, tokenizer):
     prompt = "The capital of France is"
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=2)

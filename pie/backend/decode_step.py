@@ -25,7 +25,7 @@ class FusedDecode:
         from pie.backend.kernels import decode_step_module
 
         self.kernel = decode_step_module()
-        self.max_tokens = self.kernel.max_tokens()
+        self.max_tokens = layers[0].qkv.gemv_max_tokens  # the bf16 linear's limit (`usable`)
         self.weights = [t for layer in layers for t in (
             layer.input_norm, layer.qkv.weight, layer.o.weight, layer.post_norm,
             layer.gate_up.weight, layer.down.weight)]

@@ -39,9 +39,10 @@ fn parse(args: &[String]) -> Result<Request, String> {
                           stops: Vec::new(), n: 1, logprobs: None, ignore_eos: false, whole: false };
     let mut rest = args.iter().cloned();
     while let Some(flag) = rest.next() {
-        if flag == "--ignore-eos" || flag == "--whole" {
-            *(if flag == "--whole" { &mut r.whole } else { &mut r.ignore_eos }) = true;
-            continue;
+        match flag.as_str() {
+            "--ignore-eos" => { r.ignore_eos = true; continue; }
+            "--whole" => { r.whole = true; continue; }
+            _ => {}
         }
         let mut value = || rest.next().ok_or(format!("{flag} needs a value"));
         match flag.as_str() {

@@ -47,6 +47,4 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& l
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_layers", &decode_layers, "all decoder layers of a bf16 decode step (CPU)");
-  m.def("supported", &supported, "whether the AVX-512 BF16 linear is compiled in");
-  m.def("max_tokens", &max_tokens, "the most tokens a step may have");
 }
