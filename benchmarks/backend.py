@@ -11,6 +11,14 @@ samples and the settings (rounds, order, dtype, CPU model and flags, torch versi
 attention implementation) go to benchmarks/results/backend.json (`--out` elsewhere).
 
     python benchmarks/backend.py [--dtype auto] [--rounds 5] [--steps 8] [--quick] [--out FILE]
+        [--device cuda [--attention flashinfer] [--cuda-graphs]]
+
+On a GPU (`--device cuda`, results to benchmarks/results/backend-cuda.json) both sides run
+there: the backend with the given attention (and CUDA graphs for decode), HF on the same
+device, every HF step synchronised before its clock stops. benchmarks/cuda_check.sh runs it
+on a GPU machine with the tests of the CUDA path. The model is whatever `pie model path`
+resolves; its `pie-source.json` goes to the results (it says when the weights are random,
+as on the GPU machine, which the default weights cannot reach).
 
 `--quick` (batch 1 and 2 at context 32, a 64-token prefill, 2 rounds of 2 steps) is the
 smoke run tests/test_bench_scripts.py makes; it writes every field the full run does.
@@ -19,8 +27,10 @@ smoke run tests/test_bench_scripts.py makes; it writes every field the full run 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -34,7 +44,7 @@ from benchmarks.run_info import command_line, machine_settings, rotated, write_r
 from pie import protocol as P
 from pie.backend.dtype import resolve_dtype
 from pie.backend.weights import resolve_model_dir
-from pie.config import load_config
+from pie.config import BackendConfig, load_config
 from pie.control.backend_link import BackendLink, BackendProcess
 from pie.control.direct import DirectBatch
 
@@ -66,29 +76,45 @@ class PieSide:
 
 
 class HfSide:
-    def __init__(self, model_dir: Path, dtype: torch.dtype):
+    def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device):
         from transformers import AutoModelForCausalLM
 
         # HF's default attention (no attn_implementation): what an HF user gets.
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
         self.attn_implementation = self.model.config._attn_implementation
+        self.device = device
+
+    def _sync(self) -> None:
+        """On a GPU, wait for the step's kernels: the other side's reply only comes after them."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def prepare(self, batch: int, context: int) -> None:
-        ids = torch.tensor([[100 + (b + i) % 1000 for i in range(context)] for b in range(batch)])
+        ids = torch.tensor([[100 + (b + i) % 1000 for i in range(context)] for b in range(batch)],
+                           device=self.device)
         out = self.model(ids, use_cache=True)
         self.cache, self.next = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        self._sync()
 
     @torch.inference_mode()
     def decode_step(self) -> int:
         out = self.model(self.next, past_key_values=self.cache, use_cache=True)
         self.cache, self.next = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        self._sync()
         return self.next.shape[0]
 
     @torch.inference_mode()
     def prefill(self, n: int) -> None:
-        ids = torch.tensor([[100 + i % 1000 for i in range(n)]])
+        ids = torch.tensor([[100 + i % 1000 for i in range(n)]], device=self.device)
         self.model(ids, use_cache=True).logits[:, -1].argmax(-1)
+        self._sync()
+
+
+def model_source(model_dir: Path) -> dict | None:
+    """What `pie model pull` (or benchmarks/random_model.py) wrote about where the weights came from."""
+    path = model_dir / "pie-source.json"
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def timed(fn, *args) -> float:
@@ -104,9 +130,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None, help=f"alternating rounds per config (default {ROUNDS}; quick {QUICK_ROUNDS})")
     parser.add_argument("--steps", type=int, default=None, help="decode steps timed per round (default 8; quick 2)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run")
-    parser.add_argument("--out", default=str(RESULTS / "backend.json"), help="where the JSON goes")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where both sides run")
+    parser.add_argument("--attention", default="auto", choices=["auto", "torch", "cpu-kernel", "flashinfer"],
+                        help="the backend's backend.attention (default auto)")
+    parser.add_argument("--cuda-graphs", action="store_true", help="backend.cuda_graphs = true (device cuda, attention flashinfer)")
+    parser.add_argument("--out", default=None, help="where the JSON goes (default results/backend.json; backend-cuda.json on cuda)")
     args = parser.parse_args()
-    args.dtype = resolve_dtype(args.dtype, "cpu")  # one concrete dtype for every side
+    args.dtype = resolve_dtype(args.dtype, args.device)  # one concrete dtype for every side
+    out = args.out or str(RESULTS / ("backend.json" if args.device == "cpu" else "backend-cuda.json"))
     rounds = args.rounds or (QUICK_ROUNDS if args.quick else ROUNDS)
     steps = args.steps or (2 if args.quick else 8)
     prefill_tokens = 64 if args.quick else 512
@@ -115,11 +146,17 @@ def main() -> None:
     model_dir = resolve_model_dir(config.model.path, config.paths.cache)
     configs = [(1, 32), (2, 32)] if args.quick else [(b, l) for b in (1, 8, 32) for l in (128, 512)]
     order = [rotated(["pie", "hf"], r) for r in range(rounds)]
-    process = BackendProcess(model_dir, extra_args=["--dtype", args.dtype])
+    backend = BackendConfig(device=args.device, dtype=args.dtype, attention=args.attention,
+                            cuda_graphs=args.cuda_graphs)  # checked here, before a process starts
+    settings = tempfile.NamedTemporaryFile("w", suffix=".toml", prefix="pie-bench-")
+    settings.write(f'[backend]\ndevice = "{backend.device}"\nattention = "{backend.attention}"\n'
+                   f"cuda_graphs = {str(backend.cuda_graphs).lower()}\n")
+    settings.flush()
+    process = BackendProcess(model_dir, settings.name, extra_args=["--dtype", args.dtype])
     try:
         link, hs = process.connect()
         pie = PieSide(link, hs, steps=rounds * steps + 2)
-        hf = HfSide(model_dir, getattr(torch, args.dtype))
+        hf = HfSide(model_dir, getattr(torch, args.dtype), torch.device(args.device))
         sides = {"pie": pie, "hf": hf}
         results: dict = {"prefill": {}, "decode": []}
 
@@ -166,18 +203,21 @@ def main() -> None:
         link.close()
     finally:
         process.stop()
+        settings.close()
 
     results["meta"] = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": command_line(), "quick": args.quick, "rounds": rounds, "order": order,
-        "steps_per_round": steps, "model": model_dir.name, "dtype": args.dtype,
+        "steps_per_round": steps, "model": model_dir.name, "model_source": model_source(model_dir),
+        "device": args.device, "attention": args.attention, "cuda_graphs": args.cuda_graphs,
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "dtype": args.dtype,
         "pie_dtype": hs.dtype, "hf_dtype": str(next(hf.model.parameters()).dtype).removeprefix("torch."),
         "hf_attn_implementation": hf.attn_implementation, "threads": torch.get_num_threads(),
         **machine_settings(),
         "method": "medians over alternating rounds after an untimed warm-up of each side; "
                   "Pie through a real backend process over ZeroMQ, HF in this process",
     }
-    write_results(args.out, results)
+    write_results(out, results)
 
 
 if __name__ == "__main__":

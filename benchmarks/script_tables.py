@@ -33,8 +33,14 @@ def _header(data: Json, name: str) -> list[str]:
 
 def backend(data: Json) -> list[str]:
     meta, prefill = data["meta"], data["prefill"]
+    where = f"{meta.get('threads', '?')} threads"
+    if meta.get("device") == "cuda":
+        where = (f"both on one {meta.get('gpu')}; Pie's attention {meta.get('attention')}"
+                 + (" with CUDA graphs for decode" if meta.get("cuda_graphs") else ", eager"))
+    if (meta.get("model_source") or {}).get("random_weights"):
+        where += "; random weights of the default model's shapes (benchmarks/random_model.py)"
     lines = [f"Pie's backend vs HF transformers ({meta.get('hf_attn_implementation', '?')} attention), "
-             f"same weights, {_dtype(data)}, {meta.get('threads', '?')} threads; ratio = HF time / Pie time.", "",
+             f"same weights, {_dtype(data)}, {where}; ratio = HF time / Pie time.", "",
              "| step | Pie | HF | ratio |", "|---|---|---|---|",
              f"| prefill, {prefill['tokens']} tokens | {_f(prefill['pie_tokens_per_s'])} tok/s | "
              f"{_f(prefill['hf_tokens_per_s'])} tok/s | {prefill['pie_over_hf']:.2f}× |"]
@@ -154,8 +160,17 @@ SCRIPTS: dict[str, tuple[str, Callable[[Json], list[str]]]] = {
 }
 
 
+# Files that benchmarks/cuda_check.sh makes on a GPU machine (`python -m benchmarks` cannot
+# run them here): rendered where present, never run.
+GPU_FILES: dict[str, tuple[str, Callable[[Json], list[str]]]] = {
+    "backend-cuda": ("Backend step on a GPU: FlashInfer and CUDA graphs", backend),
+    "backend-cuda-eager": ("Backend step on a GPU: FlashInfer, eager", backend),
+    "backend-cuda-torch": ("Backend step on a GPU: torch attention", backend),
+}
+
+
 def section(name: str, data: Json) -> list[str]:
-    title, render = SCRIPTS[name]
+    title, render = SCRIPTS[name] if name in SCRIPTS else GPU_FILES[name]
     try:
         body = render(data)
     except KeyError as e:  # a file an older version of the script wrote

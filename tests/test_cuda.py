@@ -13,7 +13,7 @@ import importlib.util
 
 import pytest
 import torch
-from conftest import run_sampling_passes, sampling_pass
+from conftest import hf_greedy, run_sampling_passes, sampling_pass
 from test_attention import random_plan
 
 from pie.backend.attention import AttentionPlan, TorchPagedAttention
@@ -24,6 +24,7 @@ from pie.backend.paged_index import PagedIndex
 from pie.config import BackendConfig, ConfigError, load_config
 
 CPU = torch.device("cpu")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none on this machine")
 needs_gpu = pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("flashinfer") is None,
     reason="needs a CUDA GPU and flashinfer; none on this machine",
@@ -208,6 +209,21 @@ def test_cuda_graphs_need_cuda_and_flashinfer(tmp_path):
         load_config(path)
 
 
+def test_auto_attention_is_flashinfer_on_cuda_where_it_is_installed(monkeypatch):
+    from pie.backend.engine import Engine
+
+    choose, cuda = Engine.attention_choice, torch.device("cuda")
+    assert choose("auto", CPU, torch.bfloat16) == "cpu-kernel"
+    assert choose("torch", CPU, torch.bfloat16) == "torch"
+    assert choose("torch", cuda, torch.bfloat16) == "torch"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "flashinfer" else None)
+    assert choose("auto", cuda, torch.bfloat16) == "flashinfer"
+    assert choose("auto", cuda, torch.float16) == "flashinfer"
+    assert choose("auto", cuda, torch.float32) == "torch"  # FlashInfer has no fp32 kernels
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert choose("auto", cuda, torch.bfloat16) == "torch"
+
+
 # --- on a GPU ------------------------------------------------------------------------------
 
 def cuda_pool(g: torch.Generator, pages: int, ps: int) -> KvCache:
@@ -259,6 +275,17 @@ def greedy(engine, prompts: list[list[int]], steps: int) -> list[list[int]]:
         for o, t in zip(out, step):
             o.append(t)
     return out
+
+
+@needs_cuda
+def test_fp32_greedy_on_cuda_equals_hf(model_dir, hf_model):
+    """The oracle on the GPU: fp32 with the torch attention, HF's greedy tokens exactly."""
+    from pie.backend.engine import Engine
+
+    engine = Engine(model_dir, BackendConfig(device="cuda", dtype="float32", attention="torch",
+                                             num_kv_pages=64, num_embeds=64))
+    prompts = [[1, 504, 3575, 282, 4649, 314], [1, 2, 3] * 7, [42] * 17]
+    assert greedy(engine, prompts, 15) == [hf_greedy(hf_model, p, 16) for p in prompts]
 
 
 @needs_gpu

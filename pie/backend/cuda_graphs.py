@@ -1,8 +1,13 @@
-"""CUDA graphs for decode steps (`backend.cuda_graphs = true`) — UNVERIFIED: never run on a GPU.
+"""CUDA graphs for decode steps (`backend.cuda_graphs = true`).
+
+Verified on one NVIDIA H200 (2026-11-26, benchmarks/cuda_check.sh): greedy tokens with
+graphs equal those without, padded buckets and the eager fallback included
+(tests/test_cuda.py); the decode step took 4.7 / 6.8 / 9.3 ms at batch 1 / 8 / 32 against
+30.7 / 30.1 / 32.0 ms eager (context 128, benchmarks/results/backend-cuda*.json).
 
 Why: a decode step of a small model on a GPU is bound by kernel launches, not arithmetic:
-~30 layers of a dozen kernels, each launched from Python. A captured graph replays the
-whole forward with one launch.
+~30 layers of a dozen kernels, each launched from Python (on that machine's slow host CPU,
+~30 ms a step whatever the batch). A captured graph replays the whole forward with one launch.
 
 How: at start, the decode forward (`Llama.forward` with FlashInfer's decode kernel in its
 CUDA-graph mode) is captured once per batch-size bucket — 1, 2, 4, ... up to

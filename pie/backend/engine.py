@@ -8,6 +8,8 @@ raises ProtocolError and gets a whole-request error reply instead.
 
 from __future__ import annotations
 
+import importlib.util
+
 import json
 import math
 from collections import Counter
@@ -131,15 +133,28 @@ class Engine:
         self.rng.seed()
         self.counters: Counter[str] = Counter()
 
+    @staticmethod
+    def attention_choice(choice: str, device: torch.device, dtype: torch.dtype) -> str:
+        """backend.attention with "auto" resolved: our C++ kernel on CPU; on CUDA, FlashInfer
+        where it is installed and takes the dtype (bf16/fp16), else the torch reference. On one
+        H200 (benchmarks/results/backend-cuda-*.json) FlashInfer's eager decode step took 20-32
+        ms at batch 1-32 against the torch reference's 40-430 ms."""
+        if choice != "auto":
+            return choice
+        if device.type == "cpu":
+            return "cpu-kernel"
+        usable = dtype in (torch.float16, torch.bfloat16) and importlib.util.find_spec("flashinfer")
+        return "flashinfer" if usable else "torch"
+
     def _attention_backend(self) -> PagedAttention:
         cfg = self.model.config
-        choice = self.config.attention
+        choice = self.attention_choice(self.config.attention, self.device, self.dtype)
         if choice == "flashinfer":
             from pie.backend.flashinfer_attention import FlashInferAttention
 
             return FlashInferAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.dtype,
                                        self.device)
-        if choice == "cpu-kernel" or (choice == "auto" and self.device.type == "cpu"):
+        if choice == "cpu-kernel":
             return CpuKernelAttention()
         return TorchPagedAttention()
 

@@ -1,8 +1,10 @@
-"""Paged attention on CUDA through FlashInfer — UNVERIFIED: it has never run on a GPU.
+"""Paged attention on CUDA through FlashInfer (0.6.18; an optional import).
 
-Kept behind `backend.attention = "flashinfer"` and an optional import until a GPU machine
-runs tests/test_cuda.py (which holds it to TorchPagedAttention). Written against FlashInfer
-0.6.18's wrappers (python/flashinfer/decode.py, prefill.py), read, not run.
+Verified on one NVIDIA H200 (torch 2.11+cu130, 2026-11-26, benchmarks/cuda_check.sh):
+tests/test_cuda.py holds all three paths to TorchPagedAttention on random pools (decode,
+causal prefill, custom masks with hidden slots, scratch slots) and passes there; the H100
+and other FlashInfer versions have not run it. `backend.attention = "auto"` picks it on
+CUDA where it is installed (Engine.attention_choice).
 
 The KV cache is then in its "nhd" layout (pie/backend/kv_cache.py), which FlashInfer's
 paged kernels read in place. Per forward, one plan for every layer, one of three paths:
@@ -49,11 +51,14 @@ class FlashInferAttention:
             raise RuntimeError(f"FlashInfer's kernels take fp16/bf16, not {dtype}; set "
                                "backend.dtype = 'bfloat16' or use attention = 'torch'")
         workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        # One workspace for the three: a forward uses exactly one of them.
+        # One workspace for the three: a forward uses exactly one of them. The prefill
+        # wrappers are pinned to FlashInfer's FA2 kernels: "auto" settles on a backend at a
+        # wrapper's first plan and keeps it, so a first causal plan on Hopper would pick FA3,
+        # which has no custom masks, for every later masked plan too.
         self.wrappers = {
             "decode": flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD"),
-            "prefill": flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD"),
-            "ragged": flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD"),
+            "prefill": flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2"),
+            "ragged": flashinfer.BatchPrefillWithRaggedKVCacheWrapper(workspace, "NHD", backend="fa2"),
         }
         self.heads, self.kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.dtype = dtype
