@@ -106,6 +106,10 @@ class ControlConfig:
     # policy "terminate-newest" (instances launched after the requester are ended, newest
     # first, until they held enough; then the allocation waits for their teardown).
     pool_full: str = "wait"
+    # Keep the full KV pages of prompts and copy them into later passes that start with the
+    # same tokens, per user (pie/control/prefix_cache.py); their pages are the first to go
+    # when the pool runs short.
+    prefix_cache: bool = True
     kvs_max_bytes: int = 64 * 2**20  # keys + values in the key-value store, all users together
     # Largest HTTP response body an inferlet may fetch; a larger one fails with an `io` error
     # (read in pieces, never whole).

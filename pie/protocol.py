@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 IDLE_REQUEST_ID = 0
 
 
@@ -244,6 +244,10 @@ class Passes(Message):
     logprob_ids: bytes  # [i32]
     logprob_indptr: bytes  # [i32] R + 1
     allowed: list[bytes | None] = field(default_factory=list)  # R, or empty
+    # Whole KV pages copied before the forward and after it: [i32] pairs (src, dst), the
+    # prefix cache's hits and the pages it keeps (pie/control/prefix_cache.py).
+    copy_before: bytes = b""
+    copy_after: bytes = b""
 
 
 FLAG_SAMPLE = 1

@@ -302,8 +302,8 @@ def test_prefills_that_outnumber_the_decoders_go_whole(chunking):
     wait_for(lambda: backend.batches)  # the decoder's prefill is in flight
     sessions = [controller.session(f"p{i}", []) for i in range(2)]
     queues = [s.create_queue("m") for s in sessions]
-    for s, q in zip(sessions, queues):
-        submit(s, q, list(range(100, 124)), out=s.alloc_kvpage(q, 2), outputs=[sampled(23)])
+    for i, (s, q) in enumerate(zip(sessions, queues)):  # different prompts: nothing to share
+        submit(s, q, list(range(100 * i, 100 * i + 24)), out=s.alloc_kvpage(q, 2), outputs=[sampled(23)])
     backend.hold.set()
     for s, q in zip(sessions, queues):
         ((_, status, tokens, _, error),) = take_all(s, q)

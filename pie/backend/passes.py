@@ -25,7 +25,7 @@ _TYPES = {
     "out_kv_page_ids": "<i4", "out_kv_page_indptr": "<i4", "out_kv_offsets": "<i4",
     "out_indptr": "<i4", "out_index": "<i4", "flags": "u1", "temperature": "<f4", "top_k": "<i4",
     "top_p": "<f4", "min_p": "<f4", "seed": "<i8", "dist_k": "<i4", "keep_embed": "<i4",
-    "logprob_ids": "<i4", "logprob_indptr": "<i4",
+    "logprob_ids": "<i4", "logprob_indptr": "<i4", "copy_before": "<i4", "copy_after": "<i4",
 }
 
 
@@ -39,6 +39,9 @@ def _columns(msg: P.Passes) -> dict[str, np.ndarray]:
         cols[name] = values.astype(np.int64) if dtype[1] == "i" else values
     n = len(cols["kv_last_page_lens"])
     rows = len(cols["out_index"])
+    for name in ("copy_before", "copy_after"):
+        if len(cols[name]) % 2:
+            raise P.ProtocolError(f"pass.{name} must hold (src, dst) page pairs, has {len(cols[name])} ids")
     for name in ("out_kv_offsets",):
         if len(cols[name]) != n:
             raise P.ProtocolError(f"pass.{name} must have {n} entries, has {len(cols[name])}")
@@ -61,6 +64,18 @@ def _columns(msg: P.Passes) -> dict[str, np.ndarray]:
     if msg.allowed and len(msg.allowed) != rows:
         raise P.ProtocolError(f"pass.allowed must have {rows} entries or none")
     return cols
+
+
+def _copy_pages(engine: Engine, pairs: np.ndarray, name: str) -> None:
+    """Whole pages (K, V and mask bits), src -> dst pairs: the prefix cache's copies. Only
+    the control layer sends them, and a bad id is its bug: the whole request fails."""
+    if not len(pairs):
+        return
+    if np.any((pairs < 0) | (pairs >= engine.num_pages)):
+        raise P.ProtocolError(f"pass.{name}: a page id is out of range [0, {engine.num_pages})")
+    ps = engine.page_size
+    slots = (pairs[:, None] * ps + np.arange(ps)).reshape(-1, 2, ps)  # [pair, src/dst, slot]
+    engine.kv.copy_slots(engine._tensor(slots[:, 0].ravel()), engine._tensor(slots[:, 1].ravel()))
 
 
 def _check_values(engine: Engine, c: dict[str, np.ndarray], msg: P.Passes) -> dict[int, str]:
@@ -123,6 +138,7 @@ def run_passes(engine: Engine, msg: P.Passes) -> P.PassesReply:
 
     c = _columns(msg)
     n = len(c["kv_last_page_lens"])
+    _copy_pages(engine, c["copy_before"], "copy_before")
     errors = _check_values(engine, c, msg)
     items, token_rows, out_rows, row_items = [], [], [], []
     layout = engine.layout()
@@ -169,6 +185,7 @@ def run_passes(engine: Engine, msg: P.Passes) -> P.PassesReply:
             logits = engine.model.logits(hidden[0][engine._tensor(need)])
             _outputs(engine, msg, c, rows[need], logits, errors, row_items, tokens, entropy,
                      logprobs, dist_counts, dist_ids, dist_probs)
+    _copy_pages(engine, c["copy_after"], "copy_after")
     engine._count("pass", n, len(errors), layout.tokens)
     indptr = np.concatenate([[0], np.cumsum(dist_counts)]).astype(np.int32)
     cat = (lambda parts, dt: np.concatenate(parts).astype(dt) if parts else np.zeros(0, dt))

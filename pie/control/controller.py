@@ -31,10 +31,12 @@ class Controller:
     def __init__(self, config: PieConfig, endpoint: str, handshake: P.HandshakeReply):
         self.config, self.hs = config, handshake
         control = config.control
-        self.resources = ResourceManager(handshake.num_kv_pages, handshake.num_embeds,
-                                         control.alloc_wait_ms / 1000)
+        self.resources = ResourceManager(
+            handshake.num_kv_pages, handshake.num_embeds, control.alloc_wait_ms / 1000,
+            prefix_cache_page_size=handshake.page_size if control.prefix_cache else 0)
         self.quotas = QuotaBook(config.quota)
         self.scheduler = Scheduler(endpoint, config.control, handshake.max_batch_tokens)
+        self.scheduler.prefix_cache = self.resources.prefix_cache
         self.tokenizer = TextTokenizer(handshake)
         self.grammars = GrammarCompiler(handshake)
         self.bus = MessageBus(config.server.max_pending_messages, config.server.max_pending_bytes)
@@ -52,8 +54,9 @@ class Controller:
     def stats(self, user: str | None = None) -> dict:
         """Scheduler and pool statistics, and what users hold: every user's (user None, for
         admins) or only `user`'s. Pool totals are shared by all and shown to all."""
-        with self.resources.lock:
-            pools = {"kv_pages_free": self.resources.pages.available,
+        cache = self.resources.prefix_cache
+        with self.resources.lock:  # cached pages nobody holds count as free: an allocation takes them
+            pools = {"kv_pages_free": self.resources.pages.available + (cache.evictable() if cache else 0),
                      "kv_pages_total": self.resources.pages.size,
                      "embeds_free": self.resources.embeds.available,
                      "embeds_total": self.resources.embeds.size}
@@ -62,6 +65,7 @@ class Controller:
         with self.kvs.lock:
             for name, account in users.items():
                 account["kvs_bytes"] = self.kvs.used_by[name]
+        pools["prefix_cache"] = cache.stats() if cache is not None else None
         return {"scheduler": self.scheduler.snapshot_stats(), "resources": pools,
                 "users": users, "broadcasts_dropped": self.bus.dropped}
 
@@ -357,7 +361,7 @@ class InstanceSession:
         p = Pass(q, self.next_pass_id, self.page_size, list(token_ids), list(positions),
                  self.resources.embeds.resolve(embeds), self.resources.pages.resolve(kv_pages),
                  last_len, self.c.resources.writable_pages(self.resources, out_pages), out_offset,
-                 mask, outputs, frozenset(stop_tokens), stream=stream)
+                 mask, outputs, frozenset(stop_tokens), stream=stream, scope=self.resources.user)
         p.validate(self.limits, run_steps)
         self.next_pass_id += 1
         self.passes[p.pass_id] = p

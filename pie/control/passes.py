@@ -111,6 +111,20 @@ class Pass:
     filled: int = 0
     last_position: int = 0
     parent: Pass | None = None  # a chunk (see `split`): its results are not published
+    index_base: int = 0  # leading new tokens cut off (chunks, cached pages): add to result indices
+    # The prefix cache's view (pie/control/prefix_cache.py): the user it is scoped to; the
+    # tokens at positions [0, context + new) where known (a pass from the start, then its
+    # chunks and run steps) and their page hashes so far; cached pages copied in before the
+    # forward (cache page, own page); own pages copied out after it (key, own page, cache page).
+    scope: str = ""
+    prefix: list[int] | None = None
+    chain: list[bytes] = field(default_factory=list)
+    copy_in: list[tuple[int, int]] = field(default_factory=list)
+    saves: list[tuple[tuple[str, bytes], int, int]] = field(default_factory=list)
+    cache: Any = None  # the PrefixCache that planned copy_in / saves, told when this settles
+    cache_checked: bool = False
+    deferred: bool = False  # held back once for a page another pass was computing
+    dropped: bool = False  # failed before or while it ran: nothing more is planned for it
 
     @property
     def owner(self) -> Pass:
@@ -179,6 +193,18 @@ class Pass:
     def context_slots(self) -> int:
         return (len(self.kv_pages) - 1) * self.page_size + self.last_len if self.kv_pages else 0
 
+    def slot_pages(self) -> list[int]:
+        """The pages holding slots 0, 1, ... of this pass's sequence: the context's, then
+        the output pages beyond a partial last context page."""
+        partial = bool(self.kv_pages) and self.last_len < self.page_size
+        return self.kv_pages + (self.out_pages[1:] if partial else self.out_pages)
+
+    def from_start(self) -> bool:
+        """Tokens only, at positions 0..n-1, on output pages from offset 0 with no context
+        and no mask: what the prefix cache can name by its tokens alone."""
+        return (not self.kv_pages and not self.embeds and self.mask is None and self.out_offset == 0
+                and bool(self.out_pages) and self.positions == list(range(len(self.token_ids))))
+
     def _validate_run(self, ps: int, steps: int) -> None:
         if steps < 1:
             raise _invalid("steps must be at least 1")
@@ -232,8 +258,12 @@ class Pass:
         embeds, tokens = self.embeds[:n], self.token_ids[:max(0, n - len(self.embeds))]
         chunk = Pass(self.queue, self.pass_id, ps, tokens, self.positions[:len(tokens)], embeds,
                      self.kv_pages, self.last_len, self.out_pages, self.out_offset, None, [],
-                     parent=self)
+                     parent=self, scope=self.scope, cache_checked=self.cache_checked)
         context = self.context_slots()
+        if self.prefix is not None:
+            chunk.prefix, chunk.chain = self.prefix[:context + n], list(self.chain)
+        chunk.copy_in, self.copy_in = self.copy_in, []  # cached pages go in before the first chunk
+        chunk.cache = self.cache
         partial = bool(self.kv_pages) and self.last_len < ps
         pages = self.kv_pages + (self.out_pages[1:] if partial else self.out_pages)
         filled = context + n
@@ -244,6 +274,7 @@ class Pass:
         self.token_ids, self.positions = self.token_ids[len(tokens):], self.positions[len(tokens):]
         for o in self.outputs:
             o.index -= n
+        self.index_base += n
         self.filled += n  # a run counts the chunk as context of its first step
         self._derive(self.enqueued)
         return chunk
@@ -261,8 +292,10 @@ class Pass:
         self.out_pages = [self.run_pages[self.filled // ps]]
         self.out_offset = self.filled % ps
         self.token_ids, self.positions, self.embeds, self.mask = [token], [self.last_position], [], None
+        if self.prefix is not None:
+            self.prefix.append(token)
         out = self.outputs[0]
-        out.index = 0
+        out.index, self.index_base = 0, 0
         if out.seed >= 0:
             out.seed = (out.seed + 1) % (1 << 63)
         self.steps_left -= 1
@@ -383,8 +416,10 @@ def encode(batch: list[Pass]) -> P.Passes:
             lpptr.append(len(lp))
             allowed.append(o.matcher.allowed_mask() if o.matcher is not None else o.allowed)
         oindptr.append(len(oidx))
+    copy_before = [page for p in batch for pair in p.copy_in for page in pair]
+    copy_after = [page for p in batch for _, own, cached in p.saves for page in (own, cached)]
     return P.Passes(
-        token_ids=_i32(tok), embed_ids=_i32(emb), positions=_i32(pos), token_indptr=_i32(tptr),
+        copy_before=_i32(copy_before), copy_after=_i32(copy_after), token_ids=_i32(tok), embed_ids=_i32(emb), positions=_i32(pos), token_indptr=_i32(tptr),
         kv_page_ids=_i32(kv), kv_page_indptr=_i32(kvptr), kv_last_page_lens=_i32(lens),
         out_kv_page_ids=_i32(out), out_kv_page_indptr=_i32(outptr), out_kv_offsets=_i32(offs),
         attention_masks=masks if any(m is not None for m in masks) else [],
@@ -417,6 +452,8 @@ def settle(batch: list[Pass], reply: P.PassesReply) -> list[Pass]:
         lp_start = lp
         lp += sum(len(o.logprob_ids) for o in p.outputs)
         results = p.queue.results
+        if p.cache is not None:
+            p.cache.settled(p, item not in reply.errors)
         if item in reply.errors:
             results.publish(p.owner, Status.FAILED, error=HostError(
                 ErrorKind.INFERENCE_FAILED, f"pass {p.pass_id}: {reply.errors[item]}"))
@@ -435,7 +472,7 @@ def settle(batch: list[Pass], reply: P.PassesReply) -> list[Pass]:
                         results.publish(p, Status.FAILED, drawn, error=e)
                         break
             if o.dist_k or n_lp or o.entropy:
-                details.append({"index": o.index, "top_ids": dist_ids[dist_ptr[r]:dist_ptr[r + 1]],
+                details.append({"index": o.index + p.index_base, "top_ids": dist_ids[dist_ptr[r]:dist_ptr[r + 1]],
                                 "top_probs": dist_probs[dist_ptr[r]:dist_ptr[r + 1]],
                                 "logprobs": logprobs[at:at + n_lp],
                                 "entropy": entropy[r] if o.entropy else None})
@@ -453,4 +490,7 @@ def settle(batch: list[Pass], reply: P.PassesReply) -> list[Pass]:
 def fail(batch: list[Pass], error: HostError) -> None:
     """Passes that will not run (whole request refused, backend gone, instance ended)."""
     for p in batch:
+        p.dropped = True
+        if p.cache is not None:
+            p.cache.settled(p, False)
         p.queue.results.publish(p.owner, Status.FAILED, error=error)

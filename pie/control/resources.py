@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pie.control.errors import ErrorKind, HostError
+from pie.control.prefix_cache import PrefixCache
 from pie.control.quotas import Charges, namespace
 
 Evict = Callable[[str, int, str], None]
@@ -120,9 +121,13 @@ class ResourceManager:
     another instance."""
 
     def __init__(self, num_pages: int, num_embeds: int, wait_s: float = 0.0,
-                 evict: Evict | None = None):
+                 evict: Evict | None = None, prefix_cache_page_size: int = 0):
         self.lock = threading.Condition()
         self.pages = PhysicalPool(num_pages, "kv pages")
+        # control.prefix_cache: pages of prompts kept for reuse, the first to go when the
+        # pool runs short (pie/control/prefix_cache.py); None = off.
+        self.prefix_cache = (PrefixCache(self.pages, self.lock, prefix_cache_page_size)
+                             if prefix_cache_page_size else None)
         self.embeds = PhysicalPool(num_embeds, "embeds")
         self.exports: dict[tuple[str, str], Export] = {}  # namespace(user, name) -> export
         # user -> physical page -> references from the user's instances and exports
@@ -175,12 +180,17 @@ class ResourceManager:
         return len(gone)
 
     def _wait_for(self, pool: PhysicalPool, count: int, requester: str) -> None:
+        cache = self.prefix_cache if pool is self.pages else None
+        if cache is not None and pool.available < count:
+            cache.reclaim(count - pool.available)
         if pool.available < count <= pool.size and self.evict is not None:
             self.evict(requester, count - pool.available, pool.what)
         if pool.available < count <= pool.size and self.wait_s > 0:
             deadline = time.monotonic() + self.wait_s
             while pool.available < count and (remaining := deadline - time.monotonic()) > 0:
                 self.lock.wait(remaining)
+                if cache is not None and pool.available < count:  # pages saved meanwhile
+                    cache.reclaim(count - pool.available)
             if pool.available < count:
                 raise HostError(ErrorKind.OUT_OF_RESOURCES,
                                 f"{count} {pool.what} requested, {pool.available} free of {pool.size} "
@@ -263,8 +273,11 @@ class ResourceManager:
             self.lock.notify_all()
 
     def drop_exports(self) -> int:
-        """Remove every export (their pages' contents are gone with a dead backend)."""
+        """Remove every export and cached prefix (their pages' contents are gone with a dead
+        backend)."""
         with self.lock:
+            if self.prefix_cache is not None:
+                self.prefix_cache.clear()
             for export in self.exports.values():
                 self._remove(export)
             count = len(self.exports)

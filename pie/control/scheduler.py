@@ -31,6 +31,7 @@ from pie.control.errors import ErrorKind, HostError
 from pie.control.future import HostFuture
 from pie.control.passes import Pass, PassResults, Status, encode, fail, settle
 from pie.control.policies import HEAVY, ReadyView, policy_for
+from pie.control.prefix_cache import PrefixCache
 
 log = logging.getLogger("pie.control")
 
@@ -100,6 +101,9 @@ class Scheduler:
         self.config = config
         self.policy = policy_for(config)
         self.max_batch_tokens = max_batch_tokens
+        # Copies cached prompt pages into the passes it sends and keeps the ones they fill
+        # (control.prefix_cache; set by the controller, which owns it with the pools).
+        self.prefix_cache: PrefixCache | None = None
         self.lock = threading.Lock()
         self.queues: list[CommandQueue] = []
         self.stats = SchedulerStats()
@@ -266,7 +270,31 @@ class Scheduler:
                     waited = now - command.enqueued
                     self.stats.wait_s_total += waited
                     self.stats.wait_s_max = max(self.stats.wait_s_max, waited)
+            if kind == P.Kind.PASS and self.prefix_cache is not None:  # takes the pools' lock: not under ours
+                deferred = self.prefix_cache.prepare(batch)  # type: ignore[arg-type]
+                if deferred and not self._hold_back(request_id, deferred, batch):
+                    continue
             socket.send(P.encode(request_id, build_batch(kind, batch)))
+
+    def _hold_back(self, request_id: int, deferred: list[Pass], batch: list[Command]) -> bool:
+        """Put passes the prefix cache held back at the head of their queues again (a
+        closed queue's fail); False where nothing of the batch is left to send."""
+        closed = []
+        with self.lock:
+            for p in reversed(deferred):
+                batch.remove(p)
+                if p.queue.closed:
+                    closed.append(p)
+                elif not p.dropped:  # (dropped: failed meanwhile, by fail_all)
+                    p.queue.pending.appendleft(p)  # type: ignore[arg-type]
+            self.stats.calls[P.Kind.PASS] -= len(deferred)
+            if not batch:
+                self.stats.batches[P.Kind.PASS] -= 1
+                self.in_flight.pop(request_id, None)
+                self.sent_at.pop(request_id, None)
+                self.backend_idle = not self.in_flight  # nothing was sent
+        fail(closed, HostError(ErrorKind.INVALID_HANDLE, "instance terminated"))
+        return bool(batch)
 
     def _busy_queues(self) -> set[int]:
         """id() of queues with a command in flight: their next command must wait for it."""

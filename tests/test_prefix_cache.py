@@ -1,0 +1,242 @@
+"""The automatic prefix cache (pie/control/prefix_cache.py).
+
+Unit tests drive `PrefixCache` with real `Pass` objects and a real pool; the engine test
+checks the backend's page copies; the end-to-end tests run a real `pie serve` (fp32) and
+hold the cached answers to HF transformers' greedy tokens.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from conftest import hf_greedy
+
+from pie import protocol as P
+from pie.backend.engine import Engine
+from pie.config import BackendConfig, QuotaConfig
+from pie.control.errors import ErrorKind, HostError
+from pie.control.passes import Limits, Output, Pass, PassResults, encode, fail
+from pie.control.quotas import QuotaBook
+from pie.control.resources import InstanceResources, ResourceManager
+
+PS = 16
+LIMITS = Limits(PS, 50_000, 4096, 64)
+
+
+def fresh(tokens: list[int], pages: list[int], scope: str = "alice", run: int | None = None) -> Pass:
+    """A pass from the start over `tokens`, on `pages`, sampling after its last token."""
+    p = Pass(SimpleNamespace(results=PassResults()), 0, PS, list(tokens), list(range(len(tokens))), [], [], 0, list(pages), 0, None,  # type: ignore[arg-type]
+             [Output(len(tokens) - 1, sample=True)], scope=scope)
+    if run:
+        p.validate(LIMITS, run)
+    return p
+
+
+@pytest.fixture
+def manager() -> ResourceManager:
+    return ResourceManager(num_pages=32, num_embeds=4, prefix_cache_page_size=PS)
+
+
+def run_once(manager: ResourceManager, p: Pass, ok: bool = True) -> tuple[list[int], list[int]]:
+    """prepare + settle, as one batch sent and answered; the batch's copy pairs (before, after)."""
+    cache = manager.prefix_cache
+    cache.prepare([p])
+    wire = encode([p])
+    before, after = np.frombuffer(wire.copy_before, "<i4").tolist(), np.frombuffer(wire.copy_after, "<i4").tolist()
+    cache.settled(p, ok)
+    return before, after
+
+
+def test_full_pages_are_kept_and_copied_into_a_pass_with_the_same_start(manager):
+    cache = manager.prefix_cache
+    tokens = list(range(100, 140))  # 40 tokens: 2 full pages
+    first = fresh(tokens, manager.pages.alloc(3))
+    before, first_after = run_once(manager, first)
+    assert before == [] and len(first_after) == 4  # 2 pages copied out after the forward
+    assert first_after[0::2] == first.out_pages[:2]
+    assert cache.stats()["cached_pages"] == 2
+    # Same first 35 tokens: both pages hit; the pass keeps its last 8 tokens.
+    pages = manager.pages.alloc(3)
+    second = fresh(tokens[:35] + [7] * 5, pages)
+    before, after = run_once(manager, second)
+    assert before == [first_after[1], pages[0], first_after[3], pages[1]]  # cache page -> own page
+    assert after == []  # nothing new to keep: its third page is not full
+    assert second.token_ids == tokens[32:35] + [7] * 5 and second.positions == list(range(32, 40))
+    assert second.kv_pages == pages[:2] and second.last_len == PS and second.out_pages == pages[2:]
+    assert second.outputs[0].index == 7 and second.index_base == 32  # results name the guest's index
+    assert cache.stats()["hit_tokens"] == 32
+
+
+def test_at_least_the_tokens_from_the_first_output_are_computed(manager):
+    tokens = list(range(200, 232))  # exactly 2 pages
+    run_once(manager, fresh(tokens, manager.pages.alloc(2)))
+    again = fresh(tokens, manager.pages.alloc(2))
+    run_once(manager, again)
+    assert again.tokens == PS  # one page hit: the last token must run to be sampled from
+    assert again.index_base == PS and again.outputs[0].index == PS - 1
+
+
+def test_two_passes_that_start_alike_in_one_batch_compute_their_pages_once(manager):
+    cache = manager.prefix_cache
+    tokens = list(range(600, 640))
+    a, b = fresh(tokens, manager.pages.alloc(3)), fresh(tokens, manager.pages.alloc(3))
+    assert cache.prepare([a, b]) == [b]  # b waits for the pages a computes
+    assert len(a.saves) == 2 and b.copy_in == [] and b.saves == []
+    cache.settled(a, True)
+    assert cache.prepare([b]) == []  # held back once, never twice
+    assert len(b.copy_in) == 2 and b.tokens == 8
+    c = fresh(tokens, manager.pages.alloc(3))
+    d = fresh(tokens + [1], manager.pages.alloc(3))
+    d.deferred = True  # already held back once: it computes what it must
+    assert cache.prepare([c, d]) == []
+
+
+def test_users_never_share_pages(manager):
+    tokens = list(range(300, 340))
+    run_once(manager, fresh(tokens, manager.pages.alloc(3), scope="alice"))
+    bob = fresh(tokens, manager.pages.alloc(3), scope="bob")
+    before, _ = run_once(manager, bob)
+    assert before == [] and bob.tokens == 40
+
+
+def test_a_failed_pass_keeps_nothing_and_frees_its_copies(manager):
+    free = manager.pages.available
+    p = fresh(list(range(40)), manager.pages.alloc(3))
+    manager.prefix_cache.prepare([p])
+    assert manager.pages.available == free - 3 - 2  # the pass's 3 pages, 2 cache pages planned
+    fail([p], HostError(ErrorKind.INFERENCE_FAILED, "the backend died"))
+    assert manager.pages.available == free - 3
+    assert manager.prefix_cache.stats()["cached_pages"] == 0
+    manager.prefix_cache.prepare([p])  # dropped: nothing planned for it again
+    assert p.saves == [] and manager.pages.available == free - 3
+
+
+def test_a_short_pool_takes_cached_pages_least_recent_first_deepest_first(manager):
+    cache = manager.prefix_cache
+    old = fresh(list(range(48)), manager.pages.alloc(3))  # 3 pages: a chain
+    run_once(manager, old)
+    new = fresh(list(range(1000, 1016)) + [1], manager.pages.alloc(2))
+    run_once(manager, new)
+    for p in (old, new):  # their instances end
+        manager.pages.release(p.slot_pages())
+    assert manager.pages.available == 32 - 4
+    assert cache.reclaim(1) == 1  # the old chain's last page goes first
+    probe = fresh(list(range(48)) + [5], manager.pages.alloc(4))
+    run_once(manager, probe)
+    assert probe.index_base == 2 * PS  # its first two pages were still there
+    manager.pages.release(probe.slot_pages())
+    # An allocation that needs every page takes them all from the cache.
+    inst = InstanceResources(QuotaBook(QuotaConfig()).open("alice"), "i1", "alice")
+    assert len(manager.alloc_pages(inst, 32)) == 32
+    assert cache.stats()["cached_pages"] == 0
+
+
+def test_a_page_being_copied_in_outlives_its_eviction(manager):
+    cache = manager.prefix_cache
+    tokens = list(range(40))
+    first = fresh(tokens, manager.pages.alloc(3))
+    run_once(manager, first)
+    manager.pages.release(first.slot_pages())
+    second = fresh(tokens, manager.pages.alloc(3))
+    cache.prepare([second])
+    hits = [src for src, _ in second.copy_in]
+    assert len(hits) == 2
+    assert cache.reclaim(5) == 0  # both in use by the copy: out of the index, not yet free
+    assert all(manager.pages.refs[h] == 1 for h in hits)
+    cache.settled(second, True)
+    assert all(manager.pages.refs[h] == 0 for h in hits)
+
+
+def test_a_run_keeps_the_pages_its_steps_fill(manager):
+    cache = manager.prefix_cache
+    prompt = list(range(500, 514))  # 14 tokens, then 4 steps: the page fills at step 3
+    p = fresh(prompt, manager.pages.alloc(2), run=5)
+    drawn = [9, 8, 7, 6]
+    for token in drawn:
+        cache.prepare([p])
+        cache.settled(p, True)
+        p.advance(token)
+    assert cache.stats()["cached_pages"] == 1  # positions 0-15: the prompt and 2 drawn tokens
+    later = fresh(prompt + drawn[:2] + [1], manager.pages.alloc(2))
+    cache.prepare([later])
+    assert later.index_base == PS
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir) -> Engine:
+    return Engine(model_dir, BackendConfig(dtype="float32", num_kv_pages=16, num_embeds=16, page_size=PS))
+
+
+def test_the_backend_copies_whole_pages(engine):
+    """copy_before / copy_after of a Passes request: K, V and mask bits of whole pages."""
+    kv = engine.kv
+    g = torch.Generator().manual_seed(0)
+    for pool in kv.keys + kv.values:
+        pool[3] = torch.randn(pool[3].shape, generator=g)
+    kv.masked[3 * PS + 2] = True
+    wire = encode([])
+    wire.copy_before = np.array([3, 5], dtype="<i4").tobytes()
+    wire.copy_after = np.array([3, 6], dtype="<i4").tobytes()
+    assert engine.handle(wire).errors == {}
+    for pool in kv.keys + kv.values:
+        assert torch.equal(pool[5], pool[3]) and torch.equal(pool[6], pool[3])
+    assert kv.masked[5 * PS + 2] and kv.masked[6 * PS + 2] and not kv.masked[5 * PS + 1]
+    wire.copy_before = np.array([3, 10_000], dtype="<i4").tobytes()
+    with pytest.raises(P.ProtocolError, match="copy_before: a page id is out of range"):
+        engine.handle(wire)
+    wire.copy_before = np.array([3], dtype="<i4").tobytes()
+    with pytest.raises(P.ProtocolError, match=r"copy_before must hold \(src, dst\) page pairs"):
+        engine.handle(wire)
+
+
+# --- end to end: a real `pie serve` ----------------------------------------------------------
+
+PROMPT = ("Once upon a time, in a small village at the edge of a great forest, there lived an old "
+          "clockmaker who repaired every clock in the valley. One winter morning")
+
+
+def test_v1_requests_with_a_shared_start_hit_the_cache_and_answer_as_hf(pie_server, hf_model, tokenizer):
+    import openai
+    from pie_server import TOKEN
+
+    client = openai.OpenAI(base_url=f"http://{pie_server.address}/v1", api_key=TOKEN, max_retries=0)
+    def stats() -> dict:
+        return pie_server.resources()["prefix_cache"]
+
+    before = stats()
+    for suffix in ("", " he", ""):
+        text = PROMPT + suffix
+        r = client.completions.create(model="smollm2-135m-instruct", prompt=text, max_tokens=8, temperature=0)
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        assert r.choices[0].text == tokenizer.decode(hf_greedy(hf_model, ids, 8), skip_special_tokens=False)
+    after = stats()
+    n = len(tokenizer.encode(PROMPT, add_special_tokens=False).ids)
+    assert after["hit_tokens"] - before["hit_tokens"] >= 2 * (n - 1) // PS * PS
+    assert after["lookups"] - before["lookups"] == 3
+    r = pie_server.resources()
+    assert r["kv_pages_free"] == r["kv_pages_total"]  # cached pages nobody holds count as free
+
+
+def test_concurrent_requests_with_a_new_shared_start_prefill_it_once(pie_server, hf_model, tokenizer):
+    import asyncio
+
+    import openai
+    from pie_server import TOKEN
+
+    client = openai.AsyncOpenAI(base_url=f"http://{pie_server.address}/v1", api_key=TOKEN, max_retries=0)
+    text = "A new prompt that no request has sent before: " + PROMPT
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    before = pie_server.resources()["prefix_cache"]
+
+    async def both():
+        return await asyncio.gather(*(client.completions.create(
+            model="smollm2-135m-instruct", prompt=text, max_tokens=4, temperature=0) for _ in range(2)))
+
+    answers = asyncio.run(both())
+    expected = tokenizer.decode(hf_greedy(hf_model, ids, 4), skip_special_tokens=False)
+    assert [a.choices[0].text for a in answers] == [expected, expected]
+    after = pie_server.resources()["prefix_cache"]
+    assert after["hit_tokens"] - before["hit_tokens"] == (len(ids) - 1) // PS * PS  # the second copied them
