@@ -1,5 +1,5 @@
 """RESULTS.md sections for Pie's own benchmark scripts (backend, quantization, placement,
-overhead, frontends, soak, drain): each writes its JSON in its own shape, so each gets a small table here.
+overhead, frontends, prefix_cache, soak, drain): each writes its JSON in its own shape, so each gets a small table here.
 
 Why a table per script rather than one generic dump: those files carry every sample; the
 reader of RESULTS.md needs the medians and the ratio that each script exists to measure
@@ -94,6 +94,18 @@ def frontends(data: Json) -> list[str]:
     return lines
 
 
+def prefix_cache(data: Json) -> list[str]:
+    stats = data["prefix_cache_stats"]
+    return [f"One client-side conversation of {data['lines']} lines through Pie's `/v1` (each line the whole "
+            f"conversation so far, up to {data['max_tokens']} tokens back), `control.prefix_cache` on vs off, "
+            f"{_dtype(data)}; a new conversation each round.", "",
+            "| prefix cache | conversation | speed-up | prompt tokens copied, not prefilled | same text |",
+            "|---|---|---|---|---|",
+            f"| on | {_f(data['on_s'])} s | {data['speedup']:.2f}× | {stats['hit_rate']:.0%} "
+            f"({stats['hit_tokens']:,} of {stats['lookup_tokens']:,}) | {'yes' if data['same_text'] else 'no'} |",
+            f"| off | {_f(data['off_s'])} s | | | |"]
+
+
 def soak(data: Json) -> list[str]:
     leaks = data.get("leak_check", {})
     lines = [f"{data['instances']} concurrent instances for {data['seconds']} s ({_dtype(data)}): "
@@ -155,6 +167,7 @@ SCRIPTS: dict[str, tuple[str, Callable[[Json], list[str]]]] = {
     "placement": ("Thread placement", placement),
     "overhead": ("Control-layer overhead, host calls, control CPU and launch latency", overhead),
     "frontends": ("Front ends: native, OpenAI /v1, Python SDK", frontends),
+    "prefix_cache": ("Prefix cache: a client-side conversation", prefix_cache),
     "soak": ("Soak", soak),
     "drain": ("Graceful drain", drain),
 }

@@ -94,9 +94,9 @@ def test_rotation_and_machine_settings():
 
 
 def test_full_runs_take_at_least_three_rounds():
-    from benchmarks import backend, frontends, overhead
+    from benchmarks import backend, frontends, overhead, prefix_cache
 
-    assert min(backend.ROUNDS, frontends.ROUNDS, overhead.ROUNDS) >= 3
+    assert min(backend.ROUNDS, frontends.ROUNDS, overhead.ROUNDS, prefix_cache.ROUNDS) >= 3
 
 
 def test_overhead_quick(results):
@@ -286,10 +286,20 @@ def test_drain_quick(results):
     assert data["cut"]["drain_timeout_s"] < data["finish"]["drain_timeout_s"]
 
 
+def test_prefix_cache_quick(results):
+    """The conversation on two servers, cache on and off: the "on" one copied pages."""
+    data = results("prefix_cache")
+    check_meta(data["meta"], ["on", "off"])
+    assert data["lines"] == 3 and len(data["on_round_s"]) == len(data["off_round_s"]) == data["meta"]["rounds"]
+    assert data["speedup"] == pytest.approx(data["off_s"] / data["on_s"])
+    stats = data["prefix_cache_stats"]
+    assert stats["hit_tokens"] > 0 and stats["lookups"] >= 3 * data["meta"]["rounds"]
+
+
 def test_every_script_takes_quick_and_out():
     """Each script offers `--quick` and `--out` (without `--out` a test would write over the
     committed benchmarks/results/)."""
-    for script in ("overhead", "backend", "quantization", "placement", "frontends", "soak", "drain"):
+    for script in ("overhead", "backend", "quantization", "placement", "frontends", "prefix_cache", "soak", "drain"):
         done = subprocess.run([sys.executable, f"benchmarks/{script}.py", "--help"], cwd=ROOT,
                               capture_output=True, text=True, timeout=120, check=False)
         assert done.returncode == 0 and "--out" in done.stdout and "--quick" in done.stdout, script
