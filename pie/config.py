@@ -48,6 +48,9 @@ class BackendConfig:
     attention: str = "auto"
     page_size: int = 16
     num_kv_pages: int = 2048
+    # Pages of the host-memory tier that device pages can be swapped to (pie/backend/host_pages.py):
+    # each takes a device page's bytes of RAM (pinned on CUDA); 0 = none.
+    num_host_kv_pages: int = 0
     num_embeds: int = 32768
     max_batch_tokens: int = 4096
     threads: int = 0
@@ -71,6 +74,8 @@ class BackendConfig:
         for key in ("page_size", "num_kv_pages", "num_embeds", "max_batch_tokens"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"backend.{key} must be positive, got {getattr(self, key)}")
+        if self.num_host_kv_pages < 0:
+            raise ConfigError(f"backend.num_host_kv_pages must be >= 0, got {self.num_host_kv_pages}")
         if self.threads < 0:
             raise ConfigError(f"backend.threads must be >= 0, got {self.threads}")
         if self.cuda_graphs and (self.device != "cuda" or self.attention != "flashinfer"):

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 IDLE_REQUEST_ID = 0
 
 
@@ -33,6 +33,7 @@ class Kind(StrEnum):
     SAMPLE = "sample"
     COPY_KVPAGE = "copy_kvpage"
     MASK_KVPAGE = "mask_kvpage"
+    SWAP_KVPAGE = "swap_kvpage"
     PASS = "pass"
     STATS = "stats"
     IDLE = "idle"
@@ -85,6 +86,8 @@ class HandshakeReply(Message):
     # The model's context length (config.json's max_position_embeddings): the most tokens,
     # prompt and completion together, one sequence may hold. 0: unknown (an older backend).
     context_length: int = 0
+    # Pages of the host-memory tier (`swap_kvpage`); 0: none.
+    num_host_kv_pages: int = 0
 
 
 # --- batched handlers --------------------------------------------------------------------
@@ -185,6 +188,18 @@ class CopyKvPage(Message):
     src_offsets: list[int]
     dst_offsets: list[int]
     lengths: list[int]
+
+
+@dataclass
+class SwapKvPage(Message):
+    """Whole pages (K, V and mask bits) between the device pool and the host tier
+    (`backend.num_host_kv_pages`): item i copies device page `device_page_ids[i]` to host
+    page `host_page_ids[i]` where `to_host[i]`, else host to device. Items run in order."""
+
+    kind: ClassVar[Kind] = Kind.SWAP_KVPAGE
+    device_page_ids: list[int]
+    host_page_ids: list[int]
+    to_host: list[bool]
 
 
 @dataclass
@@ -322,6 +337,7 @@ REQUESTS: dict[Kind, type[Message]] = {
     Kind.SAMPLE: Sample,
     Kind.COPY_KVPAGE: CopyKvPage,
     Kind.MASK_KVPAGE: MaskKvPage,
+    Kind.SWAP_KVPAGE: SwapKvPage,
     Kind.PASS: Passes,
     Kind.STATS: StatsRequest,
 }
@@ -334,6 +350,7 @@ REPLIES: dict[Kind, type[Message]] = {
     Kind.SAMPLE: SampleReply,
     Kind.COPY_KVPAGE: BatchReply,
     Kind.MASK_KVPAGE: BatchReply,
+    Kind.SWAP_KVPAGE: BatchReply,
     Kind.PASS: PassesReply,
     Kind.STATS: StatsReply,
     Kind.IDLE: Idle,

@@ -642,3 +642,43 @@ def test_http_to_the_servers_own_port_is_refused_on_every_local_address():
     # A name is refused for the server's port only if it resolves to this machine.
     assert _get(client, "http://example.invalid:8080/") == (200, "ok")
     client.close()
+
+
+def test_allocation_waiters_are_served_in_launch_order():
+    """A short pool serves the oldest instance's waiting allocation first, even one that
+    asked later, and a newer request waits behind it though the pool could serve it."""
+    manager = ResourceManager(num_pages=4, num_embeds=4, wait_s=HANG_S)
+    book = QuotaBook(QuotaConfig())
+    holder_, old, new = (InstanceResources(book.open("u"), name, "u", order)
+                         for name, order in (("h", 0), ("old", 1), ("new", 2)))
+    held = manager.alloc_pages(holder_, 4)
+    served: list[str] = []
+
+    def alloc(inst: InstanceResources, count: int) -> None:
+        manager.alloc_pages(inst, count)
+        served.append(inst.instance_id)
+
+    def waiting(n: int) -> bool:
+        with manager.lock:
+            return len(manager.waiters.get("kv pages", [])) == n
+
+    newer = threading.Thread(target=alloc, args=(new, 1))
+    newer.start()
+    until_true(lambda: waiting(1))
+    older = threading.Thread(target=alloc, args=(old, 2))
+    older.start()
+    until_true(lambda: waiting(2))
+    manager.release(manager.take_pages(holder_, held[:1]), [])  # enough for `new`, not `old`
+    time.sleep(0.2)
+    assert served == []  # `new` waits behind the older request
+    manager.release(manager.take_pages(holder_, held[1:3]), [])
+    older.join(HANG_S)
+    newer.join(HANG_S)
+    assert served == ["old", "new"]
+
+
+def until_true(predicate, timeout_s: float = HANG_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)

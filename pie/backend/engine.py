@@ -28,6 +28,7 @@ from pie.backend.attention import (
     TorchPagedAttention,
 )
 from pie.backend.dtype import resolve_dtype, resolve_prefill_dtype
+from pie.backend.host_pages import HostPages
 from pie.backend.kv_cache import EmbedPool, KvCache
 from pie.backend.llama import Llama
 from pie.backend.passes import run_passes
@@ -123,6 +124,7 @@ class Engine:
             cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device,
         )
         self.embeds = EmbedPool(config.num_embeds, cfg.hidden_size, self.dtype, self.device)
+        self.host = HostPages(self.kv, config.num_host_kv_pages) if config.num_host_kv_pages else None
         self.attention: PagedAttention = self._attention_backend()
         self.graphs = None  # decode steps replayed from CUDA graphs (backend.cuda_graphs)
         if config.cuda_graphs:
@@ -178,6 +180,7 @@ class Engine:
             traits=TRAITS,
             page_size=self.page_size,
             num_kv_pages=self.num_pages,
+            num_host_kv_pages=self.host.num_pages if self.host else 0,
             num_embeds=self.embeds.size,
             vocab_size=cfg.vocab_size,
             hidden_size=cfg.hidden_size,
@@ -497,6 +500,36 @@ class Engine:
         self._count("copy_kvpage", n, len(errors))
         return P.BatchReply(errors=errors)
 
+    def swap_kvpage(self, msg: P.SwapKvPage) -> P.BatchReply:
+        """Whole pages to the host tier and back, in item order; runs of items going the
+        same way (no page written twice) are one copy per layer."""
+        device = int_array(msg.device_page_ids, "device_page_ids")
+        host = int_array(msg.host_page_ids, "host_page_ids")
+        n = same_length("swap_kvpage", device_page_ids=device, host_page_ids=host, to_host=msg.to_host)
+        errors: dict[int, str] = {}
+        runs: list[tuple[bool, list[int], list[int]]] = []  # (to_host, device pages, host pages)
+        for i in range(n):
+            if self.host is None:
+                errors[i] = "this backend has no host tier (backend.num_host_kv_pages = 0)"
+            elif not isinstance(msg.to_host[i], bool):
+                errors[i] = "to_host must be a boolean"
+            elif not (0 <= device[i] < self.num_pages and 0 <= host[i] < self.host.num_pages):
+                errors[i] = (f"page ids out of range: device {device[i]} of [0, {self.num_pages}), "
+                             f"host {host[i]} of [0, {self.host.num_pages})")
+            else:
+                to_host, dst = msg.to_host[i], int(host[i] if msg.to_host[i] else device[i])
+                if not runs or runs[-1][0] != to_host or dst in runs[-1][2 if to_host else 1]:
+                    runs.append((to_host, [], []))  # a new direction, or a page written twice
+                runs[-1][1].append(int(device[i]))
+                runs[-1][2].append(int(host[i]))
+        for to_host, device_pages, host_pages in runs:
+            if to_host:
+                self.host.store(device_pages, host_pages)  # type: ignore[union-attr]
+            else:
+                self.host.load(host_pages, device_pages)  # type: ignore[union-attr]
+        self._count("swap_kvpage", n, len(errors))
+        return P.BatchReply(errors=errors)
+
     def mask_kvpage(self, msg: P.MaskKvPage) -> P.BatchReply:
         pages = int_array(msg.page_ids, "page_ids")
         n = same_length("mask_kvpage", page_ids=pages, masks=msg.masks)
@@ -524,6 +557,7 @@ class Engine:
             P.Kind.SAMPLE: self.sample,
             P.Kind.COPY_KVPAGE: self.copy_kvpage,
             P.Kind.MASK_KVPAGE: self.mask_kvpage,
+            P.Kind.SWAP_KVPAGE: self.swap_kvpage,
             P.Kind.PASS: lambda msg: run_passes(self, msg),
             P.Kind.STATS: self.stats,
         }[message.kind]

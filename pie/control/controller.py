@@ -6,6 +6,7 @@ the instance's handles, translates virtual ids to physical ones, and either answ
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import time
@@ -35,6 +36,7 @@ class Controller:
             handshake.num_kv_pages, handshake.num_embeds, control.alloc_wait_ms / 1000,
             prefix_cache_page_size=handshake.page_size if control.prefix_cache else 0)
         self.quotas = QuotaBook(config.quota)
+        self.launches = itertools.count(1)  # an instance's launch order (allocation waiters)
         self.scheduler = Scheduler(endpoint, config.control, handshake.max_batch_tokens)
         self.scheduler.prefix_cache = self.resources.prefix_cache
         self.tokenizer = TextTokenizer(handshake)
@@ -88,7 +90,7 @@ class InstanceSession:
         self.user = user  # owns the instance's exports, keys and topics (their namespace)
         self.arguments = arguments
         self.charges = charges
-        self.resources = InstanceResources(charges, instance_id, user)
+        self.resources = InstanceResources(charges, instance_id, user, next(controller.launches))
         self.inbox = Inbox(controller.config.server.max_pending_messages,
                            max_bytes=controller.config.server.max_pending_bytes)
         self.page_size = controller.hs.page_size

@@ -20,6 +20,8 @@ until it is removed: a user cannot pin more of the pool than its quota.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import threading
 import time
 from collections import Counter
@@ -110,6 +112,7 @@ class InstanceResources:
     charges: Charges
     instance_id: str = ""
     user: str = ""
+    order: int = 0  # launch order: older instances' allocations are served first
     pages: VirtualTable = field(default_factory=lambda: VirtualTable("kv page"))
     embeds: VirtualTable = field(default_factory=lambda: VirtualTable("embed"))
 
@@ -117,8 +120,8 @@ class InstanceResources:
 class ResourceManager:
     """All pools of one model, guarded by one lock (calls come from many instance threads).
     An allocation over a quota fails at once; one the pool cannot satisfy now waits up to
-    `wait_s` for releases (control.alloc_wait_ms), then fails: it never takes anything from
-    another instance."""
+    `wait_s` for releases (control.alloc_wait_ms), in launch order behind older instances'
+    waiting allocations, then fails: it never takes anything from another instance."""
 
     def __init__(self, num_pages: int, num_embeds: int, wait_s: float = 0.0,
                  evict: Evict | None = None, prefix_cache_page_size: int = 0):
@@ -133,6 +136,9 @@ class ResourceManager:
         # user -> physical page -> references from the user's instances and exports
         self.user_pages: dict[str, Counter[int]] = {}
         self.wait_s = wait_s
+        # pool name -> (launch order, arrival) of each allocation waiting, oldest first
+        self.waiters: dict[str, list[tuple[int, int]]] = {}
+        self.tickets = itertools.count()
         # control.pool_full = terminate-newest: called with (requester, shortfall, pool) to
         # end instances newer than the requester; their teardown refills the pool.
         self.evict = evict
@@ -151,7 +157,7 @@ class ResourceManager:
         with self.lock:
             inst.charges.charge(what, count)
             try:
-                self._wait_for(pool, count, inst.instance_id)
+                self._wait_for(pool, count, inst)
                 return pool.alloc(count)
             except HostError:
                 inst.charges.refund(what, count)
@@ -179,23 +185,38 @@ class ResourceManager:
             del self.user_pages[user]
         return len(gone)
 
-    def _wait_for(self, pool: PhysicalPool, count: int, requester: str) -> None:
+    def _wait_for(self, pool: PhysicalPool, count: int, inst: InstanceResources) -> None:
+        """Return once `count` of `pool` are free and this request is the oldest waiting
+        for them. Waiters are served in launch order (`InstanceResources.order`): a request
+        waits behind every older instance's, even where the pool could serve it now, so a
+        large request of an old instance is not starved by a stream of small new ones."""
         cache = self.prefix_cache if pool is self.pages else None
+        queue = self.waiters.setdefault(pool.what, [])
         if cache is not None and pool.available < count:
             cache.reclaim(count - pool.available)
         if pool.available < count <= pool.size and self.evict is not None:
-            self.evict(requester, count - pool.available, pool.what)
-        if pool.available < count <= pool.size and self.wait_s > 0:
+            self.evict(inst.instance_id, count - pool.available, pool.what)
+        if not (pool.available < count or queue) or count > pool.size or self.wait_s <= 0:
+            return  # served now (or failing at once in the pool's alloc)
+        ticket = (inst.order, next(self.tickets))
+        bisect.insort(queue, ticket)
+        try:
             deadline = time.monotonic() + self.wait_s
-            while pool.available < count and (remaining := deadline - time.monotonic()) > 0:
+            while (pool.available < count or queue[0] != ticket) \
+                    and (remaining := deadline - time.monotonic()) > 0:
                 self.lock.wait(remaining)
-                if cache is not None and pool.available < count:  # pages saved meanwhile
-                    cache.reclaim(count - pool.available)
-            if pool.available < count:
+                if cache is not None and queue[0] == ticket and pool.available < count:
+                    cache.reclaim(count - pool.available)  # pages saved meanwhile
+            if pool.available < count or queue[0] != ticket:
+                behind = sum(t < ticket for t in queue)
                 raise HostError(ErrorKind.OUT_OF_RESOURCES,
                                 f"{count} {pool.what} requested, {pool.available} free of {pool.size} "
                                 f"after waiting {self.wait_s * 1000:.0f} ms for other instances "
-                                f"to free some (control.alloc_wait_ms)")
+                                f"to free some (control.alloc_wait_ms)"
+                                + (f"; {behind} older instances' requests were ahead" if behind else ""))
+        finally:
+            queue.remove(ticket)
+            self.lock.notify_all()  # the next in line
 
     def take_pages(self, inst: InstanceResources, ids: list[int]) -> list[int]:
         """Invalidate virtual page ids now; the caller releases the physical ones later."""

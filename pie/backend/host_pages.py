@@ -1,0 +1,47 @@
+"""The host-memory tier of the KV cache (`backend.num_host_kv_pages`): whole pages swapped
+out of the device pool and back (`swap_kvpage`).
+
+Why: a paused instance (waiting on a tool call, a message, a timer) holds device pages that
+running instances need. APIServe (seed notes) chooses per paused request between keeping
+its KV, discarding and recomputing it, and swapping it to host memory; swapping gave 1.6x
+the request rate of discarding. This is the backend half: storage and copies. Which pages
+go, and when, is the control layer's (issue 17).
+
+A host page holds what a device page holds: keys and values of every layer, in the device
+pool's layout, and the page's mask bits. On CUDA the host tensors are pinned, so copies
+can overlap; on the CPU both tiers are RAM, and a swap is a copy that frees a page of the
+pool the control layer manages.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pie.backend.kv_cache import KvCache
+
+
+class HostPages:
+    def __init__(self, kv: KvCache, num_pages: int):
+        pin = kv.keys[0].device.type == "cuda"
+        shape = lambda pool: (num_pages, *pool.shape[1:])  # noqa: E731
+        self.keys = [torch.zeros(shape(p), dtype=p.dtype, pin_memory=pin) for p in kv.keys]
+        self.values = [torch.zeros(shape(p), dtype=p.dtype, pin_memory=pin) for p in kv.values]
+        self.masked = torch.zeros(num_pages, kv.page_size, dtype=torch.bool)
+        self.kv, self.num_pages = kv, num_pages
+
+    def store(self, device_pages: list[int], host_pages: list[int]) -> None:
+        """Copy device pages to host pages (K, V and mask bits; the device pages keep theirs)."""
+        kv, dst = self.kv, torch.tensor(host_pages)
+        src = torch.tensor(device_pages, device=kv.keys[0].device)
+        for host, pool in zip(self.keys + self.values, kv.keys + kv.values):
+            host[dst] = pool[src].to("cpu")
+        self.masked[dst] = kv.masked.view(-1, kv.page_size)[src].to("cpu")
+
+    def load(self, host_pages: list[int], device_pages: list[int]) -> None:
+        """Copy host pages back into device pages."""
+        kv, src = self.kv, torch.tensor(host_pages)
+        device = kv.keys[0].device
+        dst = torch.tensor(device_pages, device=device)
+        for host, pool in zip(self.keys + self.values, kv.keys + kv.values):
+            pool[dst] = host[src].to(device, non_blocking=True)
+        kv.masked.view(-1, kv.page_size)[dst] = self.masked[src].to(device)
