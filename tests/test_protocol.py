@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import msgpack
 import pytest
 
@@ -14,8 +16,10 @@ def test_round_trip_of_every_request():
         P.Sample([1], [0.7], [40], [0.9], [3]),
         P.CopyKvPage([1], [2], [0], [0], [16]),
         P.MaskKvPage([1], [[True] * 16]),
-        encode([Pass(None, 1, 16, [5, 6], [0, 1], [], [], 0, [3], 0, None,  # type: ignore[arg-type]
-                     [Output(1, sample=True, seed=9, logprob_ids=[4]), Output(0, dist_k=3)])]),
+        P.SwapKvPage([1, 2], [0, 1], [True, False]),
+        replace(encode([Pass(None, 1, 16, [5, 6], [0, 1], [], [], 0, [3], 0, None,  # type: ignore[arg-type]
+                             [Output(1, sample=True, seed=9, logprob_ids=[4]), Output(0, dist_k=3)])]),
+                copy_before=bytes([7, 0, 0, 0, 3, 0, 0, 0]), copy_after=bytes([3, 0, 0, 0, 8, 0, 0, 0])),
         P.StatsRequest(),
     ]
     assert set(P.REQUESTS) == {m.kind for m in samples}
