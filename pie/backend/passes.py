@@ -73,9 +73,7 @@ def _copy_pages(engine: Engine, pairs: np.ndarray, name: str) -> None:
         return
     if np.any((pairs < 0) | (pairs >= engine.num_pages)):
         raise P.ProtocolError(f"pass.{name}: a page id is out of range [0, {engine.num_pages})")
-    ps = engine.page_size
-    slots = (pairs[:, None] * ps + np.arange(ps)).reshape(-1, 2, ps)  # [pair, src/dst, slot]
-    engine.kv.copy_slots(engine._tensor(slots[:, 0].ravel()), engine._tensor(slots[:, 1].ravel()))
+    engine.kv.copy_pages(engine._tensor(pairs[0::2]), engine._tensor(pairs[1::2]))
 
 
 def _check_values(engine: Engine, c: dict[str, np.ndarray], msg: P.Passes) -> dict[int, str]:
