@@ -242,6 +242,8 @@ def test_backend_death_is_survived(tmp_path, expected):
                 # Decoding: the prefill and a few decode steps ran (of 4000: minutes of work).
                 await until_async(lambda: sum(victim.scheduler()["calls"].get(k, 0) for k in ("forward", "pass")) >= 4,
                                   what="decoding under way")
+                await until_async(lambda: victim.resources()["prefix_cache"]["cached_pages"] > 0,
+                                  what="a page of the sequence kept by the prefix cache")
                 os.kill(victim.backend_pid(), signal.SIGKILL)
                 return [m async for m in instance], await instance.wait()
 
@@ -255,6 +257,7 @@ def test_backend_death_is_survived(tmp_path, expected):
             return status == 200
 
         until(healthy, what=lambda: f"/health back to 200 (seen: {reasons})", interval_s=0.5)
+        assert victim.resources()["prefix_cache"]["cached_pages"] == 0  # cached pages died with it
         [(answer, end)] = asyncio.run(complete(victim.ws, [PROMPTS[0]]))
         assert end == "finished" and answer == [expected[PROMPTS[0]]]
         resources = victim.resources()
