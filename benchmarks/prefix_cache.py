@@ -9,10 +9,12 @@ from `/stats` (prompt tokens copied from cached pages rather than prefilled), an
 both servers wrote the same text (in bf16 they may not: the cached pages were computed in
 another batch shape than the recomputed ones).
 
-    python benchmarks/prefix_cache.py [--rounds 3] [--lines 16] [--dtype auto] [--quick] [--out FILE]
+    python benchmarks/prefix_cache.py [--rounds 3] [--lines 16] [--clients 1,8] [--dtype auto] [--quick] [--out FILE]
 
-Results: benchmarks/results/prefix_cache.json. `--quick` (3 lines, 2 rounds) is the smoke
-run tests/test_bench_scripts.py makes.
+With `--clients 1,8`, once with one client, once with 8 clients holding their own
+conversations at once (what client-side agents do). Results:
+benchmarks/results/prefix_cache.json. `--quick` (3 lines, 2 rounds) is the smoke run
+tests/test_bench_scripts.py makes.
 """
 
 from __future__ import annotations
@@ -79,26 +81,34 @@ async def run(args: argparse.Namespace) -> dict:
             await endpoint.complete("<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n", 4)
             await endpoint.http.aclose()
         order = [rotated(["on", "off"], r) for r in range(rounds)]
-        seconds: dict[str, list[float]] = {"on": [], "off": []}
-        texts: dict[str, list[str]] = {"on": [], "off": []}
-        for session, names in enumerate(order):
-            for name in names:
-                s, text = await conversation(urls[name], session, lines, args.max_tokens)
-                seconds[name].append(s)
-                texts[name].append(text)
-                print(f"prefix cache {name:3}: {lines} lines in {s:.2f} s", flush=True)
+        runs, session = [], 0
+        for clients in sorted({int(c) for c in args.clients.split(",")}):
+            seconds: dict[str, list[float]] = {"on": [], "off": []}
+            texts: dict[str, list[list[str]]] = {"on": [], "off": []}
+            for names in order:
+                for name in names:  # `clients` conversations at once, each its own session
+                    started = time.perf_counter()
+                    done = await asyncio.gather(*(conversation(urls[name], session + c, lines, args.max_tokens)
+                                                  for c in range(clients)))
+                    seconds[name].append(time.perf_counter() - started)
+                    texts[name].append([text for _, text in done])
+                    print(f"prefix cache {name:3}, {clients} clients: {lines} lines each in "
+                          f"{seconds[name][-1]:.2f} s", flush=True)
+                session += clients
+            on, off = statistics.median(seconds["on"]), statistics.median(seconds["off"])
+            print(f"{clients} clients: on {on:.2f} s, off {off:.2f} s: {off / on:.2f}x", flush=True)
+            runs.append({"clients": clients, "on_s": on, "off_s": off, "speedup": off / on,
+                         "on_round_s": seconds["on"], "off_round_s": seconds["off"],
+                         "same_text": texts["on"] == texts["off"]})
         stats = httpx.get(f"{urls['on']}/stats").json()["resources"]["prefix_cache"]
     finally:
         for server in servers.values():
             await server.__aexit__()
         for log in logs:
             log.close()
-    on, off = statistics.median(seconds["on"]), statistics.median(seconds["off"])
-    print(f"on {on:.2f} s, off {off:.2f} s: {off / on:.2f}x; hit rate {stats['hit_rate']:.0%}")
+    print(f"hit rate {stats['hit_rate']:.0%}")
     return {
-        "lines": lines, "max_tokens": args.max_tokens, "on_s": on, "off_s": off, "speedup": off / on,
-        "on_round_s": seconds["on"], "off_round_s": seconds["off"], "prefix_cache_stats": stats,
-        "same_text": texts["on"] == texts["off"],
+        "lines": lines, "max_tokens": args.max_tokens, "runs": runs, "prefix_cache_stats": stats,
         "meta": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": command_line(),
                  "quick": args.quick, "rounds": rounds, "order": order, "dtype": dtype, "model": MODEL,
                  **machine_settings(),
@@ -112,6 +122,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None, help=f"alternating rounds (default {ROUNDS}; quick {QUICK_ROUNDS})")
     parser.add_argument("--lines", type=int, default=16, help="lines of the conversation (default 16)")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens per line at most (default 16)")
+    parser.add_argument("--clients", default="1,8", help="conversations at once, comma-separated runs (default 1,8)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     parser.add_argument("--quick", action="store_true", help="a smoke run")
     parser.add_argument("--out", default=str(RESULTS / "prefix_cache.json"), help="where the JSON goes")
