@@ -76,8 +76,8 @@ async def run(args: argparse.Namespace) -> dict:
         servers[name] = LocalServer(["--dtype", dtype, "--config", str(config)], stderr=logs[-1])
         urls[name] = http_url(await servers[name].__aenter__())
     try:
-        for name in urls:  # warm-up, untimed (another conversation: nothing of it is cached)
-            endpoint = Endpoint(urls[name], MODEL, "pie")
+        for url in urls.values():  # warm-up, untimed (another conversation: nothing of it is cached)
+            endpoint = Endpoint(url, MODEL, "pie")
             await endpoint.complete("<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n", 4)
             await endpoint.http.aclose()
         order = [rotated(["on", "off"], r) for r in range(rounds)]
@@ -100,7 +100,8 @@ async def run(args: argparse.Namespace) -> dict:
             runs.append({"clients": clients, "on_s": on, "off_s": off, "speedup": off / on,
                          "on_round_s": seconds["on"], "off_round_s": seconds["off"],
                          "same_text": texts["on"] == texts["off"]})
-        stats = httpx.get(f"{urls['on']}/stats").json()["resources"]["prefix_cache"]
+        async with httpx.AsyncClient() as http:
+            stats = (await http.get(f"{urls['on']}/stats")).json()["resources"]["prefix_cache"]
     finally:
         for server in servers.values():
             await server.__aexit__()
