@@ -240,3 +240,23 @@ def test_concurrent_requests_with_a_new_shared_start_prefill_it_once(pie_server,
     assert [a.choices[0].text for a in answers] == [expected, expected]
     after = pie_server.resources()["prefix_cache"]
     assert after["hit_tokens"] - before["hit_tokens"] == (len(ids) - 1) // PS * PS  # the second copied them
+
+
+def test_results_name_the_index_the_guest_gave_after_cached_pages_were_skipped(manager):
+    from array import array
+
+    from pie.control.passes import settle
+
+    tokens = list(range(700, 740))
+    run_once(manager, fresh(tokens, manager.pages.alloc(3)))
+    p = Pass(SimpleNamespace(results=PassResults()), 0, PS, tokens, list(range(40)), [], [], 0,  # type: ignore[arg-type]
+             manager.pages.alloc(3), 0, None, [Output(39, dist_k=2)], scope="alice")
+    p.queue.results.opened()
+    manager.prefix_cache.prepare([p])
+    assert p.index_base == 32 and p.outputs[0].index == 7
+    reply = P.PassesReply(tokens=array("i", [-1]).tobytes(), entropy=array("f", [float("nan")]).tobytes(),
+                          logprobs=b"", dist_ids=array("i", [5, 6]).tobytes(),
+                          dist_probs=array("f", [0.75, 0.25]).tobytes(), dist_indptr=array("i", [0, 2]).tobytes())
+    assert settle([p], reply) == []
+    [(_, status, _, details, _)] = p.queue.results.take()
+    assert status == "done" and [d["index"] for d in details] == [39]
