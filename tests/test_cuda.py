@@ -24,7 +24,10 @@ from pie.backend.paged_index import PagedIndex
 from pie.config import BackendConfig, ConfigError, load_config
 
 CPU = torch.device("cpu")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; none on this machine")
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA GPU; none on this machine (benchmarks/cuda_check.sh runs it on one)",
+)
 needs_gpu = pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("flashinfer") is None,
     reason="needs a CUDA GPU and flashinfer; none on this machine",

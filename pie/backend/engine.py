@@ -9,7 +9,6 @@ raises ProtocolError and gets a whole-request error reply instead.
 from __future__ import annotations
 
 import importlib.util
-
 import json
 import math
 from collections import Counter

@@ -23,9 +23,8 @@ from pie.backend.kv_cache import KvCache
 class HostPages:
     def __init__(self, kv: KvCache, num_pages: int):
         pin = kv.keys[0].device.type == "cuda"
-        shape = lambda pool: (num_pages, *pool.shape[1:])  # noqa: E731
-        self.keys = [torch.zeros(shape(p), dtype=p.dtype, pin_memory=pin) for p in kv.keys]
-        self.values = [torch.zeros(shape(p), dtype=p.dtype, pin_memory=pin) for p in kv.values]
+        self.keys = [torch.zeros(num_pages, *p.shape[1:], dtype=p.dtype, pin_memory=pin) for p in kv.keys]
+        self.values = [torch.zeros(num_pages, *p.shape[1:], dtype=p.dtype, pin_memory=pin) for p in kv.values]
         self.masked = torch.zeros(num_pages, kv.page_size, dtype=torch.bool)
         self.kv, self.num_pages = kv, num_pages
 

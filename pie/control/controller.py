@@ -37,8 +37,8 @@ class Controller:
             prefix_cache_page_size=handshake.page_size if control.prefix_cache else 0)
         self.quotas = QuotaBook(config.quota)
         self.launches = itertools.count(1)  # an instance's launch order (allocation waiters)
-        self.scheduler = Scheduler(endpoint, config.control, handshake.max_batch_tokens)
-        self.scheduler.prefix_cache = self.resources.prefix_cache
+        self.scheduler = Scheduler(endpoint, config.control, handshake.max_batch_tokens,
+                                   self.resources.prefix_cache)
         self.tokenizer = TextTokenizer(handshake)
         self.grammars = GrammarCompiler(handshake)
         self.bus = MessageBus(config.server.max_pending_messages, config.server.max_pending_bytes)

@@ -264,8 +264,7 @@ class Pass:
             chunk.prefix, chunk.chain = self.prefix[:context + n], list(self.chain)
         chunk.copy_in, self.copy_in = self.copy_in, []  # cached pages go in before the first chunk
         chunk.cache = self.cache
-        partial = bool(self.kv_pages) and self.last_len < ps
-        pages = self.kv_pages + (self.out_pages[1:] if partial else self.out_pages)
+        pages = self.slot_pages()
         filled = context + n
         n_pages = math.ceil(filled / ps)
         self.kv_pages, self.last_len = pages[:n_pages], filled - (n_pages - 1) * ps
@@ -419,7 +418,8 @@ def encode(batch: list[Pass]) -> P.Passes:
     copy_before = [page for p in batch for pair in p.copy_in for page in pair]
     copy_after = [page for p in batch for _, own, cached in p.saves for page in (own, cached)]
     return P.Passes(
-        copy_before=_i32(copy_before), copy_after=_i32(copy_after), token_ids=_i32(tok), embed_ids=_i32(emb), positions=_i32(pos), token_indptr=_i32(tptr),
+        copy_before=_i32(copy_before), copy_after=_i32(copy_after),
+        token_ids=_i32(tok), embed_ids=_i32(emb), positions=_i32(pos), token_indptr=_i32(tptr),
         kv_page_ids=_i32(kv), kv_page_indptr=_i32(kvptr), kv_last_page_lens=_i32(lens),
         out_kv_page_ids=_i32(out), out_kv_page_indptr=_i32(outptr), out_kv_offsets=_i32(offs),
         attention_masks=masks if any(m is not None for m in masks) else [],

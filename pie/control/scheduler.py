@@ -97,13 +97,14 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, endpoint: str, config: ControlConfig, max_batch_tokens: int):
+    def __init__(self, endpoint: str, config: ControlConfig, max_batch_tokens: int,
+                 prefix_cache: PrefixCache | None = None):
         self.config = config
         self.policy = policy_for(config)
         self.max_batch_tokens = max_batch_tokens
         # Copies cached prompt pages into the passes it sends and keeps the ones they fill
-        # (control.prefix_cache; set by the controller, which owns it with the pools).
-        self.prefix_cache: PrefixCache | None = None
+        # (control.prefix_cache; owned with the pools by the ResourceManager).
+        self.prefix_cache = prefix_cache
         self.lock = threading.Lock()
         self.queues: list[CommandQueue] = []
         self.stats = SchedulerStats()
@@ -279,14 +280,10 @@ class Scheduler:
     def _hold_back(self, request_id: int, deferred: list[Pass], batch: list[Command]) -> bool:
         """Put passes the prefix cache held back at the head of their queues again (a
         closed queue's fail); False where nothing of the batch is left to send."""
-        closed = []
         with self.lock:
-            for p in reversed(deferred):
+            for p in deferred:
                 batch.remove(p)
-                if p.queue.closed:
-                    closed.append(p)
-                elif not p.dropped:  # (dropped: failed meanwhile, by fail_all)
-                    p.queue.pending.appendleft(p)  # type: ignore[arg-type]
+            closed = self._requeue(deferred)
             self.stats.calls[P.Kind.PASS] -= len(deferred)
             if not batch:
                 self.stats.batches[P.Kind.PASS] -= 1
@@ -434,14 +431,21 @@ class Scheduler:
 
     def _continue(self, runs: list[Pass]) -> None:
         """Runs that go on: their next step heads their queue, so it leaves in the next batch."""
-        closed = []
         with self.lock:
-            for p in runs:
-                if p.queue.closed:
-                    closed.append(p)
-                else:
-                    p.queue.pending.appendleft(p)  # type: ignore[arg-type]
+            closed = self._requeue(runs)
         fail(closed, HostError(ErrorKind.INVALID_HANDLE, "instance terminated"))
+
+    def _requeue(self, passes: list[Pass]) -> list[Pass]:
+        """(Under the lock.) Put passes back at the head of their queues, in their order; the
+        ones whose queue has closed are returned for the caller to fail once the lock is
+        released. A pass failed meanwhile (`dropped`, by fail_all) stays out."""
+        closed = []
+        for p in reversed(passes):
+            if p.queue.closed:
+                closed.append(p)
+            elif not p.dropped:
+                p.queue.pending.appendleft(p)  # type: ignore[arg-type]
+        return closed
 
     def cancel(self, p: Pass) -> None:
         """A waiting pass never runs; one in flight (a run's step) is the run's last."""
