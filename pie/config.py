@@ -48,9 +48,11 @@ class BackendConfig:
     attention: str = "auto"
     page_size: int = 16
     num_kv_pages: int = 2048
-    # Pages of the host-memory tier that device pages can be swapped to (pie/backend/host_pages.py):
-    # each takes a device page's bytes of RAM (pinned on CUDA); 0 = none.
-    num_host_kv_pages: int = 0
+    # Pages of the host-memory tier that paused instances' pages are swapped to
+    # (pie/backend/host_pages.py, control.kv_pressure): each takes a device page's bytes of
+    # RAM (0.35 MiB for the default model), committed as pages are first written on the CPU
+    # and pinned up front on CUDA; 0 = none.
+    num_host_kv_pages: int = 2048
     num_embeds: int = 32768
     max_batch_tokens: int = 4096
     threads: int = 0
@@ -107,10 +109,14 @@ class ControlConfig:
     # A KV page / embed allocation the pool cannot satisfy now waits this long for other
     # instances to free some, then fails with out-of-resources.
     alloc_wait_ms: float = 1000.0
-    # What a short pool does first: "wait" (no instance is ever killed), or the paper's FCFS
-    # policy "terminate-newest" (instances launched after the requester are ended, newest
-    # first, until they held enough; then the allocation waits for their teardown).
-    pool_full: str = "wait"
+    # What a short KV pool takes from instances paused on I/O before the allocation waits
+    # (pie/control/reclaimer.py): "min-waste" (per paused instance the cheapest of keeping,
+    # swapping and discarding its pages, by APIServe's waste estimate), "swap" (to the host
+    # tier, backend.num_host_kv_pages), "discard" (pages the program marked discardable),
+    # "preserve" or its alias "wait" (nothing), or the paper's FCFS policy
+    # "terminate-newest" (instances launched after the requester are ended, newest first,
+    # until they held enough; then the allocation waits for their teardown).
+    kv_pressure: str = "min-waste"
     # Keep the full KV pages of prompts and copy them into later passes that start with the
     # same tokens, per user (pie/control/prefix_cache.py); their pages are the first to go
     # when the pool runs short.
@@ -122,7 +128,8 @@ class ControlConfig:
 
     def __post_init__(self) -> None:
         _check_choice("control.scheduler", self.scheduler, ("adaptive", "eager", "k", "t"))
-        _check_choice("control.pool_full", self.pool_full, ("wait", "terminate-newest"))
+        _check_choice("control.kv_pressure", self.kv_pressure,
+                      ("min-waste", "swap", "discard", "preserve", "wait", "terminate-newest"))
         if self.batch_k < 1 or self.batch_t_ms <= 0 or self.max_dist_k < 1:
             raise ConfigError("control.batch_k, batch_t_ms and max_dist_k must be positive")
         if self.max_step_tokens < 16:
@@ -131,8 +138,8 @@ class ControlConfig:
             raise ConfigError(f"control.alloc_wait_ms must be >= 0, got {self.alloc_wait_ms}")
         if self.http_max_response_bytes < 1 or self.kvs_max_bytes < 1:
             raise ConfigError("control.http_max_response_bytes and kvs_max_bytes must be positive")
-        if self.pool_full == "terminate-newest" and self.alloc_wait_ms == 0:
-            raise ConfigError("control.pool_full = terminate-newest needs control.alloc_wait_ms > 0 "
+        if self.kv_pressure == "terminate-newest" and self.alloc_wait_ms == 0:
+            raise ConfigError("control.kv_pressure = terminate-newest needs control.alloc_wait_ms > 0 "
                               "(the time the ended instances' pages take to come back)")
 
 
@@ -325,6 +332,9 @@ class ConfigError(ValueError):
     """A configuration file or value that Pie cannot use."""
 
 
+RENAMED = {"control.pool_full": "control.kv_pressure (pool_full = \"wait\" is kv_pressure = \"preserve\")"}
+
+
 def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {value!r}")
@@ -335,6 +345,8 @@ def _build(cls: type, table: dict[str, Any], where: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in table.items():
+        if f"{where}{key}" in RENAMED:
+            raise ConfigError(f"{where}{key} is now {RENAMED[where + key]}; rename it in your config")
         if key not in fields:
             raise ConfigError(f"unknown config key {where}{key} (known: {', '.join(fields)})")
         default = getattr(cls(), key)

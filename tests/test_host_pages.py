@@ -66,7 +66,7 @@ def test_items_run_in_order_and_bad_ones_fail_alone(engine):
 
 
 def test_without_a_host_tier_every_item_fails_with_the_reason(model_dir):
-    bare = Engine(model_dir, BackendConfig(dtype="float32", num_kv_pages=4, num_embeds=4))
+    bare = Engine(model_dir, BackendConfig(dtype="float32", num_kv_pages=4, num_embeds=4, num_host_kv_pages=0))
     errors = swap(bare, [0], [0], [True])
     assert errors == {0: "this backend has no host tier (backend.num_host_kv_pages = 0)"}
     assert bare.handshake(P.HandshakeRequest()).num_host_kv_pages == 0

@@ -163,11 +163,11 @@ async def test_detached_instance_survives_disconnect_and_is_attached_later(serve
 
 
 async def test_terminate_newest_policy_frees_pages_for_older_instances(tmp_path, probe):
-    """control.pool_full = terminate-newest (the paper's FCFS, opt-in): an older instance
+    """control.kv_pressure = terminate-newest (the paper's FCFS, opt-in): an older instance
     short of pages ends newer ones, which are told why; the newest one short of pages is
     not helped — it waits (bounded) and gets out-of-resources."""
     server = Server(tmp_path, {"backend": {"num_kv_pages": 64},
-                               "control": {"pool_full": "terminate-newest", "alloc_wait_ms": 3000.0}})
+                               "control": {"kv_pressure": "terminate-newest", "alloc_wait_ms": 3000.0}})
     try:
         async with PieClient(server.ws, TOKEN) as client:
             program = await client.upload(probe)
@@ -178,7 +178,7 @@ async def test_terminate_newest_policy_frees_pages_for_older_instances(tmp_path,
             await older.send("20")  # 4 free: the newer instance must go
             assert (await older.recv()).text == "held 20"
             assert await newer.wait() == ("error: terminated to free kv pages for an older instance "
-                                          "(control.pool_full = terminate-newest)")
+                                          "(control.kv_pressure = terminate-newest)")
             newest = await client.launch(program, ["hold", "40"])  # 34 free, nobody newer
             message = (await newest.recv()).text
             assert message.startswith("OutOfResources: 40 kv pages requested, 34 free of 64 after waiting")

@@ -23,8 +23,10 @@ from pie.backend.kv_cache import KvCache
 class HostPages:
     def __init__(self, kv: KvCache, num_pages: int):
         pin = kv.keys[0].device.type == "cuda"
-        self.keys = [torch.zeros(num_pages, *p.shape[1:], dtype=p.dtype, pin_memory=pin) for p in kv.keys]
-        self.values = [torch.zeros(num_pages, *p.shape[1:], dtype=p.dtype, pin_memory=pin) for p in kv.values]
+        # empty, not zeros: a page is written before it is read, and on the CPU untouched
+        # memory is not committed, so an unused tier costs no RAM.
+        self.keys = [torch.empty(num_pages, *p.shape[1:], dtype=p.dtype, pin_memory=pin) for p in kv.keys]
+        self.values = [torch.empty(num_pages, *p.shape[1:], dtype=p.dtype, pin_memory=pin) for p in kv.values]
         self.masked = torch.zeros(num_pages, kv.page_size, dtype=torch.bool)
         self.kv, self.num_pages = kv, num_pages
 

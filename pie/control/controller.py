@@ -21,6 +21,7 @@ from pie.control.http_client import HttpClient
 from pie.control.messaging import Inbox, KeyValueStore, MessageBus
 from pie.control.passes import Limits, Output, Pass, PassResults
 from pie.control.quotas import ANONYMOUS, Charges, QuotaBook
+from pie.control.reclaimer import Reclaimer
 from pie.control.resources import InstanceResources, ResourceManager
 from pie.control.scheduler import MARKER, Command, CommandQueue, Scheduler
 from pie.control.tokenizer import TextTokenizer
@@ -34,11 +35,13 @@ class Controller:
         control = config.control
         self.resources = ResourceManager(
             handshake.num_kv_pages, handshake.num_embeds, control.alloc_wait_ms / 1000,
-            prefix_cache_page_size=handshake.page_size if control.prefix_cache else 0)
+            prefix_cache_page_size=handshake.page_size if control.prefix_cache else 0,
+            num_host_pages=handshake.num_host_kv_pages)
         self.quotas = QuotaBook(config.quota)
         self.launches = itertools.count(1)  # an instance's launch order (allocation waiters)
         self.scheduler = Scheduler(endpoint, config.control, handshake.max_batch_tokens,
                                    self.resources.prefix_cache)
+        self.reclaimer = Reclaimer(self.resources, self.scheduler, control.kv_pressure, handshake.page_size)
         self.tokenizer = TextTokenizer(handshake)
         self.grammars = GrammarCompiler(handshake)
         self.bus = MessageBus(config.server.max_pending_messages, config.server.max_pending_bytes)
@@ -68,6 +71,7 @@ class Controller:
             for name, account in users.items():
                 account["kvs_bytes"] = self.kvs.used_by[name]
         pools["prefix_cache"] = cache.stats() if cache is not None else None
+        pools["reclaim"] = self.reclaimer.stats()
         return {"scheduler": self.scheduler.snapshot_stats(), "resources": pools,
                 "users": users, "broadcasts_dropped": self.bus.dropped}
 
@@ -205,6 +209,29 @@ class InstanceSession:
     def alloc_emb(self, q: CommandQueue, count: int) -> list[int]:
         return self.c.resources.alloc_embeds(self.resources, self._count(count))
 
+    def set_kv_class(self, pages: list[int], kv_class: str) -> None:
+        """What the reclaimer may do with the pages while the instance waits on I/O."""
+        self.resources.pages.resolve(pages)  # every id must be live: nothing changes otherwise
+        classes = self.resources.classes
+        for page in pages:
+            if kv_class == "swappable":
+                classes.pop(page, None)
+            else:
+                classes[page] = kv_class
+
+    def pause(self, paused: bool) -> None:
+        """The instance's thread blocks on I/O (True) or runs again (False)."""
+        self.c.resources.pause(self.resources, paused)
+
+    def _pages(self, ids: list[int], writable: bool = False) -> list[int]:
+        """Physical ids of the instance's pages, brought back from host memory first where
+        the reclaimer swapped them out; `writable`: none may be shared."""
+        if self.resources.away:
+            self.c.reclaimer.restore(self.resources)
+        if writable:
+            return self.c.resources.writable_pages(self.resources, ids)
+        return self.c.resources.device_pages(self.resources, ids)
+
     def dealloc_kvpage(self, q: CommandQueue, pages: list[int]) -> None:
         physical = self.c.resources.take_pages(self.resources, pages)
         self._release_after(q, physical, [])
@@ -220,8 +247,8 @@ class InstanceSession:
 
     def copy_kvpage(self, q: CommandQueue, src: int, dst: int, src_offset: int,
                     dst_offset: int, length: int) -> None:
-        (src_page,) = self.resources.pages.resolve([src])
-        (dst_page,) = self.c.resources.writable_pages(self.resources, [dst])
+        (src_page,) = self._pages([src])
+        (dst_page,) = self._pages([dst], writable=True)
         ps = self.page_size
         if src_offset + length > ps or dst_offset + length > ps:
             raise _invalid(f"range does not fit in a page of {ps}: src offset {src_offset}, "
@@ -235,6 +262,7 @@ class InstanceSession:
     def export_kvpage(self, pages: list[int], name: str, persistent: bool) -> None:
         if not name:
             raise _invalid("export name must not be empty")
+        self._pages(pages)
         self.c.resources.export(self.resources, pages, name, persistent)
 
     def import_kvpage(self, name: str) -> list[int]:
@@ -266,9 +294,9 @@ class InstanceSession:
         if mask is not None and len(mask) != math.ceil(n_new * n_keys / 8):
             raise _invalid(f"attention mask must be {math.ceil(n_new * n_keys / 8)} bytes "
                            f"(packed bits of {n_new} x {n_keys}), got {len(mask)}")
-        pages = self.resources.pages.resolve(kv_pages)
+        pages = self._pages(kv_pages)
         embeds_in = self.resources.embeds.resolve(embeds)
-        written = self.c.resources.writable_pages(self.resources, out_pages)
+        written = self._pages(out_pages, writable=True)
         embeds_out = self.resources.embeds.resolve(out_embeds)
         self.forward_calls += 1
         self.forward_tokens += n_new
@@ -289,7 +317,7 @@ class InstanceSession:
     def mask_kvpage(self, q: CommandQueue, page: int, mask: list[bool]) -> None:
         if len(mask) != self.page_size:
             raise _invalid(f"mask must have {self.page_size} entries (the page size), got {len(mask)}")
-        (physical,) = self.c.resources.writable_pages(self.resources, [page])
+        (physical,) = self._pages([page], writable=True)
         self._submit(Command(P.Kind.MASK_KVPAGE, q, HostFuture(), silent=True,
                              item={"page": physical, "mask": list(mask)},
                              writes=frozenset({("p", physical)})))
@@ -361,8 +389,8 @@ class InstanceSession:
                                     f"matcher of this instance compiled on this queue")
                 o.matcher = held[1]
         p = Pass(q, self.next_pass_id, self.page_size, list(token_ids), list(positions),
-                 self.resources.embeds.resolve(embeds), self.resources.pages.resolve(kv_pages),
-                 last_len, self.c.resources.writable_pages(self.resources, out_pages), out_offset,
+                 self.resources.embeds.resolve(embeds), self._pages(kv_pages),
+                 last_len, self._pages(out_pages, writable=True), out_offset,
                  mask, outputs, frozenset(stop_tokens), stream=stream, scope=self.resources.user)
         p.validate(self.limits, run_steps)
         self.next_pass_id += 1

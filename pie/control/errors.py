@@ -16,6 +16,7 @@ class ErrorKind(StrEnum):
     UNSUPPORTED = "unsupported"
     IO = "io"
     INFERENCE_FAILED = "inference-failed"
+    DISCARDED = "discarded"
 
 
 class HostError(Exception):

@@ -16,6 +16,11 @@ KV pages count against quotas as references: an instance is charged for the ids 
 exports keep alive, each once. So exporting pages an instance holds costs its user
 nothing more, and a persistent export stays charged to its user after the instance ends,
 until it is removed: a user cannot pin more of the pool than its quota.
+
+Pages of an instance paused on I/O may leave the device pool (pie/control/reclaimer.py):
+to the host tier, whose ids follow the device pool's ([num_pages, num_pages + host pages)),
+or discarded (`DISCARDED`). The instance keeps its virtual ids and its charges; `device_pages`
+names a page that is not back on the device as an error.
 """
 
 from __future__ import annotations
@@ -27,21 +32,30 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from pie.control.errors import ErrorKind, HostError
 from pie.control.prefix_cache import PrefixCache
 from pie.control.quotas import Charges, namespace
 
 Evict = Callable[[str, int, str], None]
+Reclaim = Callable[["InstanceResources", int], None]
+DISCARDED = -1  # where a discarded page's virtual id points: its contents are gone
+# How often an allocation waiting on a short pool asks the reclaimer again: paused
+# instances' waste grows with their pause (min-waste).
+RECLAIM_RETRY_S = 0.02
 
 
 class PhysicalPool:
-    """Free list plus reference counts over ids [0, size)."""
+    """Free list plus reference counts over ids [base, base + size)."""
 
-    def __init__(self, size: int, what: str):
-        self.size, self.what = size, what
-        self.free = list(range(size - 1, -1, -1))  # pop() hands out low ids first
+    def __init__(self, size: int, what: str, base: int = 0):
+        self.size, self.what, self.base = size, what, base
+        self.free = list(range(base + size - 1, base - 1, -1))  # pop() hands out low ids first
         self.refs = [0] * size
+
+    def holds(self, i: int) -> bool:
+        return self.base <= i < self.base + self.size
 
     @property
     def available(self) -> int:
@@ -53,17 +67,17 @@ class PhysicalPool:
                             f"{count} {self.what} requested, {len(self.free)} free of {self.size}")
         ids = [self.free.pop() for _ in range(count)]
         for i in ids:
-            self.refs[i] = 1
+            self.refs[i - self.base] = 1
         return ids
 
     def retain(self, ids: list[int]) -> None:
         for i in ids:
-            self.refs[i] += 1
+            self.refs[i - self.base] += 1
 
     def release(self, ids: list[int]) -> None:
         for i in ids:
-            self.refs[i] -= 1
-            if self.refs[i] == 0:
+            self.refs[i - self.base] -= 1
+            if self.refs[i - self.base] == 0:
                 self.free.append(i)
 
 
@@ -115,6 +129,14 @@ class InstanceResources:
     order: int = 0  # launch order: older instances' allocations are served first
     pages: VirtualTable = field(default_factory=lambda: VirtualTable("kv page"))
     embeds: VirtualTable = field(default_factory=lambda: VirtualTable("embed"))
+    # The reclaimer's view (pie/control/reclaimer.py): since when the instance has been
+    # blocked on I/O (None: running); pages it marked pinned or discardable (the rest are
+    # swappable); how many of its pages are off the device (in host memory or discarded);
+    # the queue its swaps run on (created at its first swap).
+    paused_since: float | None = None
+    classes: dict[int, str] = field(default_factory=dict)
+    away: int = 0
+    swap_queue: Any = None
 
 
 class ResourceManager:
@@ -124,9 +146,14 @@ class ResourceManager:
     waiting allocations, then fails: it never takes anything from another instance."""
 
     def __init__(self, num_pages: int, num_embeds: int, wait_s: float = 0.0,
-                 evict: Evict | None = None, prefix_cache_page_size: int = 0):
+                 evict: Evict | None = None, prefix_cache_page_size: int = 0, num_host_pages: int = 0):
         self.lock = threading.Condition()
         self.pages = PhysicalPool(num_pages, "kv pages")
+        self.host = PhysicalPool(num_host_pages, "host kv pages", base=num_pages)  # backend.num_host_kv_pages
+        self.paused: dict[str, InstanceResources] = {}  # instance id -> its pools view, while paused
+        # control.kv_pressure: called with (requester, shortfall) when the device pool is
+        # short, to move paused instances' pages off it (pie/control/reclaimer.py).
+        self.reclaim: Reclaim | None = None
         # control.prefix_cache: pages of prompts kept for reuse, the first to go when the
         # pool runs short (pie/control/prefix_cache.py); None = off.
         self.prefix_cache = (PrefixCache(self.pages, self.lock, prefix_cache_page_size)
@@ -139,7 +166,7 @@ class ResourceManager:
         # pool name -> (launch order, arrival) of each allocation waiting, oldest first
         self.waiters: dict[str, list[tuple[int, int]]] = {}
         self.tickets = itertools.count()
-        # control.pool_full = terminate-newest: called with (requester, shortfall, pool) to
+        # control.kv_pressure = terminate-newest: called with (requester, shortfall, pool) to
         # end instances newer than the requester; their teardown refills the pool.
         self.evict = evict
 
@@ -152,6 +179,13 @@ class ResourceManager:
     def alloc_embeds(self, inst: InstanceResources, count: int) -> list[int]:
         with self.lock:
             return inst.embeds.add(self._alloc(inst, self.embeds, count, "embeds"))
+
+    def alloc_uncharged(self, inst: InstanceResources, count: int) -> list[int]:
+        """Device pages for ids the instance already holds and is charged for (pages coming
+        back from host memory): waits like any allocation."""
+        with self.lock:
+            self._wait_for(self.pages, count, inst)
+            return self.pages.alloc(count)
 
     def _alloc(self, inst: InstanceResources, pool: PhysicalPool, count: int, what: str) -> list[int]:
         with self.lock:
@@ -174,6 +208,7 @@ class ResourceManager:
 
     def _user_drop(self, user: str, pages: list[int]) -> int:
         """Drop references; how many pages the user no longer keeps alive."""
+        pages = [p for p in pages if p != DISCARDED]  # a discarded page was dropped then
         if not pages:
             return 0
         held = self.user_pages[user]
@@ -191,9 +226,12 @@ class ResourceManager:
         waits behind every older instance's, even where the pool could serve it now, so a
         large request of an old instance is not starved by a stream of small new ones."""
         cache = self.prefix_cache if pool is self.pages else None
+        reclaim = self.reclaim if pool is self.pages else None
         queue = self.waiters.setdefault(pool.what, [])
         if cache is not None and pool.available < count:
             cache.reclaim(count - pool.available)
+        if reclaim is not None and pool.available < count <= pool.size:
+            reclaim(inst, count - pool.available)
         if pool.available < count <= pool.size and self.evict is not None:
             self.evict(inst.instance_id, count - pool.available, pool.what)
         if not (pool.available < count or queue) or count > pool.size or self.wait_s <= 0:
@@ -204,9 +242,11 @@ class ResourceManager:
             deadline = time.monotonic() + self.wait_s
             while (pool.available < count or queue[0] != ticket) \
                     and (remaining := deadline - time.monotonic()) > 0:
-                self.lock.wait(remaining)
+                self.lock.wait(min(remaining, RECLAIM_RETRY_S) if reclaim else remaining)
                 if cache is not None and queue[0] == ticket and pool.available < count:
                     cache.reclaim(count - pool.available)  # pages saved meanwhile
+                if reclaim is not None and queue[0] == ticket and pool.available < count:
+                    reclaim(inst, count - pool.available)
             if pool.available < count or queue[0] != ticket:
                 behind = sum(t < ticket for t in queue)
                 raise HostError(ErrorKind.OUT_OF_RESOURCES,
@@ -223,6 +263,9 @@ class ResourceManager:
         with self.lock:
             physical = inst.pages.remove(ids)
             inst.charges.refund("kv_pages", len(ids), self._user_drop(inst.user, physical))
+            for i in ids:
+                inst.classes.pop(i, None)
+            inst.away -= sum(not self.pages.holds(p) for p in physical)
             return physical
 
     def take_embeds(self, inst: InstanceResources, ids: list[int]) -> list[int]:
@@ -233,14 +276,48 @@ class ResourceManager:
 
     def release(self, pages: list[int], embeds: list[int]) -> None:
         with self.lock:
-            self.pages.release(pages)
+            self.release_pages(pages)
             self.embeds.release(embeds)
             self.lock.notify_all()
+
+    def release_pages(self, pages: list[int]) -> None:
+        """Device or host pages, each to its pool (a discarded page holds nothing)."""
+        with self.lock:
+            self.pages.release([p for p in pages if self.pages.holds(p)])
+            self.host.release([p for p in pages if self.host.holds(p)])
+
+    def pause(self, inst: InstanceResources, paused: bool) -> None:
+        """The instance blocks on I/O (True) or runs again (False); while paused and idle
+        the reclaimer may move its pages."""
+        with self.lock:
+            if paused:
+                inst.paused_since = time.monotonic()
+                self.paused[inst.instance_id] = inst
+            else:
+                inst.paused_since = None
+                self.paused.pop(inst.instance_id, None)
+
+    def device_pages(self, inst: InstanceResources, ids: list[int]) -> list[int]:
+        """Physical ids of the instance's pages, which must be on the device (the session
+        brings swapped pages back first); a discarded page is a `discarded` error."""
+        physical = inst.pages.resolve(ids)
+        if inst.away:
+            for virtual, page in zip(ids, physical):
+                if page == DISCARDED:
+                    raise HostError(ErrorKind.DISCARDED,
+                                    f"kv page {virtual} was discarded while the instance waited on "
+                                    f"I/O (control.kv_pressure; the page was marked discardable): "
+                                    f"deallocate it and compute its tokens again")
+                if not self.pages.holds(page):
+                    raise HostError(ErrorKind.OUT_OF_RESOURCES,
+                                    f"kv page {virtual} is in host memory and the device pool has "
+                                    f"no room to bring it back yet; try again")
+        return physical
 
     def writable_pages(self, inst: InstanceResources, ids: list[int]) -> list[int]:
         """Physical ids of pages the instance may write: shared pages are read-only."""
         with self.lock:
-            physical = inst.pages.resolve(ids)
+            physical = self.device_pages(inst, ids)
             for virtual, page in zip(ids, physical):
                 if self.pages.refs[page] > 1:
                     raise HostError(ErrorKind.INVALID_ARGUMENT,
@@ -256,7 +333,7 @@ class ResourceManager:
                 raise HostError(ErrorKind.ALREADY_EXISTS,
                                 f"an export named {name!r} exists"
                                 + (" (a public name another user owns)" if theirs else ""))
-            physical = inst.pages.resolve(ids)
+            physical = self.device_pages(inst, ids)
             inst.charges.charge("exports")
             self._user_hold(inst.user, physical)  # held by the instance: nothing new to charge
             self.pages.retain(physical)
@@ -311,7 +388,8 @@ class ResourceManager:
         with self.lock:
             held = list(inst.pages.mapping.values())
             inst.charges.refund("kv_pages", len(held), self._user_drop(inst.user, held))
-            self.pages.release(held)
+            self.release_pages(held)
+            self.paused.pop(inst.instance_id, None)
             self.embeds.release(list(inst.embeds.mapping.values()))
             inst.pages.mapping.clear()
             inst.embeds.mapping.clear()

@@ -65,6 +65,9 @@ class Command:
     reads: frozenset = frozenset()
     writes: frozenset = frozenset()
     on_head: Callable[[], Any] | None = None  # markers: run when the command reaches the head
+    # Run once the command has run (with None) or failed or will never run (with the reason):
+    # the reclaimer's swaps release the pages they emptied here.
+    on_done: Callable[[str | None], Any] | None = None
     silent: bool = False  # no caller awaits the future: a failure goes to queue.error
     enqueued: float = field(default_factory=time.monotonic)
 
@@ -96,6 +99,26 @@ class SchedulerStats:
         }
 
 
+@dataclass
+class Costs:
+    """Running estimates (exponential averages of what the backend's replies took) of a
+    prompt token's forward time and of one page's swap: APIServe's waste estimate weighs
+    recomputing a paused context against swapping it (pie/control/reclaimer.py). The seeds
+    are this machine's order of magnitude (Xeon, 2 vCPUs): ~1 ms a token in a large batch,
+    ~0.2 ms a page."""
+
+    token_s: float = 1e-3
+    page_s: float = 2e-4
+
+    def forwarded(self, seconds: float, tokens: int) -> None:
+        if tokens > 16:  # a prompt's chunk: decode steps are dominated by the fixed cost
+            self.token_s += 0.2 * (seconds / tokens - self.token_s)
+
+    def swapped(self, seconds: float, pages: int) -> None:
+        if pages:
+            self.page_s += 0.2 * (seconds / pages - self.page_s)
+
+
 class Scheduler:
     def __init__(self, endpoint: str, config: ControlConfig, max_batch_tokens: int,
                  prefix_cache: PrefixCache | None = None):
@@ -111,6 +134,7 @@ class Scheduler:
         self.in_flight: dict[int, list[Command]] = {}
         self.sent_at: dict[int, float] = {}
         self.last_forward_s = 0.05  # duration of the latest forward batch (seed: a guess)
+        self.costs = Costs()  # what a token and a swapped page cost (the reclaimer's estimates)
         self.recent_forwards: dict[int, float] = {}  # id(queue) -> when its last forward left
         # instance id -> when it was launched, until it submits its first model call: a wave
         # of launches counts as stragglers, so their prefills share one batch (see _view)
@@ -143,14 +167,16 @@ class Scheduler:
 
     def submit(self, command: Command) -> HostFuture:
         with self.lock:
-            if self.failure:
-                _abandon(command, HostError(ErrorKind.INFERENCE_FAILED, self.failure))
-                return command.future
-            if command.queue.closed:
+            failure = self.failure
+            if failure is None and command.queue.closed:
                 raise HostError(ErrorKind.INVALID_HANDLE, "the queue is closed")
-            command.queue.pending.append(command)
-            if command.kind in HEAVY and self.arrivals:
-                self.arrivals.pop(command.queue.instance_id, None)
+            if failure is None:
+                command.queue.pending.append(command)
+                if command.kind in HEAVY and self.arrivals:
+                    self.arrivals.pop(command.queue.instance_id, None)
+        if failure is not None:  # outside the lock: a swap's on_done takes the pools' lock
+            _abandon(command, HostError(ErrorKind.INFERENCE_FAILED, failure))
+            return command.future
         os.write(self.wake_write, b"x")
         return command.future
 
@@ -167,6 +193,15 @@ class Scheduler:
             for command in queue.pending:
                 _abandon(command, HostError(ErrorKind.INVALID_HANDLE, "instance terminated"))
             queue.pending.clear()
+
+    def idle(self, instance_id: str) -> bool:
+        """No call of the instance waits or is in flight: nothing the backend will run
+        names its pages, so the reclaimer may move them."""
+        with self.lock:
+            if any(q.pending for q in self.queues if q.instance_id == instance_id):
+                return False
+            return not any(c.queue.instance_id == instance_id
+                           for batch in self.in_flight.values() for c in batch)
 
     def snapshot_stats(self) -> dict[str, Any]:
         with self.lock:
@@ -248,7 +283,11 @@ class Scheduler:
         """Send every batch the policy allows now; return how long the loop may sleep (ms)."""
         while True:
             with self.lock:
-                self._complete_markers()
+                markers = self._pop_markers()
+            # A deferred release takes the pools' lock: never under ours (the reclaimer holds
+            # that lock and asks the scheduler whether an instance is idle).
+            _complete(markers)
+            with self.lock:
                 heads = self._eligible_heads()
                 if not heads:
                     return None
@@ -297,18 +336,19 @@ class Scheduler:
         """id() of queues with a command in flight: their next command must wait for it."""
         return {id(c.queue) for batch in self.in_flight.values() for c in batch}
 
-    def _complete_markers(self) -> None:
+    def _pop_markers(self) -> list[tuple[Command, HostError | None]]:
+        """(Under the lock.) Markers at the head of queues with nothing in flight, with the
+        queue error each reports; `_complete` runs them once the lock is released."""
         busy = self._busy_queues()
+        done = []
         for queue in self.queues:
             while queue.pending and queue.pending[0].kind == MARKER and id(queue) not in busy:
                 marker = queue.pending.popleft()
-                if marker.on_head:
-                    marker.on_head()
+                error = None
                 if queue.error is not None and not marker.silent:
-                    marker.future.set_error(queue.error)
-                    queue.error = None
-                else:
-                    marker.future.set_result(None)
+                    error, queue.error = queue.error, None
+                done.append((marker, error))
+        return done
 
     def _eligible_heads(self) -> list[Command]:
         """Head commands of queues with nothing in flight (a queue's calls run in order)."""
@@ -402,6 +442,9 @@ class Scheduler:
             sent = self.sent_at.pop(request_id, None)
             if batch and sent is not None and batch[0].kind in HEAVY:
                 self.last_forward_s = time.monotonic() - sent
+                self.costs.forwarded(self.last_forward_s, sum(c.tokens for c in batch))
+            elif batch and sent is not None and batch[0].kind == P.Kind.SWAP_KVPAGE:
+                self.costs.swapped(time.monotonic() - sent, sum(len(c.item["device"]) for c in batch))
         if batch is None:
             log.warning("reply to unknown request %s", request_id)
             return
@@ -517,16 +560,19 @@ def build_batch(kind: str, batch: list[Command]) -> P.Message:
         return P.CopyKvPage(*([i[f] for i in items] for f in ("src", "dst", "src_offset", "dst_offset", "length")))
     if kind == P.Kind.MASK_KVPAGE:
         return P.MaskKvPage([i["page"] for i in items], [i["mask"] for i in items])
+    if kind == P.Kind.SWAP_KVPAGE:  # a command moves several pages: items are pages here
+        return P.SwapKvPage(*(sum((i[f] for i in items), []) for f in ("device", "host", "to_host")))
     raise ValueError(f"not a batchable kind: {kind}")
 
 
 def resolve_batch(batch: list[Command], reply: P.Message) -> None:
     """Map the reply's per-item results and errors back to each command's future."""
     errors: dict[int, str] = getattr(reply, "errors", {})
-    if isinstance(reply, P.BatchReply) and batch and batch[0].kind == P.Kind.EMBED_TEXT:
-        start = 0  # embed_text items are tokens; a call owns a range of them
+    spans = {P.Kind.EMBED_TEXT: "token_ids", P.Kind.SWAP_KVPAGE: "device"}
+    if isinstance(reply, P.BatchReply) and batch and batch[0].kind in spans:
+        start = 0  # items are tokens (embed_text) or pages (swap); a call owns a range of them
         for command in batch:
-            n = len(command.item["token_ids"])
+            n = len(command.item[spans[batch[0].kind]])
             bad = [errors[i] for i in range(start, start + n) if i in errors]
             start += n
             _settle(command, bad[0] if bad else None, None)
@@ -540,6 +586,16 @@ def resolve_batch(batch: list[Command], reply: P.Message) -> None:
         _settle(command, errors.get(index), value)
 
 
+def _complete(markers: list[tuple[Command, HostError | None]]) -> None:
+    for marker, error in markers:
+        if marker.on_head:
+            marker.on_head()
+        if error is not None:
+            marker.future.set_error(error)
+        else:
+            marker.future.set_result(None)
+
+
 def _abandon(command: Command, error: HostError) -> None:
     """A command that will never run: it fails, but a deferred release still releases."""
     if command.kind == P.Kind.PASS:
@@ -547,10 +603,14 @@ def _abandon(command: Command, error: HostError) -> None:
         return
     if command.on_head:
         command.on_head()
+    if command.on_done:
+        command.on_done(error.message)
     command.future.set_error(error)
 
 
 def _settle(command: Command, error: str | None, value: Any) -> None:
+    if command.on_done:
+        command.on_done(error)
     if error is None:
         command.future.set_result(value)
         return

@@ -10,7 +10,8 @@ import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
@@ -174,17 +175,33 @@ class HostState:
         elif kind == Kind.MATCHER:  # passes can no longer name it by id
             self.session.forget_matcher(obj[1])
 
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """The instance blocks in the host: while no call of its own is queued or running,
+        the reclaimer may move its pages (pie/control/reclaimer.py); they come back before
+        its next call that names one."""
+        self.session.pause(True)
+        try:
+            yield
+        finally:
+            self.session.pause(False)
+
     def wait_for(self, event: threading.Event) -> None:
         """Block until `event` is set, or unwind if the instance is terminated meanwhile."""
-        while not event.wait(0.05):
-            if self.cancelled.is_set():
-                raise Terminated("instance terminated")
+        if event.is_set():
+            return
+        with self.paused():
+            while not event.wait(0.05):
+                if self.cancelled.is_set():
+                    raise Terminated("instance terminated")
 
     def pace(self, rate: str) -> None:
         """Wait out the instance's (and its user's) rate quota before a message or HTTP call."""
         delay = self.session.wait_s(rate)
-        if delay > 0 and self.cancelled.wait(delay):
-            raise Terminated("instance terminated")
+        if delay > 0:
+            with self.paused():
+                if self.cancelled.wait(delay):
+                    raise Terminated("instance terminated")
 
     def watch(self, store: Any, pollable: Any, key: int) -> None:
         rep = pollable.to_host(store).rep
@@ -195,7 +212,12 @@ class HostState:
         if not self.watched:
             return []
         reps = list(self.watched)
-        ready = wait_any([self.watched[r][1] for r in reps], self.cancelled)
+        futures = [self.watched[r][1] for r in reps]
+        if any(f.done() for f in futures):
+            ready = [i for i, f in enumerate(futures) if f.done()]
+        else:
+            with self.paused():
+                ready = wait_any(futures, self.cancelled)
         if self.cancelled.is_set():
             raise Terminated("instance terminated")
         return sorted(self.watched.pop(reps[i])[0] for i in ready)

@@ -82,7 +82,7 @@ class Instance:
     session: InstanceSession
     host: HostState
     on_event: EventSink
-    order: int = 0  # launch order (control.pool_full = terminate-newest ends the newest first)
+    order: int = 0  # launch order (control.kv_pressure = terminate-newest ends the newest first)
     thread: threading.Thread | None = None
     end_reason: str | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -107,7 +107,7 @@ class Runtime:
         self.linker = build_linker(self.engine, controller, self._host_state)
         self.host_calls: dict[str, Counter[str]] = {}  # program name or hash -> calls by function
         self.launches = itertools.count(1)
-        if config.control.pool_full == "terminate-newest":
+        if config.control.kv_pressure == "terminate-newest":
             controller.resources.evict = self._evict_newer
         self.lock = threading.Lock()
         self.running = True
@@ -219,7 +219,7 @@ class Runtime:
                 break
             if held := len(held_by(victim.session.resources).mapping):
                 self.terminate(victim.info.id, f"error: terminated to free {pool} for an older instance "
-                                               f"(control.pool_full = terminate-newest)")
+                                               f"(control.kv_pressure = terminate-newest)")
                 shortfall -= held
 
     def list_instances(self) -> list[InstanceInfo]:

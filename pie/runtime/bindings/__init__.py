@@ -22,6 +22,7 @@ from pie.runtime.bindings import (
     input_image,
     input_text,
     kvs,
+    memory,
     messaging,
     output_text,
     runtime,
@@ -32,7 +33,7 @@ from pie.runtime.bindings.common import Bindings
 from pie.runtime.host import HostState
 
 MODULES = (types, futures, runtime, messaging, kvs, http, allocate, forward, input_text,
-           input_image, tokenize, output_text, grammar, inference)
+           input_image, tokenize, output_text, grammar, inference, memory)
 
 
 def build_linker(engine: Engine, controller: Controller, lookup: Callable[[Any], HostState]) -> Linker:

@@ -78,10 +78,13 @@ pub mod types {
         Io,
         /// The inference layer failed a command that was already enqueued.
         InferenceFailed,
+        /// A page marked `discardable` was dropped while the instance waited on I/O and
+        /// the KV pool ran short: deallocate it and compute its tokens again.
+        Discarded,
     }
     impl ErrorKind {
         #[doc(hidden)]
-        pub fn _lift(d: u32) -> Self { match d { 0 => ErrorKind::InvalidHandle, 1 => ErrorKind::InvalidArgument, 2 => ErrorKind::OutOfResources, 3 => ErrorKind::NotFound, 4 => ErrorKind::AlreadyExists, 5 => ErrorKind::PermissionDenied, 6 => ErrorKind::Unsupported, 7 => ErrorKind::Io, 8 => ErrorKind::InferenceFailed, _ => unreachable!() } }
+        pub fn _lift(d: u32) -> Self { match d { 0 => ErrorKind::InvalidHandle, 1 => ErrorKind::InvalidArgument, 2 => ErrorKind::OutOfResources, 3 => ErrorKind::NotFound, 4 => ErrorKind::AlreadyExists, 5 => ErrorKind::PermissionDenied, 6 => ErrorKind::Unsupported, 7 => ErrorKind::Io, 8 => ErrorKind::InferenceFailed, 9 => ErrorKind::Discarded, _ => unreachable!() } }
     }
 
     /// An error returned to the inferlet; the instance keeps running.
@@ -2470,6 +2473,61 @@ pub mod inference {
         unsafe {
             let mut ret_area = crate::abi::RetArea::<16>::new();
             import(q.handle(), *(&pass) as i64, ret_area.ptr() as i32);
+            match ret_area.ptr().cast::<u8>().read() { 0 => Ok(()), 1 => Err(Error { kind: super::types::ErrorKind::_lift(ret_area.ptr().add(4).cast::<u8>().read() as u32), message: crate::abi::take_string(ret_area.ptr().add(8).cast::<i32>().read(), ret_area.ptr().add(12).cast::<i32>().read()) }), _ => unreachable!() }
+        }
+    }
+}
+
+/// KV memory under pressure: what the server may do with an instance's pages while it
+/// waits on I/O and the KV pool runs short (`control.kv_pressure`, docs/operations.md).
+///
+/// An instance blocked on an HTTP response, a message or a send's backpressure, with no
+/// call of its own queued or running, is paused; the server may then move the pages it
+/// alone holds: swap them to host memory (they come back before its next call that names
+/// one, which waits for the copy) or, for pages marked discardable, drop them.
+pub mod memory {
+    pub type KvPage = super::types::KvPage;
+
+    pub type Error = super::types::Error;
+
+    /// What the server may do with a page while its instance waits on I/O (an HTTP
+    /// response, a message, a send's backpressure) and the KV pool runs short
+    /// (`control.kv_pressure`). Only a page the instance alone holds is ever moved.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum KvClass {
+        /// Stays in device memory.
+        Pinned,
+        /// May be copied to host memory and back; the instance does not notice (its next
+        /// call naming the page waits for the copy back). Every page starts swappable.
+        Swappable,
+        /// May also be dropped: a later call naming it fails with `discarded`, and the
+        /// program computes its tokens again (SDK contexts do, when asked to).
+        Discardable,
+    }
+    impl KvClass {
+        #[doc(hidden)]
+        pub fn _lift(d: u32) -> Self { match d { 0 => KvClass::Pinned, 1 => KvClass::Swappable, 2 => KvClass::Discardable, _ => unreachable!() } }
+    }
+
+    /// Sets the reclaim class of pages.
+    ///
+    /// Arguments:
+    /// - pages: the pages.
+    /// - class: their class from now on.
+    ///
+    /// Layer: control
+    ///
+    /// Errors:
+    /// - invalid-handle: an id is not a live page of this instance; nothing changes.
+    pub fn set_kv_class(pages: &[KvPage], class: KvClass) -> Result<(), Error> {
+        #[link(wasm_import_module = "pie:inferlet/memory@0.1.0")]
+        extern "C" {
+            #[link_name = "set-kv-class"]
+            fn import(p0: i32, p1: i32, p2: i32, p3: i32);
+        }
+        unsafe {
+            let mut ret_area = crate::abi::RetArea::<16>::new();
+            import(pages.as_ptr() as i32, pages.len() as i32, *(&class) as i32, ret_area.ptr() as i32);
             match ret_area.ptr().cast::<u8>().read() { 0 => Ok(()), 1 => Err(Error { kind: super::types::ErrorKind::_lift(ret_area.ptr().add(4).cast::<u8>().read() as u32), message: crate::abi::take_string(ret_area.ptr().add(8).cast::<i32>().read(), ret_area.ptr().add(12).cast::<i32>().read()) }), _ => unreachable!() }
         }
     }
