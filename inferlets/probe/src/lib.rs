@@ -9,6 +9,9 @@
 //! - `fork PROMPT`: prefills PROMPT in a Context, forks it, and greedy-decodes 8 tokens in
 //!   the original and in the fork; sends both (they must be equal) and the free page count
 //!   is checked by the caller.
+//! - `pause CLASS PROMPT`: greedy-decodes 8 tokens of PROMPT in a Context whose pages are
+//!   CLASS (pinned, swappable, discardable), sends `first: TEXT`, waits for a message, then
+//!   sends `second: TEXT` (8 more): the reclaimer may move its pages while it waits.
 //! - `http URL`: GETs URL and sends `STATUS BODY` (or the error).
 //! - `subscribe TOPIC` / `broadcast TOPIC TEXT`: the subscriber says "subscribed", then sends
 //!   the first message published on TOPIC; the broadcaster publishes TEXT.
@@ -41,7 +44,7 @@
 //!   counts, lengths, offsets and positions — each of which must come back as `Ok` or a
 //!   host `Error`, never a trap; frees what it still holds and sends `{"ok": a, "err": b}`.
 
-use inferlet::bindings::{allocate, forward, http, inference, input_text, kvs, messaging, output_text, runtime};
+use inferlet::bindings::{allocate, forward, http, inference, input_text, kvs, memory, messaging, output_text, runtime};
 use inferlet::bindings::forward::ForwardPass;
 use inferlet::{KvPage, Model, Queue, Sampler};
 
@@ -132,6 +135,28 @@ async fn main() -> Result<(), String> {
             let (a, b) = (ctx.generate(&greedy, &stop).await?, fork.generate(&greedy, &stop).await?);
             inferlet::send(&a);
             inferlet::send(&b);
+            Ok(())
+        }
+        Some("pause") => {
+            // `pause CLASS PROMPT`: greedy-decodes 8 tokens of PROMPT in a Context whose pages
+            // are CLASS (pinned, swappable or discardable), sends `first: TEXT`, waits for a
+            // message (paused: the server may move its pages), then decodes 8 more and sends
+            // `second: TEXT` (reclaimer tests: equal to a run the pool never pressed).
+            let mut ctx = model.create_context()?;
+            ctx.fill(&args[2]);
+            ctx.flush()?;
+            if args[1] == "discardable" {
+                ctx.set_discardable(true)?;
+            }
+            let stop = inferlet::Stop::new(8);
+            let greedy = Sampler::greedy();
+            let first = ctx.generate(&greedy, &stop).await?;
+            if args[1] == "pinned" {  // every page it holds now
+                memory::set_kv_class(&ctx.page_ids(), memory::KvClass::Pinned)?;
+            }
+            inferlet::send(&format!("first: {first}"));
+            inferlet::receive().await;
+            inferlet::send(&format!("second: {}", ctx.generate(&greedy, &stop).await?));
             Ok(())
         }
         Some("http") => {

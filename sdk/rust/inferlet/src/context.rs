@@ -10,6 +10,11 @@
 //! other instances, and a forward pass that would write into a shared partial last page
 //! copies it first. Only that partial last page is ever written, so full pages are never
 //! copied.
+//!
+//! A context that `set_discardable` lets the server drop its pages while the inferlet waits
+//! on I/O and the KV pool runs short (`control.kv_pressure`); the next pass that names one
+//! fails with `discarded`, and the context computes its committed tokens again, in chunks,
+//! and retries, so its caller sees only the time it took.
 
 use std::cell::Cell;
 use std::rc::Rc;
@@ -18,6 +23,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use crate::bindings::forward::{self, ForwardPass};
 use crate::bindings::inference::{self, Output, PassResult, PassStatus};
 use crate::bindings::types::{Embed, Error, ErrorKind, KvPage};
+use crate::bindings::memory::{self, KvClass};
 use crate::bindings::{allocate, input_text, kvs};
 use crate::executor::{claim, PassWait};
 use crate::{ChatMessage, Queue, Sampler, Stop};
@@ -60,13 +66,15 @@ pub struct Context {
     /// Fused passes enqueued without awaiting their result (prefill chunks): claimed, and
     /// their failure reported, when this context next awaits a pass.
     unclaimed: Vec<u64>,
+    /// Its pages may be dropped under memory pressure and computed again (`set_discardable`).
+    discardable: bool,
 }
 
 impl Context {
     /// An empty context whose calls go to `queue`.
     pub fn new(queue: Rc<Queue>) -> Context {
         Context { queue, pages: Vec::new(), last_len: 0, committed: Vec::new(), pending: Vec::new(),
-                  embeds: Vec::new(), outputs: Vec::new(), unclaimed: Vec::new() }
+                  embeds: Vec::new(), outputs: Vec::new(), unclaimed: Vec::new(), discardable: false }
     }
 
     pub fn queue(&self) -> &Rc<Queue> {
@@ -105,6 +113,22 @@ impl Context {
     /// The host ids of the held pages, in order.
     pub fn page_ids(&self) -> Vec<KvPage> {
         self.pages.iter().map(|h| h.page.id).collect()
+    }
+
+    /// Lets the server drop this context's pages while the inferlet waits on I/O and the KV
+    /// pool runs short (`memory.set-kv-class` discardable; off: swappable, the default). A
+    /// pass that then names a dropped page makes the context compute its committed tokens
+    /// again and retry: worth it where the wait is long and the context short (APIServe's
+    /// trade-off, `control.kv_pressure = "min-waste"` weighs it per paused instance). Only
+    /// a context whose tokens sit at positions 0.. in its own pages, none masked or
+    /// dropped, can be recomputed exactly; for any other the pass fails with `discarded`.
+    pub fn set_discardable(&mut self, on: bool) -> Result<(), Error> {
+        self.discardable = on;
+        let own: Vec<KvPage> = self.pages.iter().filter(|h| !h.page.foreign.get()).map(|h| h.page.id).collect();
+        if own.is_empty() {
+            return Ok(());
+        }
+        memory::set_kv_class(&own, if on { KvClass::Discardable } else { KvClass::Swappable })
     }
 
     /// Appends text (tokenized, no special tokens added).
@@ -212,10 +236,49 @@ impl Context {
 
     /// One fused pass over `tokens`, written after the committed tokens.
     fn execute_chunk(&mut self, tokens: &[u32], outputs: Vec<Output>) -> Result<u64, Error> {
-        let (pass, new_pages) = self.pass_over(tokens, tokens.len() as u32, outputs, Vec::new())?;
-        let id = inference::execute(self.queue.raw(), pass)?;
-        self.commit(tokens, new_pages);
-        Ok(id)
+        let mut recomputed = false;
+        loop {
+            let attempt = self.pass_over(tokens, tokens.len() as u32, outputs.clone(), Vec::new())
+                .and_then(|(pass, new_pages)| Ok((inference::execute(self.queue.raw(), pass)?, new_pages)));
+            match attempt {
+                Ok((id, new_pages)) => {
+                    self.commit(tokens, new_pages);
+                    return Ok(id);
+                }
+                Err(e) if !recomputed && self.lost(&e) => {
+                    self.recompute()?;
+                    recomputed = true;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// The server dropped pages of this discardable context (`set_discardable`).
+    fn lost(&self, e: &Error) -> bool {
+        self.discardable && e.kind == ErrorKind::Discarded
+    }
+
+    /// Computes the committed tokens again into new pages (their old ones were dropped):
+    /// chunked passes, claimed at the next await like a prefill's.
+    fn recompute(&mut self) -> Result<(), Error> {
+        let page_size = self.queue.page_size();
+        let exact = self.pages.iter().enumerate().all(|(i, h)| {
+            h.first == i as u32 * page_size && !h.page.foreign.get() && !h.masked.iter().any(|&m| m)
+        });
+        if !exact {
+            return Err(Error { kind: ErrorKind::Discarded, message: "the server dropped this context's \
+                pages, and they cannot be computed again exactly (pages were masked, dropped or \
+                imported)".into() });
+        }
+        let tokens = std::mem::take(&mut self.committed);
+        self.pages.clear();
+        self.last_len = 0;
+        if !tokens.is_empty() {
+            let id = self.execute(&tokens, None)?;
+            self.unclaimed.push(id);
+        }
+        Ok(())
     }
 
     /// The pass record writing `tokens` after the committed ones, into pages with room for
@@ -330,6 +393,7 @@ impl Context {
                                message: "a run needs a pending token to predict from and at least one step".into() });
         }
         let mut tokens = std::mem::take(&mut self.pending);
+        let mut recomputed = false;
         loop {
             if tokens.len() > chunk_limit() as usize {  // a long prompt: prefill all but the end
                 let tail = tokens.split_off(tokens.len() - 1);
@@ -353,6 +417,13 @@ impl Context {
                 Err(e) if n > 1 && e.kind == ErrorKind::InvalidArgument && e.message.contains(LIMIT_NAME) => {
                     learn_limit(&e, n as usize);
                 }
+                Err(e) if !recomputed && self.lost(&e) => {
+                    recomputed = true;
+                    if let Err(e) = self.recompute() {
+                        self.pending = tokens;
+                        return Err(e);
+                    }
+                }
                 Err(e) => {
                     self.pending = tokens;
                     return Err(e);
@@ -368,7 +439,8 @@ impl Context {
     pub fn fork(&self) -> Context {
         Context { queue: self.queue.clone(), pages: self.pages.clone(), last_len: self.last_len,
                   committed: self.committed.clone(), pending: self.pending.clone(),
-                  embeds: Vec::new(), outputs: Vec::new(), unclaimed: Vec::new() }
+                  embeds: Vec::new(), outputs: Vec::new(), unclaimed: Vec::new(),
+                  discardable: self.discardable }
     }
 
     /// `n` forks of this context.
@@ -503,7 +575,7 @@ impl Context {
             return Err(corrupt());
         }
         Ok(Some(Context { queue, pages, last_len, committed, pending: Vec::new(),
-                          embeds: Vec::new(), outputs: Vec::new(), unclaimed: Vec::new() }))
+                          embeds: Vec::new(), outputs: Vec::new(), unclaimed: Vec::new(), discardable: false }))
     }
 
     /// Removes an export made by `export` (pages already imported stay valid).
@@ -526,6 +598,7 @@ impl Context {
         }
         let outputs = self.outputs[..indices.len()].to_vec();
         let mut start = 0;
+        let mut recomputed = false;
         while start < tokens.len() {
             let size = tokens.len().min(start + chunk_limit() as usize) - start;
             let end = start + size;
@@ -541,6 +614,10 @@ impl Context {
                 // The host refused the chunk before running anything: learn its limit, retry.
                 Err(e) if size > 1 && e.kind == ErrorKind::InvalidArgument && e.message.contains(LIMIT_NAME) => {
                     learn_limit(&e, size);
+                }
+                Err(e) if !recomputed && self.lost(&e) => {
+                    self.recompute()?;
+                    recomputed = true;
                 }
                 Err(e) => return Err(e),
             }
@@ -618,7 +695,11 @@ impl Context {
             return Ok(Vec::new());
         }
         let ids = allocate::alloc_kvpage(self.queue.raw(), count)?;
-        Ok(ids.into_iter().map(|id| Rc::new(Page { id, queue: self.queue.clone(), foreign: Cell::new(false) })).collect())
+        let pages = ids.iter().map(|&id| Rc::new(Page { id, queue: self.queue.clone(), foreign: Cell::new(false) })).collect();
+        if self.discardable {
+            memory::set_kv_class(&ids, KvClass::Discardable)?;  // on error the pages are freed
+        }
+        Ok(pages)
     }
 }
 

@@ -1,0 +1,137 @@
+"""The reclaimer through a real `pie serve` (issue 17): a short KV pool takes the pages of an
+instance paused on a message — swapped to host memory and back, or discarded and computed
+again by the SDK's context — and the paused instance's greedy output is the same as if the
+pool had never been pressed. Nothing is killed; both pools are full again afterwards."""
+
+from __future__ import annotations
+
+import pytest
+
+from pie.client import PieClient
+
+from pie_server import TOKEN, Server, build
+
+pytestmark = pytest.mark.anyio
+PAGES = 48  # the device pool: a hold of all but a few pages needs the paused one's
+PROMPT = "The history of the printing press begins in the fifteenth century, when"
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def probe() -> bytes:
+    return build("probe")
+
+
+def server_with(tmp_path_factory, policy: str) -> Server:
+    return Server(tmp_path_factory.mktemp(policy),
+                  {"backend": {"num_kv_pages": PAGES, "num_host_kv_pages": PAGES},
+                   "control": {"kv_pressure": policy, "alloc_wait_ms": 5000.0}})
+
+
+@pytest.fixture(scope="module")
+def swap_server(tmp_path_factory):
+    server = server_with(tmp_path_factory, "swap")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def discard_server(tmp_path_factory):
+    server = server_with(tmp_path_factory, "discard")
+    yield server
+    server.stop()
+
+
+def reclaim(server: Server) -> dict:
+    return server.resources()["reclaim"]
+
+
+def free_pages(server: Server) -> int:
+    return server.resources()["kv_pages_free"]
+
+
+async def pause_run(client: PieClient, program: str, kv_class: str, server: Server,
+                    press: bool) -> tuple[str, str]:
+    """`probe pause`: its first 8 tokens, then (with `press`, another instance holding all
+    but 2 of the free pages meanwhile) 8 more."""
+    paused = await client.launch(program, ["pause", kv_class, PROMPT])
+    first = (await paused.recv()).text
+    if press:
+        hold = await client.launch(program, ["hold", str(free_pages(server) + 2)])
+        assert (await hold.recv()).text.startswith("held ")
+        await hold.send("done")
+        assert await hold.wait() == "finished"
+    await paused.send("go")
+    second = (await paused.recv()).text
+    assert await paused.wait() == "finished"
+    return first, second
+
+
+async def test_swap_moves_a_paused_instance_and_brings_it_back(swap_server, probe):
+    """kv_pressure = swap: the pages of an instance waiting on a message go to host memory
+    when another instance needs them, and come back before its next pass: same output."""
+    async with PieClient(swap_server.ws, TOKEN) as client:
+        program = await client.upload(probe)
+        calm = await pause_run(client, program, "swappable", swap_server, press=False)
+        before = reclaim(swap_server)
+        pressed = await pause_run(client, program, "swappable", swap_server, press=True)
+        after = reclaim(swap_server)
+    assert pressed == calm and calm[0].startswith("first: ")
+    assert after["swapped_out"] > before["swapped_out"]
+    assert after["swapped_in"] - before["swapped_in"] == after["swapped_out"] - before["swapped_out"]
+    assert after["host_pages_free"] == PAGES and swap_server.resources()["kv_pages_free"] == PAGES
+
+
+async def test_pinned_pages_stay_and_the_allocation_fails(swap_server, probe):
+    """A page its instance pinned is never moved: the allocation that needed it waits out
+    control.alloc_wait_ms and fails; the paused instance goes on unharmed."""
+    async with PieClient(swap_server.ws, TOKEN) as client:
+        program = await client.upload(probe)
+        before = reclaim(swap_server)
+        paused = await client.launch(program, ["pause", "pinned", PROMPT])
+        assert (await paused.recv()).text.startswith("first: ")
+        hold = await client.launch(program, ["hold", str(free_pages(swap_server) + 2)])
+        refused = (await hold.recv()).text
+        assert refused.startswith("OutOfResources:") and "alloc_wait_ms" in refused
+        await hold.send("done")
+        await paused.send("go")
+        assert (await paused.recv()).text.startswith("second: ")
+        for instance in (hold, paused):
+            assert await instance.wait() == "finished"
+    assert reclaim(swap_server)["swapped_out"] == before["swapped_out"]
+    assert swap_server.resources()["kv_pages_free"] == PAGES
+
+
+async def test_terminated_while_swapped_out_gives_both_pools_back(swap_server, probe):
+    async with PieClient(swap_server.ws, TOKEN) as client:
+        program = await client.upload(probe)
+        paused = await client.launch(program, ["pause", "swappable", PROMPT])
+        assert (await paused.recv()).text.startswith("first: ")
+        hold = await client.launch(program, ["hold", str(free_pages(swap_server) + 2)])
+        assert (await hold.recv()).text.startswith("held ")
+        assert reclaim(swap_server)["host_pages_free"] < PAGES  # its pages sit in host memory
+        await paused.terminate()
+        assert await paused.wait() == "terminated by client"
+        await hold.send("done")
+        assert await hold.wait() == "finished"
+    assert reclaim(swap_server)["host_pages_free"] == PAGES
+    assert swap_server.resources()["kv_pages_free"] == PAGES
+
+
+async def test_discard_recomputes_a_discardable_context(discard_server, probe):
+    """kv_pressure = discard: a discardable context's pages are dropped; its next pass
+    fails with `discarded` inside the SDK, which computes the tokens again: same output.
+    A swappable context is not touched by this policy."""
+    async with PieClient(discard_server.ws, TOKEN) as client:
+        program = await client.upload(probe)
+        calm = await pause_run(client, program, "discardable", discard_server, press=False)
+        before = reclaim(discard_server)
+        pressed = await pause_run(client, program, "discardable", discard_server, press=True)
+        after = reclaim(discard_server)
+    assert pressed == calm
+    assert after["discarded"] > before["discarded"] and after["swapped_out"] == 0
+    assert discard_server.resources()["kv_pages_free"] == PAGES
