@@ -1,5 +1,5 @@
 """RESULTS.md sections for Pie's own benchmark scripts (backend, quantization, placement,
-overhead, frontends, prefix_cache, soak, drain): each writes its JSON in its own shape, so each gets a small table here.
+overhead, frontends, prefix_cache, api_serve, soak, drain): each writes its JSON in its own shape, so each gets a small table here.
 
 Why a table per script rather than one generic dump: those files carry every sample; the
 reader of RESULTS.md needs the medians and the ratio that each script exists to measure
@@ -106,14 +106,41 @@ def prefix_cache(data: Json) -> list[str]:
     return lines
 
 
+def api_serve(data: Json) -> list[str]:
+    def ratio(value: float | None, target: str) -> str:
+        return "not measured" if value is None else f"{value:.2f}× ({target})"
+
+    lines = [f"APIServe's workload on Pie (`api_agent` inferlets: contexts of 700-2,200 tokens, six API types, "
+             f"{data['gen']} tokens around each call), {data['requests']} Poisson requests per rate, a KV pool of "
+             f"{data['pages']} pages (3-4 contexts), {_dtype(data)}. SLO: mean normalized latency ≤ "
+             f"{data['slo_s']:.3f} s/token ({data['slo_factor']:g}× the lowest at the lowest rate). Sustained rate "
+             f"min-waste / discard: {ratio(data['min_waste_over_discard'], 'target ≥ 1.6')}; min-waste / preserve: "
+             f"{ratio(data['min_waste_over_preserve'], 'target > 1')}; with swaps limited to the paper's PCIe ratio, "
+             f"min-waste / discard: {ratio(data['min_waste_over_discard_limited'], 'target ≥ 1.6')}. Instances "
+             f"that did not finish: {data['killed']} (target 0).", "",
+             "| policy | swap link | rate | normalized latency, mean (p90) | completed/s | recompute share | "
+             "pages swapped out | pages discarded | not finished |", "|---|---|---|---|---|---|---|---|---|"]
+    for row in data["rows"]:
+        link = "RAM" if not row["swap_gbps"] else f"{row['swap_gbps']:g} GB/s"
+        lines.append(f"| {row['policy']} | {link} | {row['rate']:g}/s | {_f(row['normalized_mean_s'])} s "
+                     f"({_f(row['normalized_p90_s'])}) | {_f(row['completed_per_s'])} | {row['recompute_share']:.0%} | "
+                     f"{row['swapped_out']} | {row['discarded']} | {row['not_finished']} |")
+    lines += ["", "| policy @ swap link | sustained rate |", "|---|---|"]
+    lines += [f"| {key} | {value:.3f}/s |" for key, value in data["sustained"].items()]
+    return lines + ["", "![api_serve](results/api_serve.png)"]
+
+
 def soak(data: Json) -> list[str]:
     leaks = data.get("leak_check", {})
     lines = [f"{data['instances']} concurrent instances for {data['seconds']} s ({_dtype(data)}): "
              f"{sum(data['completed'].values())} workloads, {sum(data['errors'].values())} errors, "
              f"{data['lost_messages']} lost messages, {data['wrong_answers']} wrong answers, pools reclaimed: "
              f"{data['pools_reclaimed']}, threads {leaks.get('threads_before')} → {leaks.get('threads_after')}, "
-             f"fds {leaks.get('fds_before')} → {leaks.get('fds_after')}.", "",
-             "| workload | completed | p50 | p99 |", "|---|---|---|---|"]
+             f"fds {leaks.get('fds_before')} → {leaks.get('fds_after')}."
+             + (f" KV pool of {data['meta']['kv_pages']} pages (`--kv-pages`): {data['reclaim']['swapped_out']} pages "
+                f"swapped out, {data['reclaim']['discarded']} discarded (`control.kv_pressure = "
+                f"{data['reclaim']['policy']}`)." if data.get("meta", {}).get("kv_pages") and data.get("reclaim") else ""),
+             "", "| workload | completed | p50 | p99 |", "|---|---|---|---|"]
     lines += [f"| {w} | {n} | {_f(data['p50_ms'][w])} ms | {_f(data['p99_ms'][w])} ms |"
               for w, n in data["completed"].items()]
     return lines
@@ -168,6 +195,7 @@ SCRIPTS: dict[str, tuple[str, Callable[[Json], list[str]]]] = {
     "overhead": ("Control-layer overhead, host calls, control CPU and launch latency", overhead),
     "frontends": ("Front ends: native, OpenAI /v1, Python SDK", frontends),
     "prefix_cache": ("Prefix cache: a client-side conversation", prefix_cache),
+    "api_serve": ("KV across API calls: APIServe's policies", api_serve),
     "soak": ("Soak", soak),
     "drain": ("Graceful drain", drain),
 }

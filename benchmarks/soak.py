@@ -7,7 +7,11 @@ turn), then, once every instance has ended, workloads drawn at random back to ba
   message is counted);
 - `complete`: `text_completion`, 8 greedy tokens of one of a few prompts (the answer must
   equal the first answer seen for that prompt);
-- `fork`: `parallel_generation`, 2 seeded continuations of a shared prompt.
+- `fork`: `parallel_generation`, 2 seeded continuations of a shared prompt;
+- `pause`: `probe pause`, 8 greedy tokens of a prompt in a swappable or discardable context,
+  a wait of up to half a second on a message (the instance is paused: a short pool may swap
+  or drop its pages, `control.kv_pressure`), then 8 more (must equal the first seen).
+With `--kv-pages N` the private server's KV pool is that small, so the reclaimer works.
 It reports per-workload p50/p99 latency (of the soak, not the warm-up), errors, lost
 messages, whether every KV page and embed is back in the pool at the end, and whether the
 server leaked threads or file descriptors: counted after the warm-up round and again after
@@ -15,7 +19,7 @@ the soak. Loopback only (it
 starts its own `pie serve` unless given `--server`; the leak check needs that private
 server's pid). Results: benchmarks/results/soak.json (`--out` elsewhere).
 
-    python benchmarks/soak.py [--instances 256] [--minutes 10] [--quick] [--out FILE]
+    python benchmarks/soak.py [--instances 256] [--minutes 10] [--kv-pages N] [--quick] [--out FILE]
 
 `--quick` (6 instances for 3 seconds) is the smoke run tests/test_bench_scripts.py makes.
 """
@@ -29,6 +33,7 @@ import os
 import random
 import statistics
 import sys
+import tempfile
 import time
 import urllib.parse
 import urllib.request
@@ -99,7 +104,19 @@ async def fork(client: PieClient, rng: random.Random, tally: Tally, programs: di
         raise RuntimeError(reason)
 
 
-WORKLOADS = {"echo": echo, "complete": complete, "fork": fork}
+async def pause(client: PieClient, rng: random.Random, tally: Tally, programs: dict) -> None:
+    prompt = rng.choice(PROMPTS)
+    instance = await client.launch(programs["probe"], ["pause", rng.choice(["swappable", "discardable"]), prompt])
+    first = (await instance.recv()).text
+    await asyncio.sleep(rng.uniform(0, 0.5))
+    await instance.send("go")
+    answer = "|".join([first] + [m async for m in instance])
+    if (reason := await instance.wait()) != "finished":
+        raise RuntimeError(reason)
+    tally.wrong_answers += answer != tally.answers.setdefault(f"pause: {prompt}", answer)
+
+
+WORKLOADS = {"echo": echo, "complete": complete, "fork": fork, "pause": pause}
 
 
 def open_fds(pid: int) -> int:
@@ -152,8 +169,8 @@ async def soak(url: str, token: str | None, instances: int, seconds: float, seed
     tally = Tally()
     http = http_url(url)
     async with PieClient(url, token) as uploader:
-        programs = {"parallel_generation": await uploader.upload(
-            build_inferlet(ROOT / "inferlets" / "parallel_generation").read_bytes())}
+        programs = {name: await uploader.upload(build_inferlet(ROOT / "inferlets" / name).read_bytes())
+                    for name in ("parallel_generation", "probe")}
     rngs = [random.Random(seed * 100003 + index) for index in range(instances)]
 
     async def slot(index: int, rng: random.Random, deadline: float | None) -> None:
@@ -203,6 +220,7 @@ async def soak(url: str, token: str | None, instances: int, seconds: float, seed
         "lost_messages": tally.lost_messages,
         "wrong_answers": tally.wrong_answers,
         "pools_reclaimed": reclaimed(stats),
+        "reclaim": stats["resources"].get("reclaim"),  # pages the short pool moved (kv_pressure)
         "leak_check": leaks,
     }
 
@@ -219,6 +237,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="a private server's dtype; fp32 (default) makes greedy answers "
                              "independent of batch composition, so they can be checked")
+    parser.add_argument("--kv-pages", type=int, help="a private server's KV pool (default: the config's): "
+                        "small, the reclaimer moves paused instances' pages")
     args = parser.parse_args()
     instances = args.instances or (6 if args.quick else 256)
     seconds = 60 * (args.minutes if args.minutes is not None else 3 / 60 if args.quick else 10.0)
@@ -230,7 +250,12 @@ def main() -> None:
                 raise SystemExit(f"soak runs against loopback servers only, not {host!r}")
             return {**await soak(args.server, args.token, instances, seconds, seed=args.seed),
                     "model": served_model(args.server)}
-        server = LocalServer(["--dtype", args.dtype])
+        extra = []
+        if args.kv_pages:
+            config = Path(tempfile.mkdtemp(prefix="pie-soak-")) / "pool.toml"
+            config.write_text(f"[backend]\nnum_kv_pages = {args.kv_pages}\n")
+            extra = ["--config", str(config)]
+        server = LocalServer(["--dtype", args.dtype, *extra])
         async with server as url:
             assert server.process is not None
             return {**await soak(url, None, instances, seconds, seed=args.seed, pid=server.process.pid),
@@ -244,7 +269,7 @@ def main() -> None:
                       "command": command_line(), "quick": args.quick, "rounds": 1,
                       "order": [f"random per slot (seed {args.seed})"],
                       "dtype": None if args.server else args.dtype, "model": model,
-                      "seed": args.seed, **machine_settings()}
+                      "seed": args.seed, "kv_pages": args.kv_pages, **machine_settings()}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

@@ -53,6 +53,10 @@ class BackendConfig:
     # RAM (0.35 MiB for the default model), committed as pages are first written on the CPU
     # and pinned up front on CUDA; 0 = none.
     num_host_kv_pages: int = 2048
+    # Limit the host tier's copies to this many GB/s (0 = as fast as the machine copies): on
+    # the CPU a swap is a copy within RAM; this emulates a GPU's PCIe link, where swapping
+    # costs far more relative to recomputing (benchmarks/api_serve.py --swap-gbps).
+    swap_gbps: float = 0.0
     num_embeds: int = 32768
     max_batch_tokens: int = 4096
     threads: int = 0
@@ -78,6 +82,8 @@ class BackendConfig:
                 raise ConfigError(f"backend.{key} must be positive, got {getattr(self, key)}")
         if self.num_host_kv_pages < 0:
             raise ConfigError(f"backend.num_host_kv_pages must be >= 0, got {self.num_host_kv_pages}")
+        if self.swap_gbps < 0:
+            raise ConfigError(f"backend.swap_gbps must be >= 0, got {self.swap_gbps}")
         if self.threads < 0:
             raise ConfigError(f"backend.threads must be >= 0, got {self.threads}")
         if self.cuda_graphs and (self.device != "cuda" or self.attention != "flashinfer"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from pie.client import PieClient
+from pie.python_build import build_python_inferlet
 
 from pie_server import TOKEN, Server, build
 
@@ -55,13 +56,13 @@ def free_pages(server: Server) -> int:
 
 
 async def pause_run(client: PieClient, program: str, kv_class: str, server: Server,
-                    press: bool) -> tuple[str, str]:
-    """`probe pause`: its first 8 tokens, then (with `press`, another instance holding all
-    but 2 of the free pages meanwhile) 8 more."""
+                    press: bool, holder: str | None = None) -> tuple[str, str]:
+    """`probe pause` (or its Python twin): its first 8 tokens, then (with `press`, a probe
+    holding 2 more pages than are free meanwhile) 8 more."""
     paused = await client.launch(program, ["pause", kv_class, PROMPT])
     first = (await paused.recv()).text
     if press:
-        hold = await client.launch(program, ["hold", str(free_pages(server) + 2)])
+        hold = await client.launch(holder or program, ["hold", str(free_pages(server) + 2)])
         assert (await hold.recv()).text.startswith("held ")
         await hold.send("done")
         assert await hold.wait() == "finished"
@@ -134,4 +135,38 @@ async def test_discard_recomputes_a_discardable_context(discard_server, probe):
         after = reclaim(discard_server)
     assert pressed == calm
     assert after["discarded"] > before["discarded"] and after["swapped_out"] == 0
+    assert discard_server.resources()["kv_pages_free"] == PAGES
+
+
+PY_PAUSE = '''
+import inferlet
+
+def main(args):
+    _, kv_class, prompt = args
+    ctx = inferlet.Context(inferlet.Model.default().create_queue())
+    ctx.fill(prompt)
+    ctx.flush()
+    if kv_class == "discardable":
+        ctx.set_discardable(True)
+    stop, greedy = inferlet.Stop(8), inferlet.Sampler.greedy()
+    inferlet.send("first: " + ctx.generate(greedy, stop))
+    inferlet.receive().result()
+    inferlet.send("second: " + ctx.generate(greedy, stop))
+'''
+
+
+async def test_python_sdk_context_recomputes_too(discard_server, probe, tmp_path):
+    """The Python SDK's Context.set_discardable: dropped pages are computed again, and the
+    output equals the Rust probe's unpressed one."""
+    source = tmp_path / "py_pause.py"
+    source.write_text(PY_PAUSE)
+    python = build_python_inferlet(source).read_bytes()
+    async with PieClient(discard_server.ws, TOKEN) as client:
+        rust = await client.upload(probe)
+        calm = await pause_run(client, rust, "discardable", discard_server, press=False)
+        before = reclaim(discard_server)
+        pressed = await pause_run(client, await client.upload(python), "discardable", discard_server,
+                                  press=True, holder=rust)
+    assert pressed == calm
+    assert reclaim(discard_server)["discarded"] > before["discarded"]
     assert discard_server.resources()["kv_pages_free"] == PAGES

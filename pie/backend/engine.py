@@ -123,7 +123,7 @@ class Engine:
             cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device,
         )
         self.embeds = EmbedPool(config.num_embeds, cfg.hidden_size, self.dtype, self.device)
-        self.host = HostPages(self.kv, config.num_host_kv_pages) if config.num_host_kv_pages else None
+        self.host = HostPages(self.kv, config.num_host_kv_pages, config.swap_gbps) if config.num_host_kv_pages else None
         self.attention: PagedAttention = self._attention_backend()
         self.graphs = None  # decode steps replayed from CUDA graphs (backend.cuda_graphs)
         if config.cuda_graphs:

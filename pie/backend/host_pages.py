@@ -15,13 +15,15 @@ pool the control layer manages.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from pie.backend.kv_cache import KvCache
 
 
 class HostPages:
-    def __init__(self, kv: KvCache, num_pages: int):
+    def __init__(self, kv: KvCache, num_pages: int, gbps: float = 0.0):
         pin = kv.keys[0].device.type == "cuda"
         # empty, not zeros: a page is written before it is read, and on the CPU untouched
         # memory is not committed, so an unused tier costs no RAM.
@@ -29,20 +31,33 @@ class HostPages:
         self.values = [torch.empty(num_pages, *p.shape[1:], dtype=p.dtype, pin_memory=pin) for p in kv.values]
         self.masked = torch.zeros(num_pages, kv.page_size, dtype=torch.bool)
         self.kv, self.num_pages = kv, num_pages
+        self.page_bytes = sum(p[0].numel() * p.element_size() for p in kv.keys + kv.values)
+        self.gbps = gbps  # backend.swap_gbps: 0 = unlimited
+
+    def _pace(self, pages: int, started: float) -> None:
+        """Take as long as `pages` pages take over a link of `gbps` (an emulated PCIe)."""
+        if self.gbps:
+            left = pages * self.page_bytes / (self.gbps * 1e9) - (time.perf_counter() - started)
+            if left > 0:
+                time.sleep(left)
 
     def store(self, device_pages: list[int], host_pages: list[int]) -> None:
         """Copy device pages to host pages (K, V and mask bits; the device pages keep theirs)."""
+        started = time.perf_counter()
         kv, dst = self.kv, torch.tensor(host_pages)
         src = torch.tensor(device_pages, device=kv.keys[0].device)
         for host, pool in zip(self.keys + self.values, kv.keys + kv.values):
             host[dst] = pool[src].to("cpu")
         self.masked[dst] = kv.masked.view(-1, kv.page_size)[src].to("cpu")
+        self._pace(len(device_pages), started)
 
     def load(self, host_pages: list[int], device_pages: list[int]) -> None:
         """Copy host pages back into device pages."""
+        started = time.perf_counter()
         kv, src = self.kv, torch.tensor(host_pages)
         device = kv.keys[0].device
         dst = torch.tensor(device_pages, device=device)
         for host, pool in zip(self.keys + self.values, kv.keys + kv.values):
             pool[dst] = host[src].to(device, non_blocking=True)
         kv.masked.view(-1, kv.page_size)[dst] = self.masked[src].to(device)
+        self._pace(len(device_pages), started)

@@ -3,13 +3,17 @@
 The committed tokens' K/V fill the pages in order, every page full but the last
 (`last_len` slots); `pending` tokens are filled but not yet run. Full pages are shared by
 forks; a page that may be shared (forked or imported) is copied before it is written.
+
+A context that `set_discardable` lets the server drop its pages while the inferlet waits on
+I/O and the KV pool runs short (`control.kv_pressure`); the next pass that names one fails
+with `discarded`, and the context computes its committed tokens again and retries.
 """
 
 from __future__ import annotations
 
 import re
 
-from wit_world.imports import allocate, forward, inference, input_text, kvs
+from wit_world.imports import allocate, forward, inference, input_text, kvs, memory
 
 from inferlet.errors import Error, host
 from inferlet.model import Queue
@@ -39,6 +43,7 @@ class Context:
         self._embeds: list[int] = []
         self._outputs: list[int] = []
         self._unclaimed: list[int] = []  # prefill passes whose result is not awaited
+        self._discardable = False
 
     @property
     def tokens(self) -> list[int]:
@@ -46,6 +51,16 @@ class Context:
 
     def __len__(self) -> int:
         return len(self.committed) + len(self.pending)
+
+    def set_discardable(self, on: bool = True) -> None:
+        """Let the server drop this context's pages while the inferlet waits on I/O and the
+        KV pool runs short (`memory.set-kv-class`; off: swappable, the default). A pass that
+        then names a dropped page makes the context compute its committed tokens again and
+        retry: worth it where the wait is long and the context short."""
+        self._discardable = on
+        if self.pages:
+            kv_class = memory.KvClass.DISCARDABLE if on else memory.KvClass.SWAPPABLE
+            host(memory.set_kv_class, [p.id for p in self.pages], kv_class)
 
     # --- input -----------------------------------------------------------------------------
 
@@ -137,6 +152,7 @@ class Context:
         other = Context(self.queue)
         other.pages, other.last_len = list(self.pages), self.last_len
         other.committed, other.pending = list(self.committed), list(self.pending)
+        other._discardable = self._discardable
         return other
 
     def truncate(self, length: int) -> None:
@@ -200,6 +216,7 @@ class Context:
         """A host-side run from the pending tokens (a long prompt prefilled first, in chunks
         of the host's limit, learnt from its refusal): (its input tokens, its id, its pages)."""
         tokens, self.pending = self.pending, []
+        recomputed = False
         while True:
             if len(tokens) > _chunk_limit:  # a long prompt: prefill all but the end first
                 try:
@@ -213,6 +230,10 @@ class Context:
                 record, new = self._pass_over(tokens, len(tokens) + steps - 1, [out], stop_tokens)
                 return tokens, host(inference.run, self.queue.raw, record, steps, streaming), new
             except Error as e:
+                if self._lost(e) and not recomputed:
+                    recomputed = True
+                    self._recompute()
+                    continue
                 if not _learn_limit(e, len(tokens)):
                     self.pending = tokens
                     raise
@@ -232,7 +253,7 @@ class Context:
     def _execute(self, tokens: list[int], out) -> int:
         """Fused passes over `tokens` (chunks of at most max_batch_tokens), `out` at the
         last; earlier chunks' results are claimed later. The last pass's id."""
-        start = 0
+        start, recomputed = 0, False
         while True:
             end = min(len(tokens), start + max(1, _chunk_limit))
             last = end == len(tokens)
@@ -247,7 +268,10 @@ class Context:
                 size = end - start
                 if out is not None and last:
                     out.index += start
-                if not _learn_limit(e, size):
+                if self._lost(e) and not recomputed:
+                    recomputed = True
+                    self._recompute()
+                elif not _learn_limit(e, size):
                     raise
                 continue
             self._commit(tokens[start:end], new)
@@ -264,7 +288,7 @@ class Context:
         if free and self.pages[-1].shared:
             self._copy_last_page()
         need = -(-max(0, room - free) // ps)
-        new = [Page(q, i) for i in host(allocate.alloc_kvpage, q.raw, need)] if need else []
+        new = self._alloc(need)
         start = len(self.committed)
         record = inference.ForwardPass(
             input_embeds=[], input_tokens=list(tokens), positions=list(range(start, start + len(tokens))),
@@ -299,7 +323,7 @@ class Context:
         if len(self._outputs) < len(indices):
             self._outputs += host(allocate.alloc_emb, q.raw, len(indices) - len(self._outputs))
         outputs = self._outputs[: len(indices)]
-        start = 0
+        start, recomputed = 0, False
         while start < len(tokens):
             end = min(len(tokens), start + max(1, _chunk_limit))
             chunk = [(i - start, out) for i, out in zip(indices, outputs) if start <= i < end]
@@ -308,7 +332,10 @@ class Context:
             except Error as e:
                 # The host refused the chunk before running anything: learn its limit, retry.
                 size = end - start
-                if not _learn_limit(e, size):
+                if self._lost(e) and not recomputed:
+                    recomputed = True
+                    self._recompute()
+                elif not _learn_limit(e, size):
                     raise
                 continue
             start = end
@@ -324,7 +351,7 @@ class Context:
         free = ps - self.last_len if self.pages else 0
         if free and self.pages[-1].shared:
             self._copy_last_page()
-        new = [Page(q, i) for i in host(allocate.alloc_kvpage, q.raw, -(-max(0, n - free) // ps))]
+        new = self._alloc(-(-max(0, n - free) // ps))
         out_pages = ([self.pages[-1].id] if free else []) + [p.id for p in new]
         host(forward.forward, q.raw, forward.ForwardPass(
             input_kv_pages=[p.id for p in self.pages], input_kv_last_page_len=self.last_len,
@@ -339,9 +366,28 @@ class Context:
             del self._embeds[KEPT_EMBEDS:]
 
     def _copy_last_page(self) -> None:
-        (copy,) = host(allocate.alloc_kvpage, self.queue.raw, 1)
-        host(allocate.copy_kvpage, self.queue.raw, self.pages[-1].id, copy, 0, 0, self.last_len)
-        self.pages[-1] = Page(self.queue, copy)
+        (copy,) = self._alloc(1)
+        host(allocate.copy_kvpage, self.queue.raw, self.pages[-1].id, copy.id, 0, 0, self.last_len)
+        self.pages[-1] = copy
+
+    def _alloc(self, count: int) -> list[Page]:
+        if not count:
+            return []
+        pages = [Page(self.queue, i) for i in host(allocate.alloc_kvpage, self.queue.raw, count)]
+        if self._discardable:
+            host(memory.set_kv_class, [p.id for p in pages], memory.KvClass.DISCARDABLE)
+        return pages
+
+    def _lost(self, e: Error) -> bool:
+        """The server dropped pages of this discardable context (`set_discardable`)."""
+        return self._discardable and e.kind == "discarded"
+
+    def _recompute(self) -> None:
+        """Compute the committed tokens again into new pages (their old ones were dropped):
+        chunked passes, claimed at the next await like a prefill's."""
+        tokens, self.committed, self.pages, self.last_len = self.committed, [], [], 0
+        if tokens:
+            self._unclaimed.append(self._execute(tokens, None))
 
     def __del__(self):
         embeds = self._embeds + self._outputs
