@@ -34,7 +34,7 @@ relative to recomputing it. `--swap-gbps` limits the host tier's copies to that 
 reached here at ~0.15 GB/s (370 KB pages, ~1 ms a token to prefill). The default run
 measures both.
 
-    python benchmarks/api_serve.py [--policies discard,preserve,swap,min-waste] [--rates 0.1,0.2,0.35]
+    python benchmarks/api_serve.py [--policies discard,preserve,swap,min-waste] [--rates 0.1,0.2,0.3,0.45]
         [--requests 12] [--pages 352] [--swap-gbps 0,0.15] [--quick] [--out FILE]
 
 Results: benchmarks/results/api_serve.json and api_serve.png.
@@ -60,6 +60,7 @@ sys.path.insert(0, str(ROOT))  # run as a script: the `benchmarks` package is in
 
 from benchmarks.run_info import command_line, machine_settings, write_results
 from pie.backend.dtype import resolve_dtype
+from pie.backend.weights import DEFAULT_MODEL_NAME
 from pie.client import PieClient, http_url
 from pie.server.local import LocalServer
 from pie.toolchain import build_inferlet
@@ -230,7 +231,8 @@ async def run(args: argparse.Namespace) -> dict:
         "min_waste_over_discard_limited": ratio(f"min-waste@{max(links):g}", "discard@0") if max(links) else None,
         "killed": sum(r["not_finished"] for r in rows), "rows": rows,
         "meta": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": command_line(),
-                 "quick": args.quick, "dtype": dtype, "seed": args.seed, **machine_settings(),
+                 "quick": args.quick, "rounds": 1, "order": [policies], "dtype": dtype, "model": DEFAULT_MODEL_NAME,
+                 "seed": args.seed, **machine_settings(),
                  "method": "one pie serve per policy and swap link; the same seeded Poisson requests at "
                            "each rate; normalized latency = (end - arrival) / generated tokens"},
     }
@@ -239,7 +241,7 @@ async def run(args: argparse.Namespace) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--policies", default=",".join(POLICIES))
-    parser.add_argument("--rates", default=None, help="arrival rates, requests/s (default 0.1,0.2,0.35; quick 0.5)")
+    parser.add_argument("--rates", default=None, help="arrival rates, requests/s (default 0.1,0.2,0.3,0.45; quick 0.5)")
     parser.add_argument("--requests", type=int, default=None, help="requests per rate (default 12; quick 4)")
     parser.add_argument("--pages", type=int, default=None, help="KV pool pages (default 352: 3-4 contexts; quick 48)")
     parser.add_argument("--swap-gbps", default=None, help="swap links, GB/s, 0 = RAM speed (default 0,0.15; quick 0)")
@@ -249,7 +251,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke run (tiny contexts, 4 requests)")
     parser.add_argument("--out", default=str(RESULTS / "api_serve.json"), help="where the JSON goes")
     args = parser.parse_args()
-    args.rates = args.rates or ("0.5" if args.quick else "0.1,0.2,0.35")
+    args.rates = args.rates or ("0.5" if args.quick else "0.1,0.2,0.3,0.45")
     args.requests = args.requests or (4 if args.quick else 12)
     args.pages = args.pages or (48 if args.quick else 352)
     args.swap_gbps = args.swap_gbps or ("0" if args.quick else "0,0.15")

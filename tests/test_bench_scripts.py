@@ -298,10 +298,30 @@ def test_prefix_cache_quick(results):
     assert stats["hit_tokens"] > 0 and stats["lookups"] >= 3 * 9 * data["meta"]["rounds"]
 
 
+def test_api_serve_quick(results):
+    """Every policy at every rate on its own server; the same requests for each; the
+    sustained rates and their ratios follow from the rows; nothing was killed."""
+    data = results("api_serve")
+    check_meta(data["meta"])
+    assert data["policies"] == ["discard", "preserve", "swap", "min-waste"]
+    rows = {(r["policy"], r["rate"]): r for r in data["rows"]}
+    assert set(rows) == {(p, rate) for p in data["policies"] for rate in data["rates"]}
+    assert data["killed"] == 0 and all(r["not_finished"] == 0 and r["requests"] == data["requests"] for r in rows.values())
+    for r in rows.values():
+        assert 0 <= r["recompute_share"] < 1 and r["forward_tokens"] > 0 and r["normalized_mean_s"] > 0
+        assert [q["context"] for q in r["per_request"]] == [q["context"] for q in data["rows"][0]["per_request"]]
+    assert all(rows[(p, rate)]["discarded"] == 0 for p in ("preserve", "swap") for rate in data["rates"])
+    assert all(rows[(p, rate)]["swapped_out"] == 0 for p in ("preserve", "discard") for rate in data["rates"])
+    if data["sustained"]["discard@0"]:
+        assert data["min_waste_over_discard"] == pytest.approx(data["sustained"]["min-waste@0"] / data["sustained"]["discard@0"])
+    assert Path(results.out / "api_serve.png").stat().st_size > 0
+
+
 def test_every_script_takes_quick_and_out():
     """Each script offers `--quick` and `--out` (without `--out` a test would write over the
     committed benchmarks/results/)."""
-    for script in ("overhead", "backend", "quantization", "placement", "frontends", "prefix_cache", "soak", "drain"):
+    for script in ("overhead", "backend", "quantization", "placement", "frontends", "prefix_cache", "api_serve",
+                   "soak", "drain"):
         done = subprocess.run([sys.executable, f"benchmarks/{script}.py", "--help"], cwd=ROOT,
                               capture_output=True, text=True, timeout=120, check=False)
         assert done.returncode == 0 and "--out" in done.stdout and "--quick" in done.stdout, script
@@ -329,5 +349,7 @@ def test_results_md_has_a_section_per_script(results):
     assert f"| backend | {report_f(cpu['backend_ms_per_token'])} |" in text
     assert f"{data['backend']['prefill']['pie_over_hf']:.2f}×" in text
     assert f"{data['soak']['lost_messages']} lost messages" in text
+    assert f"Instances that did not finish: {data['api_serve']['killed']} (target 0)" in text
+    assert "![api_serve](results/api_serve.png)" in text
     for path, ratio in data["frontends"]["ratio_vs_native"].items():
         assert f"| {path} | " in text and f"{ratio:.3f}×" in text
