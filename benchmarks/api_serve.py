@@ -5,18 +5,22 @@ wait), swap (to host memory and back) or min-waste (APIServe's per-request choic
 
 Each request is one `api_agent` inferlet: a synthetic context of 700-2,200 tokens, then 16
 greedy tokens, then its API calls, each followed by the answer and 16 more tokens. The six
-API types of the seed notes, with their durations; those over a second are scaled down 10x
-and the environment's 28 calls to 6 (so one run takes minutes, not an hour; the order of
-magnitude between types is kept):
+API types of the seed notes, with their durations; those over a second are scaled down
+2.8x and the environment's 28 calls to 6 (so one run takes minutes, not an hour; the order
+of magnitude between types is kept; `--quick` divides every duration by 10 more):
 
 | type | calls | each |
 |---|---|---|
 | math (calculator) | 1 | 0.1 ms |
 | qa | 1 | 700 ms |
-| ve (virtual environment) | 6 | 100 ms |
-| chat (a human) | 1 | 2.8 s (28 s) |
-| image | 1 | 2 s (20 s) |
-| tts | 1 | 2 s (20 s) |
+| ve (virtual environment) | 6 (28) | 100 ms |
+| chat (a human) | 1 | 10 s (28 s) |
+| image | 1 | 7 s (20 s) |
+| tts | 1 | 7 s (20 s) |
+
+The long calls are scaled by 1/2.8, to the tool server's 10 s cap on `slow`, not further:
+scaled by 1/10 (2.8 s, 2 s) a paused context held its pages too briefly for memory to
+bind before compute did, and every policy but discard sustained the same rate.
 
 Requests arrive as a Poisson process at each `--rates` value (the same seeded sequence of
 requests for every policy). Per policy and rate: normalized latency (a request's time from
@@ -66,8 +70,8 @@ from pie.server.local import LocalServer
 from pie.toolchain import build_inferlet
 
 RESULTS = Path(__file__).parent / "results"
-API_TYPES = {"math": (1, 0.1), "qa": (1, 700.0), "ve": (6, 100.0), "chat": (1, 2800.0),
-             "image": (1, 2000.0), "tts": (1, 2000.0)}  # calls, milliseconds each
+API_TYPES = {"math": (1, 0.1), "qa": (1, 700.0), "ve": (6, 100.0), "chat": (1, 10000.0),
+             "image": (1, 7000.0), "tts": (1, 7000.0)}  # calls, milliseconds each
 GEN = 16  # tokens decoded after the context and after each call
 POLICIES = ("discard", "preserve", "swap", "min-waste")
 
@@ -81,7 +85,7 @@ def requests(n: int, rate: float, seed: int, quick: bool) -> list[dict]:
         kind = rng.choice(sorted(API_TYPES))
         calls, ms = API_TYPES[kind]
         context = rng.randint(120, 300) if quick else rng.randint(700, 2200)
-        out.append({"id": i, "at": at, "type": kind, "context": context, "calls": [ms] * calls})
+        out.append({"id": i, "at": at, "type": kind, "context": context, "calls": [ms / 10 if quick else ms] * calls})
     return out
 
 

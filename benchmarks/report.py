@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.run_info import machine_settings
-from benchmarks.script_tables import GPU_FILES, SCRIPTS, section
+from benchmarks.script_tables import GPU_FILES, SCRIPTS, VARIANTS, section
 from benchmarks.workloads import Metric, Result, Row
 
 FORMAT = "pie-bench/1"  # marks the harness's JSON files among other scripts' results
@@ -197,7 +197,7 @@ def render(out: Path, results_md: Path, order: tuple[str, ...]) -> str:
             lines += table(result, metric) + [""]
         lines += counts_table(result)
         lines += [f"- {note}" for note in result.notes] + ([""] if result.notes else [])
-    for name in [*SCRIPTS, *GPU_FILES]:
+    for name in [*SCRIPTS, *VARIANTS, *GPU_FILES]:
         if (out / f"{name}.json").is_file():
             lines += section(name, json.loads((out / f"{name}.json").read_text()))
     if ANALYSIS.is_file():

@@ -201,6 +201,13 @@ SCRIPTS: dict[str, tuple[str, Callable[[Json], list[str]]]] = {
 }
 
 
+# Other runs of a script, with other arguments (the command is in each file): rendered
+# where present, never run by `python -m benchmarks`.
+VARIANTS: dict[str, tuple[str, Callable[[Json], list[str]]]] = {
+    "soak-pressure": ("Soak under memory pressure", soak),
+}
+
+
 # Files that benchmarks/cuda_check.sh makes on a GPU machine (`python -m benchmarks` cannot
 # run them here): rendered where present, never run.
 GPU_FILES: dict[str, tuple[str, Callable[[Json], list[str]]]] = {
@@ -211,7 +218,7 @@ GPU_FILES: dict[str, tuple[str, Callable[[Json], list[str]]]] = {
 
 
 def section(name: str, data: Json) -> list[str]:
-    title, render = SCRIPTS[name] if name in SCRIPTS else GPU_FILES[name]
+    title, render = {**SCRIPTS, **VARIANTS, **GPU_FILES}[name]
     try:
         body = render(data)
     except KeyError as e:  # a file an older version of the script wrote

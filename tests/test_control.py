@@ -440,11 +440,14 @@ def test_instance_session_validates_before_enqueueing(tmp_path, model_dir):
             (lambda: a.get_next_dist(qa, embeds[0], 10_000), ErrorKind.INVALID_ARGUMENT, "max_dist_k"),
             (lambda: a.create_queue("other-model"), ErrorKind.NOT_FOUND, "no model named"),
             (lambda: a.alloc_kvpage(qa, 100), ErrorKind.OUT_OF_RESOURCES, "free of 8"),
+            (lambda: a.set_kv_class([page, 77], "discardable"), ErrorKind.INVALID_HANDLE, "kv page 77"),
+            (lambda: b.set_kv_class([page], "pinned"), ErrorKind.INVALID_HANDLE, "not a live kv page"),
         ]
         for call, kind, text in cases:
             with pytest.raises(HostError) as e:
                 call()
             assert e.value.kind == kind and text in e.value.message
+        assert a.resources.classes == {}  # a refused set-kv-class changed nothing
         a.close()
         assert controller.resources.pages.available == 8
         assert controller.resources.embeds.available == 100

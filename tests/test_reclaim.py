@@ -5,12 +5,15 @@ pool had never been pressed. Nothing is killed; both pools are full again afterw
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 
 from pie.client import PieClient
 from pie.python_build import build_python_inferlet
 
-from pie_server import TOKEN, Server, build
+from pie_server import TOKEN, Server, build, until
 
 pytestmark = pytest.mark.anyio
 PAGES = 48  # the device pool: a hold of all but a few pages needs the paused one's
@@ -121,6 +124,29 @@ async def test_terminated_while_swapped_out_gives_both_pools_back(swap_server, p
         assert await hold.wait() == "finished"
     assert reclaim(swap_server)["host_pages_free"] == PAGES
     assert swap_server.resources()["kv_pages_free"] == PAGES
+
+
+async def test_a_backend_restart_with_pages_in_host_memory_refills_both_pools(swap_server, probe):
+    """The backend dies while a paused instance's pages sit in host memory: every instance
+    ends with the reason, both pools come back full, and the restarted backend swaps again."""
+    async with PieClient(swap_server.ws, TOKEN) as client:
+        program = await client.upload(probe)
+        paused = await client.launch(program, ["pause", "swappable", PROMPT])
+        assert (await paused.recv()).text.startswith("first: ")
+        hold = await client.launch(program, ["hold", str(free_pages(swap_server) + 2)])
+        assert (await hold.recv()).text.startswith("held ")
+        assert reclaim(swap_server)["host_pages_free"] < PAGES
+        os.kill(swap_server.backend_pid(), signal.SIGKILL)
+        for instance in (paused, hold):
+            assert "backend process exited" in await instance.wait()
+    until(lambda: swap_server.get("/health")[0] == 200, what="the backend restarted", interval_s=0.5)
+    assert reclaim(swap_server)["host_pages_free"] == PAGES
+    assert swap_server.resources()["kv_pages_free"] == PAGES
+    async with PieClient(swap_server.ws, TOKEN) as client:
+        before = reclaim(swap_server)["swapped_out"]
+        first, second = await pause_run(client, await client.upload(probe), "swappable", swap_server, press=True)
+        assert first.startswith("first: ") and second.startswith("second: ")
+        assert reclaim(swap_server)["swapped_out"] > before
 
 
 async def test_discard_recomputes_a_discardable_context(discard_server, probe):
