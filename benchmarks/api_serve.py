@@ -183,8 +183,14 @@ def plot(data: dict, path: Path) -> None:
         for policy in data["policies"]:
             rows = sorted((r for r in data["rows"] if r["policy"] == policy and r["swap_gbps"] == gbps),
                           key=lambda r: r["rate"])
+            style = {}
+            if not rows:  # discard and preserve move nothing over the link: their RAM-speed run
+                rows = sorted((r for r in data["rows"] if r["policy"] == policy and r["swap_gbps"] == 0),
+                              key=lambda r: r["rate"])
+                style = {"linestyle": "--", "alpha": 0.6}
             if rows:
-                ax.plot([r["rate"] for r in rows], [r["normalized_mean_s"] for r in rows], marker="o", label=policy)
+                ax.plot([r["rate"] for r in rows], [r["normalized_mean_s"] for r in rows], marker="o",
+                        label=policy, color=f"C{data['policies'].index(policy)}", **style)
         ax.axhline(data["slo_s"], color="grey", linestyle=":", label="SLO")
         ax.set_xlabel("arrival rate (requests/s)")
         ax.set_ylabel("mean normalized latency (s/token)")
@@ -233,7 +239,9 @@ async def run(args: argparse.Namespace) -> dict:
         "min_waste_over_discard": ratio("min-waste@0", "discard@0"),
         "min_waste_over_preserve": ratio("min-waste@0", "preserve@0"),
         "min_waste_over_discard_limited": ratio(f"min-waste@{max(links):g}", "discard@0") if max(links) else None,
-        "killed": sum(r["not_finished"] for r in rows), "rows": rows,
+        # Pie ends no instance under any policy; a request that did not finish ended on an
+        # error of its own (preserve: an allocation that waited control.alloc_wait_ms in vain).
+        "not_finished": sum(r["not_finished"] for r in rows), "rows": rows,
         "meta": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": command_line(),
                  "quick": args.quick, "rounds": 1, "order": [policies], "dtype": dtype, "model": DEFAULT_MODEL_NAME,
                  "seed": args.seed, **machine_settings(),

@@ -11,7 +11,8 @@ turn), then, once every instance has ended, workloads drawn at random back to ba
 - `pause`: `probe pause`, 8 greedy tokens of a prompt in a swappable or discardable context,
   a wait of up to half a second on a message (the instance is paused: a short pool may swap
   or drop its pages, `control.kv_pressure`), then 8 more (must equal the first seen).
-With `--kv-pages N` the private server's KV pool is that small, so the reclaimer works.
+With `--kv-pages N` the private server's KV pool is that small, so the reclaimer works
+(and allocations wait up to a minute for pages rather than the default second).
 It reports per-workload p50/p99 latency (of the soak, not the warm-up), errors, lost
 messages, whether every KV page and embed is back in the pool at the end, and whether the
 server leaked threads or file descriptors: counted after the warm-up round and again after
@@ -253,7 +254,9 @@ def main() -> None:
         extra = []
         if args.kv_pages:
             config = Path(tempfile.mkdtemp(prefix="pie-soak-")) / "pool.toml"
-            config.write_text(f"[backend]\nnum_kv_pages = {args.kv_pages}\n")
+            # Short of pages, running instances wait for the reclaimer and for each other
+            # rather than fail after the default second.
+            config.write_text(f"[backend]\nnum_kv_pages = {args.kv_pages}\n[control]\nalloc_wait_ms = 60000.0\n")
             extra = ["--config", str(config)]
         server = LocalServer(["--dtype", args.dtype, *extra])
         async with server as url:
