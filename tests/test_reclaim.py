@@ -5,6 +5,7 @@ pool had never been pressed. Nothing is killed; both pools are full again afterw
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -13,7 +14,7 @@ import pytest
 from pie.client import PieClient
 from pie.python_build import build_python_inferlet
 
-from pie_server import TOKEN, Server, build, until
+from pie_server import TOKEN, Server, ToolServer, build, until, until_async
 
 pytestmark = pytest.mark.anyio
 PAGES = 48  # the device pool: a hold of all but a few pages needs the paused one's
@@ -195,4 +196,33 @@ async def test_python_sdk_context_recomputes_too(discard_server, probe, tmp_path
                                   press=True, holder=rust)
     assert pressed == calm
     assert reclaim(discard_server)["discarded"] > before["discarded"]
+    assert discard_server.resources()["kv_pages_free"] == PAGES
+
+
+async def test_api_agent_waits_on_calls_and_recomputes_what_was_dropped(discard_server):
+    """The api_serve benchmark's inferlet: its context waits on tool calls (the tool server's
+    `slow`), its pages are dropped meanwhile by a probe that needs them, and its context
+    computes them again: it forwards more tokens than its context holds, and finishes."""
+    tools = ToolServer()
+    try:
+        async with PieClient(discard_server.ws, TOKEN) as client:
+            agent_program, probe_program = await client.upload(build("api_agent")), await client.upload(build("probe"))
+            calm = await client.launch(agent_program, ["--tools-url", tools.url, "--context", "200",
+                                                       "--calls", "0.1,1500", "--gen", "4", "--seed", "3"])
+            [report] = [json.loads(m) async for m in calm]
+            assert await calm.wait() == "finished"
+            assert report == {"context": 200, "calls": 2, "generated": 12, "tokens": report["tokens"]}
+            assert calm.usage["forward_tokens"] == report["tokens"] - 1  # each token forwarded once
+            agent = await client.launch(agent_program, ["--tools-url", tools.url, "--context", "200",
+                                                        "--calls", "1500", "--gen", "4", "--seed", "4"])
+            await until_async(lambda: reclaim(discard_server)["paused_instances"] == 1,
+                              what="the agent waiting on its call")
+            hold = await client.launch(probe_program, ["hold", str(free_pages(discard_server) + 2)])
+            assert (await hold.recv()).text.startswith("held ")
+            await hold.send("done")
+            [pressed] = [json.loads(m) async for m in agent]
+            assert await agent.wait() == "finished" and await hold.wait() == "finished"
+            assert agent.usage["forward_tokens"] > pressed["tokens"] - 1  # it recomputed its context
+    finally:
+        tools.stop()
     assert discard_server.resources()["kv_pages_free"] == PAGES
