@@ -32,8 +32,9 @@ highest rate whose mean normalized latency stays under `--slo` times the lowest 
 policy reached at the lowest rate (interpolated between measured rates).
 
 A swap here is a copy within RAM; on a GPU it crosses PCIe, where a page costs far more
-relative to recomputing it. `--swap-gbps` limits the host tier's copies to that rate
-(`backend.swap_gbps`); the paper's ratio (GPT-J-6B KV, 458 KB a token, over PCIe 4 at
+relative to recomputing it. `--swap-gbps` emulates such a link (`backend.swap_gbps`: a
+swap's reply is held until the link would have carried it, other batches running
+meanwhile); the paper's ratio (GPT-J-6B KV, 458 KB a token, over PCIe 4 at
 ~25 GB/s: ~18 us a token one way, against ~120 us to recompute it on an A100: 0.15) is
 reached here at ~0.15 GB/s (370 KB pages, ~1 ms a token to prefill). The default run
 measures both.

@@ -53,9 +53,11 @@ class BackendConfig:
     # RAM (0.35 MiB for the default model), committed as pages are first written on the CPU
     # and pinned up front on CUDA; 0 = none.
     num_host_kv_pages: int = 2048
-    # Limit the host tier's copies to this many GB/s (0 = as fast as the machine copies): on
-    # the CPU a swap is a copy within RAM; this emulates a GPU's PCIe link, where swapping
-    # costs far more relative to recomputing (benchmarks/api_serve.py --swap-gbps).
+    # Emulate a link of this many GB/s for the host tier (0 = none: a swap is done when its
+    # copy is): on the CPU a swap is a copy within RAM; a GPU's PCIe link makes swapping cost
+    # far more relative to recomputing. A swap's reply is held until the link would have
+    # carried it (one swap at a time) while other batches run, as a copy engine overlaps
+    # compute (benchmarks/api_serve.py --swap-gbps).
     swap_gbps: float = 0.0
     num_embeds: int = 32768
     max_batch_tokens: int = 4096

@@ -72,3 +72,37 @@ def test_without_a_host_tier_every_item_fails_with_the_reason(model_dir):
     assert bare.handshake(P.HandshakeRequest()).num_host_kv_pages == 0
     with pytest.raises(ConfigError, match="num_host_kv_pages must be >= 0"):
         BackendConfig(num_host_kv_pages=-1)
+
+
+def test_an_emulated_link_holds_the_swap_reply_while_the_backend_goes_on(model_dir, tmp_path):
+    """backend.swap_gbps: a swap's reply waits for the emulated link (here 1 MB/s: ~0.35 s a
+    page); a request sent after it is answered first, and the swap's reply comes after."""
+    import threading
+
+    import zmq
+
+    from pie.backend.server import BackendServer
+
+    engine = Engine(model_dir, BackendConfig(dtype="float32", num_kv_pages=4, num_embeds=4,
+                                             num_host_kv_pages=2, swap_gbps=0.001))
+    server = BackendServer(engine, f"ipc://{tmp_path}/b.sock")
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    context = zmq.Context()
+    peer = context.socket(zmq.DEALER)
+    peer.connect(f"ipc://{tmp_path}/b.sock")
+    try:
+        peer.send(P.encode(1, P.SwapKvPage([0], [0], [True])))
+        peer.send(P.encode(2, P.HandshakeRequest()))
+        replies = []
+        while len(replies) < 2:
+            assert peer.poll(30_000), "no reply"
+            request_id, kind, reply = P.decode_reply(peer.recv())
+            if kind is not P.Kind.IDLE:
+                replies.append((request_id, kind))
+        assert replies == [(2, P.Kind.HANDSHAKE), (1, P.Kind.SWAP_KVPAGE)]
+    finally:
+        server.stop()
+        thread.join(5)
+        peer.close()
+        context.term()

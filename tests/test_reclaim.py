@@ -32,8 +32,10 @@ def probe() -> bytes:
 
 
 def server_with(tmp_path_factory, policy: str) -> Server:
+    """A pool of PAGES; swaps over an emulated link of 50 MB/s (~7 ms a page), so their
+    replies are held while other batches run (backend.swap_gbps)."""
     return Server(tmp_path_factory.mktemp(policy),
-                  {"backend": {"num_kv_pages": PAGES, "num_host_kv_pages": PAGES},
+                  {"backend": {"num_kv_pages": PAGES, "num_host_kv_pages": PAGES, "swap_gbps": 0.05},
                    "control": {"kv_pressure": policy, "alloc_wait_ms": 5000.0}})
 
 

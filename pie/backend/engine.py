@@ -124,6 +124,7 @@ class Engine:
         )
         self.embeds = EmbedPool(config.num_embeds, cfg.hidden_size, self.dtype, self.device)
         self.host = HostPages(self.kv, config.num_host_kv_pages, config.swap_gbps) if config.num_host_kv_pages else None
+        self.hold_reply_until: float | None = None  # see take_hold
         self.attention: PagedAttention = self._attention_backend()
         self.graphs = None  # decode steps replayed from CUDA graphs (backend.cuda_graphs)
         if config.cuda_graphs:
@@ -526,8 +527,16 @@ class Engine:
                 self.host.store(device_pages, host_pages)  # type: ignore[union-attr]
             else:
                 self.host.load(host_pages, device_pages)  # type: ignore[union-attr]
+        if self.host is not None and self.host.gbps and n > len(errors):
+            self.hold_reply_until = self.host.through_link_at(n - len(errors))
         self._count("swap_kvpage", n, len(errors))
         return P.BatchReply(errors=errors)
+
+    def take_hold(self) -> float | None:
+        """When the reply just made may go out (a swap over an emulated link,
+        `backend.swap_gbps`), or None: at once."""
+        hold, self.hold_reply_until = self.hold_reply_until, None
+        return hold
 
     def mask_kvpage(self, msg: P.MaskKvPage) -> P.BatchReply:
         pages = int_array(msg.page_ids, "page_ids")

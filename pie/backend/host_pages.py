@@ -33,31 +33,30 @@ class HostPages:
         self.kv, self.num_pages = kv, num_pages
         self.page_bytes = sum(p[0].numel() * p.element_size() for p in kv.keys + kv.values)
         self.gbps = gbps  # backend.swap_gbps: 0 = unlimited
+        self.link_free_at = 0.0  # time.monotonic() when the emulated link is next idle
 
-    def _pace(self, pages: int, started: float) -> None:
-        """Take as long as `pages` pages take over a link of `gbps` (an emulated PCIe)."""
-        if self.gbps:
-            left = pages * self.page_bytes / (self.gbps * 1e9) - (time.perf_counter() - started)
-            if left > 0:
-                time.sleep(left)
+    def through_link_at(self, pages: int) -> float:
+        """When `pages` pages sent now are through an emulated link of `gbps` GB/s, one
+        transfer at a time (`backend.swap_gbps`). The copy itself is done at once; the
+        backend holds the swap's reply until then and computes meanwhile, as a GPU's copy
+        engine overlaps its kernels, so the pages are the control layer's only then."""
+        start = max(time.monotonic(), self.link_free_at)
+        self.link_free_at = start + pages * self.page_bytes / (self.gbps * 1e9)
+        return self.link_free_at
 
     def store(self, device_pages: list[int], host_pages: list[int]) -> None:
         """Copy device pages to host pages (K, V and mask bits; the device pages keep theirs)."""
-        started = time.perf_counter()
         kv, dst = self.kv, torch.tensor(host_pages)
         src = torch.tensor(device_pages, device=kv.keys[0].device)
         for host, pool in zip(self.keys + self.values, kv.keys + kv.values):
             host[dst] = pool[src].to("cpu")
         self.masked[dst] = kv.masked.view(-1, kv.page_size)[src].to("cpu")
-        self._pace(len(device_pages), started)
 
     def load(self, host_pages: list[int], device_pages: list[int]) -> None:
         """Copy host pages back into device pages."""
-        started = time.perf_counter()
         kv, src = self.kv, torch.tensor(host_pages)
         device = kv.keys[0].device
         dst = torch.tensor(device_pages, device=device)
         for host, pool in zip(self.keys + self.values, kv.keys + kv.values):
             pool[dst] = host[src].to(device, non_blocking=True)
         kv.masked.view(-1, kv.page_size)[dst] = self.masked[src].to(device)
-        self._pace(len(device_pages), started)

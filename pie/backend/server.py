@@ -1,12 +1,16 @@
 """The inference process: one ZeroMQ ROUTER socket, one loop, one batch at a time.
 
 Receive a frame, run its handler, reply, then tell that peer the backend is idle (the
-signal that drives the control layer's work-conserving scheduler). Nothing a peer sends
+signal that drives the control layer's work-conserving scheduler). A swap over an emulated
+link (`backend.swap_gbps`) is answered once the link would have carried it; the loop goes
+on meanwhile. Nothing a peer sends
 can stop the loop: a bad frame or item gets an error reply, and so does a bug in a handler.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import signal
 import time
@@ -36,14 +40,26 @@ class BackendServer:
     def serve_forever(self) -> None:
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
+        # Replies held until an emulated link would have carried a swap (backend.swap_gbps):
+        # (when, order, frames), soonest first; the loop computes other batches meanwhile.
+        held: list[tuple[float, int, list[bytes]]] = []
+        order = itertools.count()
         while self.running:
-            if not poller.poll(timeout=200):
+            now = time.monotonic()
+            while held and held[0][0] <= now:
+                self.socket.send_multipart(heapq.heappop(held)[2])
+            timeout = 200 if not held else max(1, int((held[0][0] - now) * 1e3) + 1)
+            if not poller.poll(timeout=min(200, timeout)):
                 continue
             frames = self.socket.recv_multipart()
             # DEALER peers send [payload]; ROUTER prepends the peer identity. REQ peers add an
             # empty delimiter; everything before the payload is echoed back as the envelope.
             envelope, payload = frames[:-1], frames[-1]
-            self.socket.send_multipart([*envelope, self.handle_frame(payload)])
+            reply = [*envelope, self.handle_frame(payload)]
+            if (hold := self.engine.take_hold()) is not None:
+                heapq.heappush(held, (hold, next(order), reply))
+            else:
+                self.socket.send_multipart(reply)
             self.socket.send_multipart([*envelope, P.encode(P.IDLE_REQUEST_ID, P.Idle())])
         self.socket.close()
         self.context.term()

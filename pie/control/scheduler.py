@@ -328,9 +328,15 @@ class Scheduler:
                 self.stats.batches[P.Kind.PASS] -= 1
                 self.in_flight.pop(request_id, None)
                 self.sent_at.pop(request_id, None)
-                self.backend_idle = not self.in_flight  # nothing was sent
+                self.backend_idle = self._computing_nothing()  # nothing was sent
         fail(closed, HostError(ErrorKind.INVALID_HANDLE, "instance terminated"))
         return bool(batch)
+
+    def _computing_nothing(self) -> bool:
+        """(Under the lock.) No batch in flight but swaps: a swap's reply may be held by the
+        backend until an emulated link has carried it (backend.swap_gbps) while it computes
+        other batches, so a swap in flight does not keep it busy."""
+        return all(batch[0].kind == P.Kind.SWAP_KVPAGE for batch in self.in_flight.values())
 
     def _busy_queues(self) -> set[int]:
         """id() of queues with a command in flight: their next command must wait for it."""
@@ -435,7 +441,7 @@ class Scheduler:
         request_id, kind, reply = P.decode_reply(frame)
         if kind is P.Kind.IDLE:
             with self.lock:
-                self.backend_idle = not self.in_flight
+                self.backend_idle = self._computing_nothing()
             return
         with self.lock:
             batch = self.in_flight.pop(request_id, None)
