@@ -78,16 +78,23 @@ async def pause_run(client: PieClient, program: str, kv_class: str, server: Serv
     return first, second
 
 
+async def calm_and_pressed(server: Server, probe: bytes, kv_class: str) -> tuple[bool, dict, dict]:
+    """`probe pause` unpressed, then pressed: whether their outputs agree, and the reclaim
+    counts before and after the pressed run."""
+    async with PieClient(server.ws, TOKEN) as client:
+        program = await client.upload(probe)
+        calm = await pause_run(client, program, kv_class, server, press=False)
+        before = reclaim(server)
+        pressed = await pause_run(client, program, kv_class, server, press=True)
+    assert calm[0].startswith("first: ") and calm[1].startswith("second: ")
+    return pressed == calm, before, reclaim(server)
+
+
 async def test_swap_moves_a_paused_instance_and_brings_it_back(swap_server, probe):
     """kv_pressure = swap: the pages of an instance waiting on a message go to host memory
     when another instance needs them, and come back before its next pass: same output."""
-    async with PieClient(swap_server.ws, TOKEN) as client:
-        program = await client.upload(probe)
-        calm = await pause_run(client, program, "swappable", swap_server, press=False)
-        before = reclaim(swap_server)
-        pressed = await pause_run(client, program, "swappable", swap_server, press=True)
-        after = reclaim(swap_server)
-    assert pressed == calm and calm[0].startswith("first: ")
+    same, before, after = await calm_and_pressed(swap_server, probe, "swappable")
+    assert same
     assert after["swapped_out"] > before["swapped_out"]
     assert after["swapped_in"] - before["swapped_in"] == after["swapped_out"] - before["swapped_out"]
     assert after["host_pages_free"] == PAGES and swap_server.resources()["kv_pages_free"] == PAGES
@@ -113,13 +120,19 @@ async def test_pinned_pages_stay_and_the_allocation_fails(swap_server, probe):
     assert swap_server.resources()["kv_pages_free"] == PAGES
 
 
+async def swapped_out(client: PieClient, server: Server, probe: bytes):
+    """A paused `probe pause` whose pages a `probe hold` took: (the paused, the holder)."""
+    program = await client.upload(probe)
+    paused = await client.launch(program, ["pause", "swappable", PROMPT])
+    assert (await paused.recv()).text.startswith("first: ")
+    hold = await client.launch(program, ["hold", str(free_pages(server) + 2)])
+    assert (await hold.recv()).text.startswith("held ")
+    return paused, hold
+
+
 async def test_terminated_while_swapped_out_gives_both_pools_back(swap_server, probe):
     async with PieClient(swap_server.ws, TOKEN) as client:
-        program = await client.upload(probe)
-        paused = await client.launch(program, ["pause", "swappable", PROMPT])
-        assert (await paused.recv()).text.startswith("first: ")
-        hold = await client.launch(program, ["hold", str(free_pages(swap_server) + 2)])
-        assert (await hold.recv()).text.startswith("held ")
+        paused, hold = await swapped_out(client, swap_server, probe)
         assert reclaim(swap_server)["host_pages_free"] < PAGES  # its pages sit in host memory
         await paused.terminate()
         assert await paused.wait() == "terminated by client"
@@ -133,11 +146,7 @@ async def test_a_backend_restart_with_pages_in_host_memory_refills_both_pools(sw
     """The backend dies while a paused instance's pages sit in host memory: every instance
     ends with the reason, both pools come back full, and the restarted backend swaps again."""
     async with PieClient(swap_server.ws, TOKEN) as client:
-        program = await client.upload(probe)
-        paused = await client.launch(program, ["pause", "swappable", PROMPT])
-        assert (await paused.recv()).text.startswith("first: ")
-        hold = await client.launch(program, ["hold", str(free_pages(swap_server) + 2)])
-        assert (await hold.recv()).text.startswith("held ")
+        paused, hold = await swapped_out(client, swap_server, probe)
         assert reclaim(swap_server)["host_pages_free"] < PAGES
         os.kill(swap_server.backend_pid(), signal.SIGKILL)
         for instance in (paused, hold):
@@ -154,15 +163,9 @@ async def test_a_backend_restart_with_pages_in_host_memory_refills_both_pools(sw
 
 async def test_discard_recomputes_a_discardable_context(discard_server, probe):
     """kv_pressure = discard: a discardable context's pages are dropped; its next pass
-    fails with `discarded` inside the SDK, which computes the tokens again: same output.
-    A swappable context is not touched by this policy."""
-    async with PieClient(discard_server.ws, TOKEN) as client:
-        program = await client.upload(probe)
-        calm = await pause_run(client, program, "discardable", discard_server, press=False)
-        before = reclaim(discard_server)
-        pressed = await pause_run(client, program, "discardable", discard_server, press=True)
-        after = reclaim(discard_server)
-    assert pressed == calm
+    fails with `discarded` inside the SDK, which computes the tokens again: same output."""
+    same, before, after = await calm_and_pressed(discard_server, probe, "discardable")
+    assert same
     assert after["discarded"] > before["discarded"] and after["swapped_out"] == 0
     assert discard_server.resources()["kv_pages_free"] == PAGES
 
