@@ -223,11 +223,15 @@ class InstanceSession:
         """The instance's thread blocks on I/O (True) or runs again (False)."""
         self.c.resources.pause(self.resources, paused)
 
-    def _pages(self, ids: list[int], writable: bool = False) -> list[int]:
-        """Physical ids of the instance's pages, brought back from host memory first where
-        the reclaimer swapped them out; `writable`: none may be shared."""
+    def _bring_back(self) -> None:
+        """Pages the reclaimer swapped out come back to the device before a call names them."""
         if self.resources.away:
             self.c.reclaimer.restore(self.resources)
+
+    def _pages(self, ids: list[int], writable: bool = False) -> list[int]:
+        """Physical ids of the instance's pages (on the device: `_bring_back`); `writable`:
+        none may be shared."""
+        self._bring_back()
         if writable:
             return self.c.resources.writable_pages(self.resources, ids)
         return self.c.resources.device_pages(self.resources, ids)
@@ -262,7 +266,7 @@ class InstanceSession:
     def export_kvpage(self, pages: list[int], name: str, persistent: bool) -> None:
         if not name:
             raise _invalid("export name must not be empty")
-        self._pages(pages)
+        self._bring_back()
         self.c.resources.export(self.resources, pages, name, persistent)
 
     def import_kvpage(self, name: str) -> list[int]:

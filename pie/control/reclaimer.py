@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections import Counter
 
 from pie import protocol as P
 from pie.control.errors import ErrorKind, HostError
@@ -117,8 +116,7 @@ class Reclaimer:
         device = [p for _, p in movable]
         host = rm.host.alloc(len(movable))
         moves = [(v, p, h) for (v, p), h in zip(movable, host)]
-        self._rekey(inst, moves)
-        inst.away += len(moves)
+        rm.move_pages(inst, moves)
         self.incoming += len(moves)
         self.moved["swapped_out"] += len(moves)
 
@@ -127,7 +125,7 @@ class Reclaimer:
                 self.incoming -= len(moves)
                 if error is not None:  # the host copy is not there: the pages are lost
                     lost = [(v, h, DISCARDED) for v, _, h in moves if inst.pages.mapping.get(v) == h]
-                    self._rekey(inst, lost)
+                    rm.move_pages(inst, lost)
                     rm.release_pages([h for _, h, _ in lost])
                 rm.release_pages(device)
                 rm.lock.notify_all()
@@ -136,29 +134,10 @@ class Reclaimer:
 
     def _discard(self, inst: InstanceResources, pages: list[tuple[int, int]]) -> None:
         rm = self.rm
-        self._rekey(inst, [(v, p, DISCARDED) for v, p in pages])
-        inst.away += len(pages)
+        rm.move_pages(inst, [(v, p, DISCARDED) for v, p in pages])
         self.moved["discarded"] += len(pages)
         rm.release_pages([p for _, p in pages])
         rm.lock.notify_all()
-
-    def _rekey(self, inst: InstanceResources, moves: list[tuple[int, int, int]]) -> None:
-        """Point virtual pages at their new place (host page, device page or DISCARDED);
-        the user's charge follows (a discarded page holds nothing, so it is refunded)."""
-        held = self.rm.user_pages.setdefault(inst.user, Counter())
-        dropped = 0
-        for virtual, old, new in moves:
-            inst.pages.mapping[virtual] = new
-            if old != DISCARDED:
-                held.pop(old, None)
-            if new == DISCARDED:
-                dropped += old != DISCARDED
-            else:
-                held[new] = 1
-        if dropped:
-            inst.charges.refund("kv_pages", 0, dropped)
-        if not held:
-            self.rm.user_pages.pop(inst.user, None)
 
     def _swap(self, inst: InstanceResources, device: list[int], host: list[int], to_host: bool,
               done) -> HostFuture:
@@ -186,16 +165,14 @@ class Reclaimer:
                 return
             device = rm.alloc_uncharged(inst, len(away))
             moves = [(v, h, d) for (v, h), d in zip(away, device)]
-            self._rekey(inst, moves)
-            inst.away -= len(moves)
+            rm.move_pages(inst, moves)
             self.moved["swapped_in"] += len(moves)
 
             def done(error: str | None) -> None:
                 with rm.lock:
                     if error is not None:  # the device pages hold nothing of it
                         lost = [(v, d, DISCARDED) for v, _, d in moves if inst.pages.mapping.get(v) == d]
-                        self._rekey(inst, lost)
-                        inst.away += len(lost)
+                        rm.move_pages(inst, lost)
                         rm.release_pages([d for _, d, _ in lost])
                     rm.release_pages([h for _, h, _ in moves])
                     rm.lock.notify_all()

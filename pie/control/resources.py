@@ -286,6 +286,26 @@ class ResourceManager:
             self.pages.release([p for p in pages if self.pages.holds(p)])
             self.host.release([p for p in pages if self.host.holds(p)])
 
+    def move_pages(self, inst: InstanceResources, moves: list[tuple[int, int, int]]) -> None:
+        """(Under the lock; the reclaimer's.) Point each (virtual, old, new) page of `inst` at
+        its new place: a device page, a host page or DISCARDED. Only pages the instance alone
+        holds move, so the user's count follows one for one; a discarded page holds nothing
+        and is refunded; `inst.away` counts the pages off the device."""
+        held = self.user_pages.setdefault(inst.user, Counter())
+        dropped = 0
+        for virtual, old, new in moves:
+            inst.pages.mapping[virtual] = new
+            inst.away += self.pages.holds(old) - self.pages.holds(new)
+            held.pop(old, None)
+            if new == DISCARDED:
+                dropped += old != DISCARDED
+            else:
+                held[new] = 1
+        if dropped:
+            inst.charges.refund("kv_pages", 0, dropped)
+        if not held:
+            del self.user_pages[inst.user]
+
     def pause(self, inst: InstanceResources, paused: bool) -> None:
         """The instance blocks on I/O (True) or runs again (False); while paused and idle
         the reclaimer may move its pages."""

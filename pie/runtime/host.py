@@ -213,9 +213,8 @@ class HostState:
             return []
         reps = list(self.watched)
         futures = [self.watched[r][1] for r in reps]
-        if any(f.done() for f in futures):
-            ready = [i for i, f in enumerate(futures) if f.done()]
-        else:
+        ready = [i for i, f in enumerate(futures) if f.done()]
+        if not ready:  # it blocks: paused (a ready one costs no pause bookkeeping)
             with self.paused():
                 ready = wait_any(futures, self.cancelled)
         if self.cancelled.is_set():
