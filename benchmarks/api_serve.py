@@ -40,7 +40,7 @@ reached here at ~0.15 GB/s (370 KB pages, ~1 ms a token to prefill). The default
 measures both.
 
     python benchmarks/api_serve.py [--policies discard,preserve,swap,min-waste] [--rates 0.1,0.2,0.3,0.45]
-        [--requests 12] [--pages 352] [--swap-gbps 0,0.15] [--quick] [--out FILE]
+        [--requests 12] [--pages 352] [--swap-gbps 0,0.15] [--keep-from FILE] [--quick] [--out FILE]
 
 Results: benchmarks/results/api_serve.json and api_serve.png.
 """
@@ -222,6 +222,20 @@ async def run(args: argparse.Namespace) -> dict:
                 rows += await run_policy(policy, rates, args, program_path, tools.url, dtype, gbps, tmp)
     finally:
         tools.stop()
+    kept = {}
+    if args.keep_from:  # the other policies' rows of an earlier run with the same requests
+        earlier = json.loads(Path(args.keep_from).read_text())
+        same = ("rates", "requests", "pages")
+        if any(earlier[k] != v for k, v in zip(same, (rates, args.requests, args.pages))) \
+                or earlier["meta"]["seed"] != args.seed:
+            raise SystemExit(f"{args.keep_from} was run with other {', '.join(same)} or seed")
+        ran = {(r["policy"], r["swap_gbps"]) for r in rows}
+        old = [r for r in earlier["rows"] if (r["policy"], r["swap_gbps"]) not in ran]
+        rows = sorted(rows + old, key=lambda r: (r["swap_gbps"], POLICIES.index(r["policy"]), r["rate"]))
+        policies = [p for p in POLICIES if any(r["policy"] == p for r in rows)]
+        links = sorted({r["swap_gbps"] for r in rows})
+        kept = {"kept_from": {"date": earlier["meta"]["date"], "rows": sorted({f"{p}@{g:g}" for p, g in
+                                                                               {(r["policy"], r["swap_gbps"]) for r in old}})}}
     lowest = min(rates)
     slo = args.slo * min(r["normalized_mean_s"] for r in rows if r["rate"] == lowest)
     sustained_rates = {f"{p}@{g:g}": sustained([r for r in rows if r["policy"] == p and r["swap_gbps"] == g], slo)
@@ -245,7 +259,7 @@ async def run(args: argparse.Namespace) -> dict:
         "not_finished": sum(r["not_finished"] for r in rows), "rows": rows,
         "meta": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": command_line(),
                  "quick": args.quick, "rounds": 1, "order": [policies], "dtype": dtype, "model": DEFAULT_MODEL_NAME,
-                 "seed": args.seed, **machine_settings(),
+                 "seed": args.seed, **kept, **machine_settings(),
                  "method": "one pie serve per policy and swap link; the same seeded Poisson requests at "
                            "each rate; normalized latency = (end - arrival) / generated tokens"},
     }
@@ -263,6 +277,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     parser.add_argument("--quick", action="store_true", help="a smoke run (tiny contexts, 4 requests)")
     parser.add_argument("--out", default=str(RESULTS / "api_serve.json"), help="where the JSON goes")
+    parser.add_argument("--keep-from", default=None, metavar="FILE",
+                        help="take the rows of policies not run now from FILE (an earlier run, same requests)")
     args = parser.parse_args()
     args.rates = args.rates or ("0.5" if args.quick else "0.1,0.2,0.3,0.45")
     args.requests = args.requests or (4 if args.quick else 12)

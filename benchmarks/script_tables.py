@@ -1,5 +1,5 @@
 """RESULTS.md sections for Pie's own benchmark scripts (backend, quantization, placement,
-overhead, frontends, prefix_cache, api_serve, soak, drain): each writes its JSON in its own shape, so each gets a small table here.
+overhead, frontends, prefix_cache, api_serve, prefill_only, soak, drain): each writes its JSON in its own shape, so each gets a small table here.
 
 Why a table per script rather than one generic dump: those files carry every sample; the
 reader of RESULTS.md needs the medians and the ratio that each script exists to measure
@@ -126,7 +126,10 @@ def api_serve(data: Json) -> list[str]:
              f"min-waste / discard: {ratio(data['min_waste_over_discard_limited'], 'target ≥ 1.6', limited)}. Instances "
              f"killed by Pie: 0 (no policy here ends one); requests that did not finish: {data['not_finished']} "
              f"({', '.join(sorted({r['policy'] for r in data['rows'] if r['not_finished']})) or 'none'}: each "
-             f"ended on an allocation that waited `control.alloc_wait_ms` in vain).", "",
+             f"ended on an allocation that waited `control.alloc_wait_ms` in vain)."
+             + (f" Rows of {', '.join(kept['rows'])} come from the run of {kept['date']} (`--keep-from`: the same "
+                f"requests; only the other policies were run again)." if (kept := data["meta"].get("kept_from")) else ""),
+             "",
              "| policy | swap link | rate | normalized latency, mean (p90) | completed/s | recompute share | "
              "pages swapped out | pages discarded | not finished |", "|---|---|---|---|---|---|---|---|---|"]
     for row in data["rows"]:
@@ -197,6 +200,27 @@ def placement(data: Json) -> list[str]:
     return lines
 
 
+def prefill_only(data: Json) -> list[str]:
+    def ratio(value: float | None) -> str:
+        return "not measured" if value is None else f"{value:.2f}×"
+
+    lines = [f"PrefillOnly's workload on Pie (`scoring` inferlets: a ~{data['profile_words']}-word profile of one of "
+             f"{data['users']} users, then P(Yes) of {data['posts']} posts, each a pass that writes no KV), "
+             f"{data['requests']} Poisson requests per rate, a KV pool of {data['pages']} pages, {_dtype(data)}. "
+             f"SLO: {data['slo_factor']:g}× the lowest latency at the lowest rate (mean ≤ {data['slo_mean_s']:.2f} s, "
+             f"p99 ≤ {data['slo_p99_s']:.2f} s). Sustained rate, SRJF / first-come-first-served: "
+             f"{ratio(data['srjf_over_fcfs_mean'])} at equal mean latency, {ratio(data['srjf_over_fcfs_p99'])} at equal "
+             f"p99 (target ≥ 1.4); with the waiting credit (λ = {data['lambda']:g}): "
+             f"{ratio(data['credit_over_fcfs_mean'])} and {ratio(data['credit_over_fcfs_p99'])}. Requests that did "
+             f"not finish: {data['not_finished']}.", "",
+             "| policy | rate | latency mean | p99 | completed/s | prefix-cache hit tokens |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['policy']} | {r['rate']:g}/s | {_f(r['mean_s'])} s | {_f(r['p99_s'])} s | "
+              f"{_f(r['completed_per_s'])} | {r['hit_tokens']:,} |" for r in data["rows"]]
+    lines += ["", "| policy | sustained rate at mean SLO | at p99 SLO |", "|---|---|---|"]
+    lines += [f"| {p} | {data['sustained_mean'][p]:.3f}/s | {data['sustained_p99'][p]:.3f}/s |" for p in data["policies"]]
+    return lines + ["", "![prefill_only](results/prefill_only.png)"]
+
+
 SCRIPTS: dict[str, tuple[str, Callable[[Json], list[str]]]] = {
     "backend": ("Backend step vs HF transformers", backend),
     "quantization": ("Int8 weights: speed and quality", quantization),
@@ -205,6 +229,7 @@ SCRIPTS: dict[str, tuple[str, Callable[[Json], list[str]]]] = {
     "frontends": ("Front ends: native, OpenAI /v1, Python SDK", frontends),
     "prefix_cache": ("Prefix cache: a client-side conversation", prefix_cache),
     "api_serve": ("KV across API calls: APIServe's policies", api_serve),
+    "prefill_only": ("Scoring requests: PrefillOnly's shortest-remaining-job-first", prefill_only),
     "soak": ("Soak", soak),
     "drain": ("Graceful drain", drain),
 }

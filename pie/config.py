@@ -28,6 +28,9 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+MIN_MLP_CHUNK = 64  # backend.mlp_chunk_tokens: halves stay above the 16-token GEMV path
+
+
 @dataclass
 class ModelConfig:
     # Local HF Llama directory; empty means the default model converted by `pie model pull`.
@@ -61,6 +64,10 @@ class BackendConfig:
     swap_gbps: float = 0.0
     num_embeds: int = 32768
     max_batch_tokens: int = 4096
+    # A forward's MLPs run over at most this many tokens at a time (0: all at once), so the
+    # intermediate activations of a long prompt (2 x intermediate_size values a token, the
+    # largest in a Llama layer) stay bounded (PrefillOnly; pie/backend/llama.py).
+    mlp_chunk_tokens: int = 0
     threads: int = 0
     # Replay decode steps from captured CUDA graphs (pie/backend/cuda_graphs.py; 4.7 vs 30.7 ms
     # per batch-1 step on one H200); needs device = "cuda" and attention = "flashinfer".
@@ -88,6 +95,9 @@ class BackendConfig:
             raise ConfigError(f"backend.swap_gbps must be >= 0, got {self.swap_gbps}")
         if self.threads < 0:
             raise ConfigError(f"backend.threads must be >= 0, got {self.threads}")
+        if self.mlp_chunk_tokens < 0 or 0 < self.mlp_chunk_tokens < MIN_MLP_CHUNK:
+            raise ConfigError(f"backend.mlp_chunk_tokens must be 0 (off) or at least {MIN_MLP_CHUNK}, "
+                              f"got {self.mlp_chunk_tokens}")
         if self.cuda_graphs and (self.device != "cuda" or self.attention != "flashinfer"):
             raise ConfigError(
                 "backend.cuda_graphs = true needs backend.device = \"cuda\" and backend.attention "
@@ -99,10 +109,13 @@ class BackendConfig:
 class ControlConfig:
     # Batch scheduler policy (paper Table 5): adaptive = dispatch as soon as the backend is
     # idle (work-conserving); eager = no batching, every call sent alone at once; k = wait for batch_k calls;
-    # t = dispatch every batch_t_ms.
+    # t = dispatch every batch_t_ms; srjf = as adaptive, but a batch takes the queues with
+    # the least estimated work first (PrefillOnly's shortest-remaining-job-first), less
+    # srjf_lambda seconds of estimated work per second waited (pie/control/policies.py).
     scheduler: str = "adaptive"
     batch_k: int = 8
     batch_t_ms: float = 10.0
+    srjf_lambda: float = 0.5
     max_dist_k: int = 256  # cap on k of get-next-dist
     # Chunked prefill: while some sequence decodes, a batch carries at most this many new
     # tokens and a longer prompt is prefilled over several batches, so decoders keep going
@@ -135,7 +148,9 @@ class ControlConfig:
     http_max_response_bytes: int = 8 * 2**20
 
     def __post_init__(self) -> None:
-        _check_choice("control.scheduler", self.scheduler, ("adaptive", "eager", "k", "t"))
+        _check_choice("control.scheduler", self.scheduler, ("adaptive", "eager", "k", "t", "srjf"))
+        if self.srjf_lambda < 0:
+            raise ConfigError(f"control.srjf_lambda must be >= 0, got {self.srjf_lambda}")
         _check_choice("control.kv_pressure", self.kv_pressure,
                       ("min-waste", "swap", "discard", "preserve", "wait", "terminate-newest"))
         if self.batch_k < 1 or self.batch_t_ms <= 0 or self.max_dist_k < 1:
@@ -159,6 +174,7 @@ class HeldQuota:
     embeds: int = 0
     queues: int = 0  # queues created (they live until the instance ends)
     exports: int = 0  # exports created and not yet removed (persistent ones count too)
+    latency_queues: int = 0  # queues marked latency at once (scheduling.set-queue-objective)
     messages_per_s: float = 0.0  # messages sent to the client or broadcast; faster senders wait
     http_requests_per_s: float = 0.0  # faster callers wait
 
@@ -187,6 +203,9 @@ class UserQuota(HeldQuota):
     and the bytes of its keys in the key-value store."""
 
     exports: int = 256
+    # Latency queues go before every other queue: one user marking everything latency
+    # would take that from the rest.
+    latency_queues: int = 16
     instances: int = 0  # live instances (runtime.max_instances bounds them all)
     kvs_bytes: int = 16 * 2**20
 

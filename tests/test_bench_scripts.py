@@ -317,11 +317,29 @@ def test_api_serve_quick(results):
     assert Path(results.out / "api_serve.png").stat().st_size > 0
 
 
+def test_prefill_only_quick(results):
+    """Every policy at every rate on its own server, the same requests for each, every
+    request scored; the sustained rates follow from the rows."""
+    data = results("prefill_only")
+    check_meta(data["meta"])
+    assert data["policies"] == ["fcfs", "srjf", "srjf-credit"]
+    rows = {(r["policy"], r["rate"]): r for r in data["rows"]}
+    assert set(rows) == {(p, rate) for p in data["policies"] for rate in data["rates"]}
+    assert data["not_finished"] == 0
+    for r in rows.values():
+        assert r["requests"] == data["requests"] and r["mean_s"] > 0 and r["p99_s"] >= r["mean_s"] * 0.5
+        assert all(q["tokens"] > 0 for q in r["per_request"])
+        assert [q["user"] for q in r["per_request"]] == [q["user"] for q in data["rows"][0]["per_request"]]
+    if data["sustained_mean"]["fcfs"]:
+        assert data["srjf_over_fcfs_mean"] == pytest.approx(data["sustained_mean"]["srjf"] / data["sustained_mean"]["fcfs"])
+    assert Path(results.out / "prefill_only.png").stat().st_size > 0
+
+
 def test_every_script_takes_quick_and_out():
     """Each script offers `--quick` and `--out` (without `--out` a test would write over the
     committed benchmarks/results/)."""
     for script in ("overhead", "backend", "quantization", "placement", "frontends", "prefix_cache", "api_serve",
-                   "soak", "drain"):
+                   "prefill_only", "soak", "drain"):
         done = subprocess.run([sys.executable, f"benchmarks/{script}.py", "--help"], cwd=ROOT,
                               capture_output=True, text=True, timeout=120, check=False)
         assert done.returncode == 0 and "--out" in done.stdout and "--quick" in done.stdout, script

@@ -319,7 +319,7 @@ def test_user_quota_spans_the_users_instances_and_is_refunded_at_teardown():
     manager.release_instance(a1)
     manager.release_instance(a2)
     assert book.usage()["alice"] == {"kv_pages": 1, "embeds": 0, "queues": 0, "exports": 1,
-                                     "subscriptions": 0, "instances": 0}  # the persistent export's page
+                                     "subscriptions": 0, "instances": 0, "latency_queues": 0}  # the persistent export's page
     survivor = holder(book, "alice", "a3")
     with pytest.raises(HostError, match="holds 1 kv pages and asks for 5 more"):  # still pinned
         manager.alloc_pages(survivor, 5)

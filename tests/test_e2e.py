@@ -315,7 +315,11 @@ def test_fused_passes_bad_input_and_teardown_in_flight_leak_nothing(server, prob
         messages[1], "token: InvalidArgument: input token 0 is 1000000, not below the vocabulary size 49152",
         "index: InvalidArgument: output index 5 is out of range [0, 1) or repeated",
         "mask: InvalidArgument: attention mask must be 1 bytes (packed bits of 1 x 1), got 3"]
-    assert messages[1].startswith("freed: InvalidHandle: kv page") and messages[5].startswith("good: [")
+    assert messages[5:7] == [
+        "position: InvalidArgument: position 1048576 is past the model's context length 8192 "
+        "(positions 0..8191); the input is too long",
+        "logprobs-of: InvalidArgument: a logprobs-of id is not below the vocabulary size 49152"]
+    assert messages[1].startswith("freed: InvalidHandle: kv page") and messages[7].startswith("good: [")
     assert reason == "finished"
     assert trap_reason.startswith("trap: wasm `unreachable`") and hold_reason != "finished"
     until(lambda: server.scheduler()["queued"] == {}, what="nothing queued")

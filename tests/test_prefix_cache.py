@@ -35,6 +35,16 @@ def fresh(tokens: list[int], pages: list[int], scope: str = "alice", run: int | 
     return p
 
 
+def after(context: int, tokens: list[int], kv_pages: list[int], out_pages: list[int],
+          scope: str = "alice") -> Pass:
+    """A pass that continues a context of `context` slots on `kv_pages` (a fill of a live
+    context), its slots from the context's end, sampling after its last token."""
+    last = context - (len(kv_pages) - 1) * PS
+    return Pass(SimpleNamespace(results=PassResults()), 0, PS, list(tokens),  # type: ignore[arg-type]
+                list(range(context, context + len(tokens))), [], list(kv_pages), last, list(out_pages),
+                context % PS, None, [Output(len(tokens) - 1, sample=True)], scope=scope)
+
+
 @pytest.fixture
 def manager() -> ResourceManager:
     return ResourceManager(num_pages=32, num_embeds=4, prefix_cache_page_size=PS)
@@ -242,6 +252,36 @@ def test_concurrent_requests_with_a_new_shared_start_prefill_it_once(pie_server,
     assert after["hit_tokens"] - before["hit_tokens"] == (len(ids) - 1) // PS * PS  # the second copied them
 
 
+def test_turns_filled_into_a_live_context_hit_the_cache_and_answer_as_hf(pie_server, hf_model, tokenizer):
+    """`probe turns`: each turn is a fill that continues the context (after 8 decoded tokens);
+    a second run of the same conversation copies the pages the first one's turns completed,
+    not only those of its first pass, and both decode HF's greedy tokens."""
+    import json
+
+    from pie_server import build, run_inferlet
+
+    turns = [PROMPT, " Then the clockmaker opened the door and looked at the snow that had fallen",
+             " overnight on the roofs of the houses, the church tower and the old bridge over the river"]
+    program = build("probe")
+    before = pie_server.resources()["prefix_cache"]
+    runs = []
+    for _ in range(2):
+        run = run_inferlet(pie_server, program, ["turns", *turns])
+        assert run.reason == "finished", run.messages
+        runs.append(json.loads(run.messages[0]))
+    hits = pie_server.resources()["prefix_cache"]["hit_tokens"] - before["hit_tokens"]
+    assert runs[0] == runs[1]
+    tokens, generated = runs[0]["tokens"], runs[0]["generated"]
+    seq: list[int] = []
+    for text, n in zip(turns, generated):
+        seq += tokenizer.encode(text, add_special_tokens=False).ids
+        assert tokens[len(seq):len(seq) + n] == hf_greedy(hf_model, seq, n)
+        seq = tokens[:len(seq) + n]
+    first_pass = len(tokenizer.encode(PROMPT, add_special_tokens=False).ids) - 1
+    assert hits > (first_pass // PS) * PS  # the second run reused pages of later turns too
+    assert hits >= (len(tokens) - 2 * 8) // PS * PS - PS
+
+
 def test_results_name_the_index_the_guest_gave_after_cached_pages_were_skipped(manager):
     from array import array
 
@@ -260,3 +300,66 @@ def test_results_name_the_index_the_guest_gave_after_cached_pages_were_skipped(m
     assert settle([p], reply) == []
     [(_, status, _, details, _)] = p.queue.results.take()
     assert status == "done" and [d["index"] for d in details] == [39]
+
+
+def test_a_pass_continuing_known_pages_reuses_and_keeps_pages_as_one_from_the_start(manager):
+    cache = manager.prefix_cache
+    system, turn = list(range(800, 820)), list(range(900, 940))  # 20 + 40 tokens: 3 full pages
+    # One instance fills its context in two passes: the second continues the partial page.
+    a, b, c, d = manager.pages.alloc(4)
+    run_once(manager, fresh(system, [a, b]))
+    second = after(20, turn, [a, b], [b, c, d])
+    _, saved = run_once(manager, second)
+    assert second.prefix is not None and saved[0::2] == [b, c]  # pages 1 and 2 completed here
+    assert cache.stats()["cached_pages"] == 3
+    # Another instance from the start with the whole text copies all three.
+    whole = fresh(system + turn + [1], manager.pages.alloc(4))
+    run_once(manager, whole)
+    assert whole.index_base == 3 * PS
+    # Another in two passes: the continuation copies pages 1-2 over its partial page and
+    # the next, and computes only what is left.
+    e, f, g, h = manager.pages.alloc(4)
+    run_once(manager, fresh(system, [e, f]))
+    again = after(20, turn + [1], [e, f], [f, g, h])
+    before, _ = run_once(manager, again)
+    assert before[1::2] == [f, g]  # its own partial page, then the next
+    assert again.index_base == 3 * PS - 20 and again.token_ids == turn[28:] + [1]
+    assert again.positions == list(range(48, 61))
+    assert again.kv_pages == [e, f, g] and again.last_len == PS and again.out_pages == [h]
+
+
+def test_a_page_written_by_another_command_is_no_longer_known(manager):
+    cache = manager.prefix_cache
+    a, b, c, d = manager.pages.alloc(4)
+    run_once(manager, fresh(list(range(20)), [a, b]))
+    cache.overwritten([SimpleNamespace(writes=frozenset({("p", b)}))])  # e.g. a mask on it
+    second = after(20, list(range(20, 60)), [a, b], [b, c, d])
+    _, saved = run_once(manager, second)
+    assert second.prefix is None and saved == []
+
+
+def test_a_record_is_not_made_after_a_later_writer_was_sent(manager):
+    cache = manager.prefix_cache
+    a, b, c, d = manager.pages.alloc(4)
+    first = fresh(list(range(20)), [a, b])
+    cache.prepare([first])
+    cache.overwritten([SimpleNamespace(writes=frozenset({("p", b)}))])  # sent before first's reply
+    cache.settled(first, True)
+    second = after(20, list(range(20, 60)), [a, b], [b, c, d])
+    cache.prepare([second])
+    assert second.prefix is None
+
+
+def test_continuing_another_users_or_a_contested_page_is_unknown(manager):
+    cache = manager.prefix_cache
+    a, b, c, d, e = manager.pages.alloc(5)
+    run_once(manager, fresh(list(range(20)), [a, b]))
+    bob = after(20, list(range(20, 60)), [a, b], [b, c, d], scope="bob")
+    cache.prepare([bob])
+    assert bob.prefix is None
+    cache.settled(bob, False)
+    run_once(manager, fresh(list(range(20)), [a, b]))
+    mine = after(20, list(range(20, 60)), [a, b], [b, c, d])
+    other = fresh(list(range(5)), [a])  # another pass of the batch writes page a
+    cache.prepare([mine, other])
+    assert mine.prefix is None and other.prefix is not None

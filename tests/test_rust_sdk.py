@@ -305,6 +305,9 @@ class FakeModel(FakeHost):
                     allocate.add_func(name, self.unexpected(name))
             with root.add_instance("pie:inferlet/memory@0.1.0") as memory:
                 memory.add_func("set-kv-class", self.unexpected("set-kv-class"))
+            with root.add_instance("pie:inferlet/scheduling@0.1.0") as scheduling:
+                for name in ("set-queue-objective", "set-job-size"):
+                    scheduling.add_func(name, self.unexpected(name))
             with root.add_instance("pie:inferlet/kvs@0.1.0") as kvs:
                 for name in ("store-get", "store-set", "store-delete"):
                     kvs.add_func(name, self.unexpected(name))

@@ -114,7 +114,8 @@ class Engine:
         self.dtype = DTYPES[config.dtype]
         self.model_dir = model_dir
         self.model = Llama(model_dir, self.dtype, self.device, config.weight_dtype,
-                           prefill_fp32=config.prefill_dtype == "float32")
+                           prefill_fp32=config.prefill_dtype == "float32",
+                           mlp_chunk_tokens=config.mlp_chunk_tokens)
         cfg = self.model.config
         self.page_size = config.page_size
         self.num_pages = config.num_kv_pages

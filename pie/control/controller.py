@@ -20,6 +20,7 @@ from pie.control.grammar import GrammarCompiler, Matcher
 from pie.control.http_client import HttpClient
 from pie.control.messaging import Inbox, KeyValueStore, MessageBus
 from pie.control.passes import Limits, Output, Pass, PassResults
+from pie.control.policies import Objective
 from pie.control.quotas import ANONYMOUS, Charges, QuotaBook
 from pie.control.reclaimer import Reclaimer
 from pie.control.resources import InstanceResources, ResourceManager
@@ -27,6 +28,8 @@ from pie.control.scheduler import MARKER, Command, CommandQueue, Scheduler
 from pie.control.tokenizer import TextTokenizer
 
 MAX_ALLOC = 1 << 16  # most pages or embeds one call may ask for
+MAX_GROUP_BYTES = 256  # a task group's name (scheduling.set-queue-objective)
+JOB_SIZE_CONTEXTS = 64  # a job-size hint is at most this many context lengths
 
 
 class Controller:
@@ -109,7 +112,7 @@ class InstanceSession:
         self.next_pass_id = 1
         hs = controller.hs
         self.limits = Limits(hs.page_size, hs.vocab_size, hs.max_batch_tokens,
-                             controller.config.control.max_dist_k)
+                             controller.config.control.max_dist_k, hs.context_length)
 
     def usage(self) -> dict[str, int]:
         """What the instance consumed, reported to its client when it ends."""
@@ -154,6 +157,23 @@ class InstanceSession:
 
     def set_queue_priority(self, q: CommandQueue, priority: int) -> None:
         q.priority = priority
+
+    def set_queue_objective(self, q: CommandQueue, objective: str, group: str) -> None:
+        if len(group.encode()) > MAX_GROUP_BYTES:
+            raise _invalid(f"a task group name is at most {MAX_GROUP_BYTES} bytes, got {len(group.encode())}")
+        new = Objective[objective.upper()]
+        if new is Objective.LATENCY and q.objective is not Objective.LATENCY:
+            self.charges.charge("latency_queues")
+        elif q.objective is Objective.LATENCY and new is not Objective.LATENCY:
+            self.charges.refund("latency_queues")
+        q.objective, q.group = new, (self.user, group) if group else None
+
+    def set_job_size(self, q: CommandQueue, tokens: int) -> None:
+        limit = JOB_SIZE_CONTEXTS * self.c.hs.context_length
+        if tokens > limit:
+            raise _invalid(f"a job-size hint of {tokens} tokens is over {JOB_SIZE_CONTEXTS} times the "
+                           f"model's context length ({limit})")
+        q.job_left = tokens
 
     # --- messaging, kvs, http --------------------------------------------------------------
 

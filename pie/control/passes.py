@@ -66,6 +66,7 @@ class Limits:
     vocab_size: int
     max_batch_tokens: int
     max_dist_k: int
+    context_length: int = 0  # the model's max_position_embeddings (0: not known, not checked)
 
 
 def _invalid(message: str) -> HostError:
@@ -113,16 +114,21 @@ class Pass:
     parent: Pass | None = None  # a chunk (see `split`): its results are not published
     index_base: int = 0  # leading new tokens cut off (chunks, cached pages): add to result indices
     # The prefix cache's view (pie/control/prefix_cache.py): the user it is scoped to; the
-    # tokens at positions [0, context + new) where known (a pass from the start, then its
-    # chunks and run steps) and their page hashes so far; cached pages copied in before the
-    # forward (cache page, own page); own pages copied out after it (key, own page, cache page).
+    # tokens at positions [prefix_base, context + new) where known (a pass from the start or
+    # continuing recorded pages, then its chunks and run steps) and the page hashes so far;
+    # cached pages copied in before the forward (cache page, own page); own pages copied out
+    # after it (key, own page, cache page); when last sent, the stamp of its writes and the
+    # first page index they cover.
     scope: str = ""
     prefix: list[int] | None = None
+    prefix_base: int = 0  # the slot `prefix` starts at (the pages before it: `chain`)
     chain: list[bytes] = field(default_factory=list)
     copy_in: list[tuple[int, int]] = field(default_factory=list)
     saves: list[tuple[tuple[str, bytes], int, int]] = field(default_factory=list)
     cache: Any = None  # the PrefixCache that planned copy_in / saves, told when this settles
     cache_checked: bool = False
+    stamp: int = 0
+    written_from: int = 0
     deferred: bool = False  # held back once for a page another pass was computing
     dropped: bool = False  # failed before or while it ran: nothing more is planned for it
 
@@ -158,6 +164,10 @@ class Pass:
         for i, t in enumerate(self.token_ids):
             if t >= vocab:
                 raise _invalid(f"input token {i} is {t}, not below the vocabulary size {vocab}")
+        last = max(self.positions, default=0) + (run_steps - 1 if run_steps else 0)
+        if limits.context_length and last >= limits.context_length:
+            raise _invalid(f"position {last} is past the model's context length {limits.context_length} "
+                           f"(positions 0..{limits.context_length - 1}); the input is too long")
         if self.kv_pages and not 1 <= self.last_len <= ps:
             raise _invalid(f"input-kv-last-page-len {self.last_len} must be in [1, {ps}]")
         if self.out_pages and (self.out_offset >= ps or len(self.out_pages) * ps - self.out_offset < n_new):
@@ -199,11 +209,25 @@ class Pass:
         partial = bool(self.kv_pages) and self.last_len < self.page_size
         return self.kv_pages + (self.out_pages[1:] if partial else self.out_pages)
 
-    def from_start(self) -> bool:
-        """Tokens only, at positions 0..n-1, on output pages from offset 0 with no context
-        and no mask: what the prefix cache can name by its tokens alone."""
-        return (not self.kv_pages and not self.embeds and self.mask is None and self.out_offset == 0
-                and bool(self.out_pages) and self.positions == list(range(len(self.token_ids))))
+    def continues(self) -> bool:
+        """The output slots continue the context: the partial last input page first, from its
+        length, or offset 0 after a full page or no context; every further page fresh. The
+        layout `fill` and `run` use, which chunking and the prefix cache rely on."""
+        if not self.out_pages:
+            return False
+        partial = bool(self.kv_pages) and self.last_len < self.page_size
+        if partial and (self.out_pages[0] != self.kv_pages[-1] or self.out_offset != self.last_len):
+            return False
+        fresh = self.out_pages[1:] if partial else self.out_pages
+        return (partial or self.out_offset == 0) and not set(fresh) & set(self.kv_pages)
+
+    def tokens_only(self) -> bool:
+        """New tokens only, at the positions right after the context, no custom mask, in
+        slots that continue it: what the prefix cache can name by tokens (with the
+        context's, pie/control/prefix_cache.py)."""
+        context = self.context_slots()
+        return (not self.embeds and self.mask is None and self.continues()
+                and self.positions == list(range(context, context + len(self.token_ids))))
 
     def _validate_run(self, ps: int, steps: int) -> None:
         if steps < 1:
@@ -213,14 +237,12 @@ class Pass:
             raise _invalid(f"a run's pass needs exactly one output, with a sampler, at its last "
                            f"new token (index {last})")
         partial = bool(self.kv_pages) and self.last_len < ps
-        if partial and (not self.out_pages or self.out_pages[0] != self.kv_pages[-1]
-                        or self.out_offset != self.last_len):
-            raise _invalid(f"a run's output pages must continue the context: the partial last "
-                           f"input page first, from offset {self.last_len}")
-        if not partial and self.out_offset != 0:
-            raise _invalid("a run's output pages must continue the context: offset 0 after a full page")
         fresh = self.out_pages[1:] if partial else self.out_pages
-        if set(fresh) & set(self.kv_pages) or len(set(fresh)) != len(fresh):
+        if not self.continues():
+            raise _invalid(f"a run's output pages must continue the context: the partial last "
+                           f"input page first from offset {self.last_len}, or offset 0 after a "
+                           f"full page, then new pages")
+        if len(set(fresh)) != len(fresh):
             raise _invalid("a run's output pages must be new pages, each once")
         room = len(self.out_pages) * ps - self.out_offset
         if room < self.tokens + steps - 1:
@@ -239,13 +261,7 @@ class Pass:
         page first from its length, or offset 0 after a full page or no context, every
         further page fresh) and there is no custom mask — the layout `fill` and `run` use."""
         first_output = min((o.index for o in self.outputs), default=self.tokens)
-        if self.mask is not None or first_output == 0 or not self.out_pages:
-            return 0
-        partial = bool(self.kv_pages) and self.last_len < self.page_size
-        if partial and (self.out_pages[0] != self.kv_pages[-1] or self.out_offset != self.last_len):
-            return 0
-        fresh = self.out_pages[1:] if partial else self.out_pages
-        if (not partial and self.out_offset != 0) or set(fresh) & set(self.kv_pages):
+        if self.mask is not None or first_output == 0 or not self.continues():
             return 0
         return min(first_output, self.tokens - 1)
 
@@ -261,7 +277,8 @@ class Pass:
                      parent=self, scope=self.scope, cache_checked=self.cache_checked)
         context = self.context_slots()
         if self.prefix is not None:
-            chunk.prefix, chunk.chain = self.prefix[:context + n], list(self.chain)
+            chunk.prefix, chunk.chain = self.prefix[:context + n - self.prefix_base], list(self.chain)
+            chunk.prefix_base = self.prefix_base
         chunk.copy_in, self.copy_in = self.copy_in, []  # cached pages go in before the first chunk
         chunk.cache = self.cache
         pages = self.slot_pages()

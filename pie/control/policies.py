@@ -1,14 +1,20 @@
-"""Batching policies (paper Table 5): *when* the scheduler sends a batch, and of which kind.
+"""Batching policies (paper Table 5): *when* the scheduler sends a batch, of which kind, and
+in what order the waiting queues fill it.
 
 A policy sees a `ReadyView` of the calls that could go now and answers with a kind to send
-or how long to wait before asking again. It does no I/O and holds no scheduler state, so
-each is tested on synthetic views (tests/test_policies.py). `control.scheduler` names one
-of `POLICIES`.
+or how long to wait before asking again; it orders queues by `key` of their `Head`. It
+does no I/O and holds no scheduler state, so each is tested on synthetic views
+(tests/test_policies.py). `control.scheduler` names one of `POLICIES`.
+
+Queues are ordered first by objective (`scheduling.set-queue-objective`: latency before
+throughput before background), then by priority (`set-queue-priority`), then by the
+policy's key: arrival order for every policy but `srjf`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Protocol
 
 from pie import protocol as P
@@ -60,16 +66,47 @@ class ReadyView:
         return self.now - self.oldest[kind]
 
 
+class Objective(IntEnum):
+    """`scheduling.objective`: what a queue's calls are for; lower values go first."""
+
+    LATENCY = 0
+    THROUGHPUT = 1  # every queue's until it says otherwise
+    BACKGROUND = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Head:
+    """A waiting queue as a policy orders it (within its objective and priority): when its
+    head call was enqueued (its task group's oldest, so a group goes together), and its
+    job's estimated remaining work in seconds (the job-size hint if the queue gave one, else
+    the head call's new tokens not in the prefix cache; times a token's measured cost)."""
+
+    enqueued: float
+    estimate_s: float
+
+
 Decision = tuple[str | None, int | None]  # (kind to send, or None and ms to wait; None = until woken)
 
 
 class Policy(Protocol):
     single: bool  # one call per batch
+    sizes_jobs: bool  # its key reads Head.estimate_s (the scheduler computes it only then)
 
     def choose(self, view: ReadyView) -> Decision: ...
 
+    def key(self, head: Head, now: float) -> float: ...
 
-class Adaptive:
+
+class FirstCome:
+    """Arrival order within an objective and priority: every policy of the paper's."""
+
+    sizes_jobs = False
+
+    def key(self, head: Head, now: float) -> float:
+        return head.enqueued
+
+
+class Adaptive(FirstCome):
     """Work-conserving (the default): send as soon as the backend is idle. One exception:
     while queues that ran the model recently are still between calls (about to submit their
     next one), wait for them — at most half a forward's duration — so decoders share one
@@ -91,7 +128,7 @@ class Adaptive:
         return None, max(1, int((patience - view.waited(kind)) * 1e3))
 
 
-class Eager:
+class Eager(FirstCome):
     """No batching (the paper's baseline): every call alone, at once, even while the
     backend is busy."""
 
@@ -102,7 +139,7 @@ class Eager:
 
 
 @dataclass
-class CountK:
+class CountK(FirstCome):
     """Once `k` calls of one kind wait; a call never waits longer than `max_wait_s`."""
 
     k: int
@@ -122,7 +159,7 @@ class CountK:
 
 
 @dataclass
-class TimeT:
+class TimeT(FirstCome):
     """Once the oldest waiting call has waited `t_s`."""
 
     t_s: float
@@ -137,7 +174,23 @@ class TimeT:
         return None, max(1, int((self.t_s - view.waited(kind)) * 1e3))
 
 
-POLICIES = ("adaptive", "eager", "k", "t")
+@dataclass
+class Srjf(Adaptive):
+    """PrefillOnly's shortest-remaining-job-first with a waiting credit: dispatches as
+    `adaptive` does, but a batch takes the queues with the least estimated work first
+    (`estimate - credit * wait`, re-evaluated at every dispatch: a prompt whose prefix was
+    cached meanwhile counts only its uncached tokens). Without the credit a long job starves
+    while short ones keep arriving; with it, each second waited forgives `credit` seconds of
+    estimated work (`control.srjf_lambda`)."""
+
+    credit: float = 0.0
+    sizes_jobs = True
+
+    def key(self, head: Head, now: float) -> float:
+        return head.estimate_s - self.credit * (now - head.enqueued)
+
+
+POLICIES = ("adaptive", "eager", "k", "t", "srjf")
 
 
 def policy_for(config: ControlConfig) -> Policy:
@@ -148,4 +201,6 @@ def policy_for(config: ControlConfig) -> Policy:
         return CountK(config.batch_k)
     if config.scheduler == "t":
         return TimeT(config.batch_t_ms / 1e3)
+    if config.scheduler == "srjf":
+        return Srjf(config.srjf_lambda)
     return Adaptive()

@@ -19,7 +19,8 @@ from pie.control.errors import ErrorKind, HostError
 
 # What the count quotas count, with the words error messages use for them.
 HELD = {"kv_pages": "kv pages", "embeds": "embeds", "queues": "queues", "exports": "exports",
-        "subscriptions": "subscriptions", "instances": "live instances"}
+        "subscriptions": "subscriptions", "instances": "live instances",
+        "latency_queues": "latency queues"}
 RATES = ("messages_per_s", "http_requests_per_s")
 ANONYMOUS = "anonymous"  # the user of every client when the server has no auth tokens
 PUBLIC = "public:"  # names with this prefix are shared by every user (read-only for others)

@@ -30,7 +30,7 @@ from pie.config import ControlConfig
 from pie.control.errors import ErrorKind, HostError
 from pie.control.future import HostFuture
 from pie.control.passes import Pass, PassResults, Status, encode, fail, settle
-from pie.control.policies import HEAVY, ReadyView, policy_for
+from pie.control.policies import HEAVY, Head, Objective, ReadyView, policy_for
 from pie.control.prefix_cache import PrefixCache
 
 log = logging.getLogger("pie.control")
@@ -44,6 +44,12 @@ MIN_CHUNK_TOKENS = 16  # no prefill chunk smaller than this (each costs a batch'
 class CommandQueue:
     instance_id: str
     priority: int = 0
+    # scheduling.set-queue-objective / set-job-size: the queue's class, its task group
+    # ((user, name): a group's queues are ordered together), and its job's remaining new
+    # tokens as the program estimated them (0: no hint), less what has been sent since.
+    objective: Objective = Objective.THROUGHPUT
+    group: tuple[str, str] | None = None
+    job_left: int = 0
     pending: deque["Command"] = field(default_factory=deque)
     closed: bool = False
     # First failure of a call whose result nobody awaits (forward, embed, copy, mask):
@@ -310,10 +316,12 @@ class Scheduler:
                     waited = now - command.enqueued
                     self.stats.wait_s_total += waited
                     self.stats.wait_s_max = max(self.stats.wait_s_max, waited)
-            if kind == P.Kind.PASS and self.prefix_cache is not None:  # takes the pools' lock: not under ours
+            if self.prefix_cache is not None and kind == P.Kind.PASS:  # takes the pools' lock: not under ours
                 deferred = self.prefix_cache.prepare(batch)  # type: ignore[arg-type]
                 if deferred and not self._hold_back(request_id, deferred, batch):
                     continue
+            elif self.prefix_cache is not None:
+                self.prefix_cache.overwritten(batch)
             socket.send(P.encode(request_id, build_batch(kind, batch)))
 
     def _hold_back(self, request_id: int, deferred: list[Pass], batch: list[Command]) -> bool:
@@ -405,9 +413,15 @@ class Scheduler:
         queues = [q for q in self.queues if q.pending and id(q) not in busy
                   and q.pending[0].kind == kind]
         decoders = sum(q.pending[0].tokens <= DECODE_TOKENS for q in queues)
-        chunking = kind == P.Kind.PASS and not single and 0 < decoders >= len(queues) - decoders
-        queues.sort(key=lambda q: (-q.priority, chunking and q.pending[0].tokens > DECODE_TOKENS,
-                                   q.pending[0].enqueued))
+        # Latency queues are never held behind a long prefill of another class: while one
+        # is open, the others' prompts go in chunks.
+        latency = any(q.objective is Objective.LATENCY for q in self.queues)
+        chunking = kind == P.Kind.PASS and not single and (
+            0 < decoders >= len(queues) - decoders or latency)
+        keys = self._order(queues)
+        queues.sort(key=lambda q: (q.objective, -q.priority,
+                                   chunking and q.pending[0].tokens > DECODE_TOKENS
+                                   and q.objective is not Objective.LATENCY, keys[id(q)]))
         batch: list[Command] = []
         used, chunked = 0, False
         for queue in queues:
@@ -415,7 +429,7 @@ class Scheduler:
             for command in queue.pending:  # vertical batching within the queue
                 if command.kind != kind or conflicts(command, taken):
                     break
-                if chunking:  # every step moves a prefill on by at least MIN_CHUNK_TOKENS
+                if chunking and queue.objective is not Objective.LATENCY:  # every step moves a prefill on by at least MIN_CHUNK_TOKENS
                     room = self.config.max_step_tokens - used
                     room = room if chunked else max(room, MIN_CHUNK_TOKENS)
                     cut = command.chunkable() if command.tokens > room else 0  # type: ignore[attr-defined]
@@ -432,10 +446,35 @@ class Scheduler:
                     break
             for _ in taken:
                 queue.pending.popleft()
+            if queue.job_left:
+                queue.job_left = max(1, queue.job_left - sum(c.tokens for c in taken))
             batch += taken
             if used >= self.max_batch_tokens or (single and batch):
                 break
         return batch
+
+    def _order(self, queues: list[CommandQueue]) -> dict[int, float]:
+        """(Under the lock.) The policy's key of each queue (by id): its head, or its task
+        group's oldest head, with the job's estimated work where the policy sizes jobs."""
+        now = time.monotonic()
+        heads: dict[int, Head] = {}
+        groups: dict[tuple[str, str], list[float]] = {}  # group -> [oldest enqueued, estimate_s]
+        for q in queues:
+            head = q.pending[0]
+            estimate = 0.0
+            if self.policy.sizes_jobs:
+                tokens = q.job_left or head.tokens
+                if not q.job_left and self.prefix_cache is not None and isinstance(head, Pass):
+                    tokens -= self.prefix_cache.cached_tokens(head)
+                estimate = tokens * self.costs.token_s
+            heads[id(q)] = Head(head.enqueued, estimate)
+            if q.group is not None:
+                g = groups.setdefault(q.group, [head.enqueued, 0.0])
+                g[0], g[1] = min(g[0], head.enqueued), g[1] + estimate
+        for q in queues:
+            if q.group is not None:
+                heads[id(q)] = Head(*groups[q.group])
+        return {q: self.policy.key(head, now) for q, head in heads.items()}
 
     def _on_reply(self, frame: bytes) -> None:
         request_id, kind, reply = P.decode_reply(frame)

@@ -47,7 +47,7 @@ CORE_TRAITS = (
 )
 PLUMBING = ("types", "futures")
 # Interfaces beyond the paper's API (not counted in the core), documented after it.
-EXTENSIONS = ("grammar", "inference", "memory")
+EXTENSIONS = ("grammar", "inference", "memory", "scheduling")
 LAYERS = {
     "control": "control layer (answered in the control process, no GPU work)",
     "inference": "inference layer (enqueued on the queue; the batch scheduler batches it "

@@ -10,7 +10,8 @@
 //! non-streamed response) and no stop strings the decode run wakes the inferlet once, at its
 //! end, not per token (at 8 concurrent requests the per-token wake, detokenization and
 //! message were ~8 ms of control CPU per step on 2 cores); one choice decodes from the prompt
-//! itself, with no separate prefill pass and no fork.
+//! itself, with no separate prefill pass and no fork. A one-token completion with
+//! log-probabilities (a scoring request) is one pass that writes no KV (`Context::peek_next`).
 //!
 //! Requirements: R2
 //! Host APIs: apply-chat-template, tokenize, inference (execute, run, take, cancel), forward, sample, get-next-dist (log-probabilities), copy-kvpage (fork)
@@ -100,13 +101,21 @@ async fn choice(index: usize, mut ctx: Context, r: &Request, eos: &[u32]) -> Res
     // --ignore-eos counts as a completion token but has no text, as in vLLM).
     let (mut generated, mut count, mut sent, mut finish) = (Vec::new(), 0usize, 0usize, "length");
     while count < r.max_tokens {
-        let last = ctx.pending().len() as u32 - 1;
-        let output = ctx.forward_pending(&[last])?[0];
-        let dist = match r.logprobs {
-            Some(k) => Some(queue.next_dist(output, k.clamp(1, 256).max(20)).await?),
-            None => None,
+        let k = r.logprobs.map(|k| k.clamp(1, 256).max(20));
+        let (token, dist) = if r.max_tokens == 1 && k.is_some() {
+            // PrefillOnly's path: one pass that writes no KV draws the token with its
+            // distribution (scoring requests: max_tokens 1 with logprobs).
+            let (token, ids, probs) = ctx.peek_next(&sampler, k.unwrap()).await?;
+            (token, Some((ids, probs)))
+        } else {
+            let last = ctx.pending().len() as u32 - 1;
+            let output = ctx.forward_pending(&[last])?[0];
+            let dist = match k {
+                Some(k) => Some(queue.next_dist(output, k).await?),
+                None => None,
+            };
+            (queue.sample(output, &sampler).await?, dist)
         };
-        let token = queue.sample(output, &sampler).await?;
         sampler.seed = sampler.seed.map(|s| s.wrapping_add(1));
         let is_eos = eos.contains(&token);
         if is_eos && !r.ignore_eos {

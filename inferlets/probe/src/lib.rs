@@ -12,6 +12,12 @@
 //! - `pause CLASS PROMPT`: greedy-decodes 8 tokens of PROMPT in a Context whose pages are
 //!   CLASS (pinned, swappable, discardable), sends `first: TEXT`, waits for a message, then
 //!   sends `second: TEXT` (8 more): the reclaimer may move its pages while it waits.
+//! - `turns PROMPT TEXT...`: greedy-decodes 8 tokens after PROMPT, then 8 after each TEXT
+//!   filled into the same Context (each fill a pass that continues the live context); sends
+//!   `{"tokens": [every token of the sequence], "generated": [tokens decoded per turn]}`.
+//! - `objectives N`: marks N new queues latency (sends `latency: N ok` or `latency: K ok, then
+//!   ERROR`), then sends the result of a 300-byte group name, a job-size hint of 2^31 tokens
+//!   and one of 100 tokens, each `ok` or the error, one message each.
 //! - `http URL`: GETs URL and sends `STATUS BODY` (or the error).
 //! - `subscribe TOPIC` / `broadcast TOPIC TEXT`: the subscriber says "subscribed", then sends
 //!   the first message published on TOPIC; the broadcaster publishes TEXT.
@@ -38,8 +44,9 @@
 //!   passes, each into pages of its own), then traps at once / sends `running N` and waits
 //!   for a message (the test terminates it): the pools must come back full either way.
 //! - `passes-bad`: fused passes with a forged page, a freed page, a token past the
-//!   vocabulary, a wrong-size mask and an out-of-range output index; sends each error, then
-//!   one good pass's token (`good: T`).
+//!   vocabulary, an out-of-range output index, a wrong-size mask, a position past the
+//!   model's context and a log-probability asked of a token past the vocabulary; sends each
+//!   error, then one good pass's token (`good: T`).
 //! - `fuzz N SEED`: N host calls with random arguments — live, freed and forged ids, wild
 //!   counts, lengths, offsets and positions — each of which must come back as `Ok` or a
 //!   host `Error`, never a trap; frees what it still holds and sends `{"ok": a, "err": b}`.
@@ -91,9 +98,13 @@ async fn main() -> Result<(), String> {
                 ("token", fused(&[1_000_000], vec![], 0, vec![pages[0]])),
                 ("index", fused(&[1], vec![], 0, vec![pages[0]])),
                 ("mask", fused(&[1], vec![], 0, vec![pages[0]])),
+                ("position", fused(&[1], vec![], 0, vec![])),
+                ("logprobs-of", fused(&[1], vec![], 0, vec![])),
             ];
             bad[3].1.outputs[0].index = 5;
             bad[4].1.attention_mask = Some(vec![0, 0, 0]);
+            bad[5].1.positions = vec![1 << 20];
+            bad[6].1.outputs[0].logprobs_of = vec![1, 1_000_000];
             for (what, pass) in bad {
                 report(what, inference::execute(queue.raw(), pass).map(|_| ()));
             }
@@ -157,6 +168,43 @@ async fn main() -> Result<(), String> {
             inferlet::send(&format!("first: {first}"));
             inferlet::receive().await;
             inferlet::send(&format!("second: {}", ctx.generate(&greedy, &stop).await?));
+            Ok(())
+        }
+        Some("turns") => {
+            let mut ctx = model.create_context()?;
+            let (greedy, stop) = (Sampler::greedy(), inferlet::Stop::new(8));
+            let mut generated = Vec::new();
+            for text in &args[1..] {
+                ctx.fill(text);
+                let before = ctx.len();
+                ctx.generate(&greedy, &stop).await?;
+                generated.push((ctx.len() - before).to_string());
+            }
+            let tokens: Vec<String> = ctx.tokens().iter().map(u32::to_string).collect();
+            inferlet::send(&format!("{{\"tokens\": [{}], \"generated\": [{}]}}", tokens.join(","), generated.join(",")));
+            Ok(())
+        }
+        Some("objectives") => {
+            let n: usize = args[1].parse().map_err(|_| "objectives N")?;
+            let mut marked = 0;
+            let mut queues = Vec::new();
+            let mut error = None;
+            for _ in 0..n {
+                let q = model.create_queue()?;
+                match q.set_objective(inferlet::Objective::Latency, "") {
+                    Ok(()) => marked += 1,
+                    Err(e) => { error = Some(e.to_string()); break; }
+                }
+                queues.push(q);
+            }
+            inferlet::send(&match error {
+                None => format!("latency: {marked} ok"),
+                Some(e) => format!("latency: {marked} ok, then {e}"),
+            });
+            let show = |r: Result<(), inferlet::Error>| r.map_or_else(|e| e.to_string(), |()| "ok".to_string());
+            inferlet::send(&show(queue.set_objective(inferlet::Objective::Throughput, &"g".repeat(300))));
+            inferlet::send(&show(queue.set_job_size(1 << 31)));
+            inferlet::send(&show(queue.set_job_size(100)));
             Ok(())
         }
         Some("http") => {

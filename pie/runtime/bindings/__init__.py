@@ -26,6 +26,7 @@ from pie.runtime.bindings import (
     messaging,
     output_text,
     runtime,
+    scheduling,
     tokenize,
     types,
 )
@@ -33,7 +34,7 @@ from pie.runtime.bindings.common import Bindings
 from pie.runtime.host import HostState
 
 MODULES = (types, futures, runtime, messaging, kvs, http, allocate, forward, input_text,
-           input_image, tokenize, output_text, grammar, inference, memory)
+           input_image, tokenize, output_text, grammar, inference, memory, scheduling)
 
 
 def build_linker(engine: Engine, controller: Controller, lookup: Callable[[Any], HostState]) -> Linker:

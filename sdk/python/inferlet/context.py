@@ -101,6 +101,48 @@ class Context:
         (detail,) = self._step(_output(top_k=k)).details
         return list(detail.top_ids), list(detail.top_probs)
 
+    def score(self, candidates: list[int], then: list[int] = ()) -> list[float]:  # type: ignore[assignment]
+        """Log-probabilities of `candidates` as the next token after the context's tokens
+        (committed and pending) and `then`: one pass that writes no KV, so the context is
+        unchanged (PrefillOnly's scoring path). `score_each` runs many at once."""
+        return self.score_each([list(then)], candidates)[0]
+
+    def score_each(self, thens: list[list[int]], candidates: list[int]) -> list[list[float]]:
+        """`score` after each of `thens`: every pass enqueued before any is awaited, so they
+        share batches (e.g. one per post after a flushed profile)."""
+        if not candidates:
+            raise Error("invalid-argument", "no candidate tokens to score")
+        ids = [self._peek(then, inference.Output(index=0, sample=None, top_k=0, logprobs_of=list(candidates),
+                                                 entropy=False, allowed=None, grammar=None, keep=None))
+               for then in thens]
+        return [list(self._peeked(pass_id).details[0].logprobs) for pass_id in ids]
+
+    def peek_next(self, sampler: Sampler, k: int) -> tuple[int, list[int], list[float]]:
+        """Draw the next token after the pending ones, with the k most likely tokens and
+        their probabilities, in one pass that writes no KV: the context is unchanged."""
+        result = self._peeked(self._peek([], _output(sample=_pass_sampler(sampler), top_k=k)))
+        (detail,) = result.details
+        return result.tokens[0], list(detail.top_ids), list(detail.top_probs)
+
+    def _peek(self, then: list[int], out) -> int:
+        """Enqueue one pass over the pending tokens and `then` that writes no KV, `out` at
+        the last of them; its id."""
+        tokens = self.pending + list(then)
+        if not tokens:
+            raise Error("invalid-argument", "nothing to predict from: fill the context or give tokens")
+        out.index = len(tokens) - 1
+        start = len(self.committed)
+        return host(inference.execute, self.queue.raw, inference.ForwardPass(
+            input_embeds=[], input_tokens=tokens, positions=list(range(start, start + len(tokens))),
+            input_kv_pages=[p.id for p in self.pages], input_kv_last_page_len=self.last_len,
+            output_kv_pages=[], output_kv_offset=0, attention_mask=None,  # writes no KV
+            outputs=[out], stop_tokens=[]))
+
+    def _peeked(self, pass_id: int):
+        (result,) = _await(self.queue, pass_id)
+        _check(result)
+        return result
+
     def generate(self, sampler: Sampler, stop: Stop) -> str:
         """Decode until `stop`; the text without the EOS token or the stop string.
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from wit_world.imports import allocate, output_text, runtime, tokenize
+from wit_world.imports import allocate, output_text, runtime, scheduling, tokenize
 
 from inferlet.errors import Error, host
 from inferlet.futures import Future
@@ -74,3 +74,19 @@ class Queue:
 
     def set_priority(self, priority: int) -> None:
         runtime.set_queue_priority(self.raw, priority)
+
+    def set_objective(self, objective: str, group: str = "") -> None:
+        """What the queue's calls are for: "latency" (goes first), "throughput" (every
+        queue's default) or "background"; and its task group ("" for none). Raises
+        `out-of-resources` past the `latency_queues` quota."""
+        try:
+            value = scheduling.Objective[objective.upper()]
+        except KeyError:
+            raise Error("invalid-argument", f"objective {objective!r} is not one of latency, "
+                        f"throughput, background") from None
+        host(scheduling.set_queue_objective, self.raw, value, group)
+
+    def set_job_size(self, tokens: int) -> None:
+        """How many new tokens the queue's current job still has to run (the `srjf`
+        scheduler runs the least work first); 0 clears the hint."""
+        host(scheduling.set_job_size, self.raw, tokens)

@@ -2533,6 +2533,92 @@ pub mod memory {
     }
 }
 
+/// Scheduling by objective: what a queue's calls are for, so the batch scheduler can order
+/// and batch them (docs/architecture.md, "Scheduling by objective").
+///
+/// The scheduler orders waiting queues by objective (latency, then throughput, then
+/// background), then by priority (`runtime.set-queue-priority`), then by its policy
+/// (`control.scheduler`: arrival order, or `srjf`'s least estimated work first). While a
+/// latency queue is open, other queues' long prompts are sent in chunks, so a latency call
+/// never waits behind a whole long prefill.
+pub mod scheduling {
+    pub type Queue = super::types::Queue;
+
+    pub type Error = super::types::Error;
+
+    /// What a queue's calls are for.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Objective {
+        /// Interactive work (a chat turn): goes first, and other queues' long prompts are
+        /// chunked while it is open. A user may mark only `quota.user.latency_queues` queues
+        /// at once.
+        Latency,
+        /// Bulk work (a map-reduce step): batched for throughput. Every queue starts here.
+        Throughput,
+        /// Work nobody waits for: fills what room the others leave.
+        Background,
+    }
+    impl Objective {
+        #[doc(hidden)]
+        pub fn _lift(d: u32) -> Self { match d { 0 => Objective::Latency, 1 => Objective::Throughput, 2 => Objective::Background, _ => unreachable!() } }
+    }
+
+    /// Sets a queue's objective and task group.
+    ///
+    /// Arguments:
+    /// - q: the queue.
+    /// - objective: its objective from now on.
+    /// - group: a task group name (at most 256 bytes), or "" for none: queues of one group
+    ///   (any instances of the same user) are ordered as one job, by their oldest waiting
+    ///   call and, under `srjf`, their estimated work together, so they tend to share batches.
+    ///
+    /// Layer: control
+    ///
+    /// Errors:
+    /// - invalid-argument: the group name is longer than 256 bytes; nothing changes.
+    /// - out-of-resources: marking it latency would put the instance or its user over its
+    ///   `latency_queues` quota; nothing changes.
+    pub fn set_queue_objective(q: &Queue, objective: Objective, group: &str) -> Result<(), Error> {
+        #[link(wasm_import_module = "pie:inferlet/scheduling@0.1.0")]
+        extern "C" {
+            #[link_name = "set-queue-objective"]
+            fn import(p0: i32, p1: i32, p2: i32, p3: i32, p4: i32);
+        }
+        unsafe {
+            let mut ret_area = crate::abi::RetArea::<16>::new();
+            import(q.handle(), *(&objective) as i32, group.as_ptr() as i32, group.len() as i32, ret_area.ptr() as i32);
+            match ret_area.ptr().cast::<u8>().read() { 0 => Ok(()), 1 => Err(Error { kind: super::types::ErrorKind::_lift(ret_area.ptr().add(4).cast::<u8>().read() as u32), message: crate::abi::take_string(ret_area.ptr().add(8).cast::<i32>().read(), ret_area.ptr().add(12).cast::<i32>().read()) }), _ => unreachable!() }
+        }
+    }
+
+    /// Tells the scheduler how much work the queue's current job has left, for `srjf`
+    /// (PrefillOnly's shortest-remaining-job-first); the scheduler counts down the new
+    /// tokens it sends from the queue.
+    ///
+    /// Arguments:
+    /// - q: the queue.
+    /// - tokens: the new tokens (not yet in the KV cache or the prefix cache) still to run
+    ///   through the model for the job; 0 clears the hint (the head call's own tokens are
+    ///   used then).
+    ///
+    /// Layer: control
+    ///
+    /// Errors:
+    /// - invalid-argument: more than 64 times the model's context length; nothing changes.
+    pub fn set_job_size(q: &Queue, tokens: u32) -> Result<(), Error> {
+        #[link(wasm_import_module = "pie:inferlet/scheduling@0.1.0")]
+        extern "C" {
+            #[link_name = "set-job-size"]
+            fn import(p0: i32, p1: i32, p2: i32);
+        }
+        unsafe {
+            let mut ret_area = crate::abi::RetArea::<16>::new();
+            import(q.handle(), *(&tokens) as i32, ret_area.ptr() as i32);
+            match ret_area.ptr().cast::<u8>().read() { 0 => Ok(()), 1 => Err(Error { kind: super::types::ErrorKind::_lift(ret_area.ptr().add(4).cast::<u8>().read() as u32), message: crate::abi::take_string(ret_area.ptr().add(8).cast::<i32>().read(), ret_area.ptr().add(12).cast::<i32>().read()) }), _ => unreachable!() }
+        }
+    }
+}
+
 #[repr(C, align(4))]
 struct RetAreaRun([u8; 12]);
 static mut RET_RUN: RetAreaRun = RetAreaRun([0; 12]);

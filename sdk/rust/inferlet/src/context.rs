@@ -191,6 +191,72 @@ impl Context {
         Ok((detail.top_ids, detail.top_probs))
     }
 
+    /// The log-probabilities of `candidates` as the next token after the context's tokens
+    /// (committed and pending) followed by `then`: PrefillOnly's scoring path. One pass
+    /// that writes no KV (its new tokens' keys and values live only for the pass), so the
+    /// context is unchanged and any number of scores may run at once: enqueued when this
+    /// is called, they share batches (`join_all` them). E.g. a profile flushed once, then
+    /// `score(post_and_question, &[yes, no])` per post.
+    ///
+    /// Errors: `invalid-argument` for no candidates, nothing to score after, a candidate
+    /// outside the vocabulary, or more new tokens (pending + `then`) than one pass takes.
+    pub fn score(&self, then: &[u32], candidates: &[u32]) -> impl std::future::Future<Output = Result<Vec<f32>, Error>> {
+        let pass = if candidates.is_empty() {
+            Err(Error { kind: ErrorKind::InvalidArgument, message: "no candidate tokens to score".into() })
+        } else {
+            self.peek(then, Output { logprobs_of: candidates.to_vec(), ..output(0) })
+        };
+        async move {
+            let mut detail = pass?.await?.details;
+            detail.pop().map(|d| d.logprobs).ok_or_else(|| Error {
+                kind: ErrorKind::InferenceFailed, message: "the pass returned no log-probabilities".into() })
+        }
+    }
+
+    /// Draws the next token after the pending ones and returns it with the `k` most likely
+    /// tokens and their probabilities (most likely first), in one pass that writes no KV:
+    /// nothing is appended and the context is unchanged (a one-token completion with
+    /// log-probabilities, as `/v1/completions` serves `max_tokens: 1`).
+    pub fn peek_next(&self, sampler: &Sampler, k: u32) -> impl std::future::Future<Output = Result<(u32, Vec<u32>, Vec<f32>), Error>> {
+        let pass = self.peek(&[], Output { sample: Some(pass_sampler(sampler)), top_k: k, ..output(0) });
+        async move {
+            let mut result = pass?.await?;
+            let detail = result.details.pop().ok_or_else(|| Error {
+                kind: ErrorKind::InferenceFailed, message: "the pass returned no distribution".into() })?;
+            Ok((result.tokens[0], detail.top_ids, detail.top_probs))
+        }
+    }
+
+    /// Enqueues one pass over the pending tokens and `then` that writes no KV, with `out` at
+    /// the last of them; its result, awaited.
+    fn peek(&self, then: &[u32], mut out: Output) -> Result<impl std::future::Future<Output = Result<PassResult, Error>>, Error> {
+        let tokens: Vec<u32> = self.pending.iter().chain(then).copied().collect();
+        if tokens.is_empty() {
+            return Err(Error { kind: ErrorKind::InvalidArgument,
+                               message: "nothing to predict from: fill the context or give tokens".into() });
+        }
+        out.index = tokens.len() as u32 - 1;
+        let start = self.committed.len() as u32;
+        let id = inference::execute(self.queue.raw(), inference::ForwardPass {
+            input_embeds: Vec::new(),
+            positions: (start..start + tokens.len() as u32).collect(),
+            input_kv_pages: self.page_ids(),
+            input_kv_last_page_len: self.last_len,
+            output_kv_pages: Vec::new(),  // writes no KV
+            output_kv_offset: 0,
+            attention_mask: None,
+            outputs: vec![out],
+            stop_tokens: Vec::new(),
+            input_tokens: tokens,
+        })?;
+        let queue = self.queue.clone();
+        Ok(async move {
+            let result = PassWait { id, queue }.await.pop().expect("a pass's results are never empty");
+            check(&result)?;
+            Ok(result)
+        })
+    }
+
     /// Runs every pending token, with `out` computed at the last of them; its result.
     pub(crate) async fn step(&mut self, mut out: Output) -> Result<PassResult, Error> {
         if self.pending.is_empty() {

@@ -36,6 +36,7 @@ mod sampling;
 pub mod speculative;
 
 pub use bindings::output_text::Sampler;
+pub use bindings::scheduling::Objective;
 pub use bindings::tokenize::ChatMessage;
 pub use bindings::types::{Embed, Error, ErrorKind, KvPage};
 pub use branch::{generate_branches, Branch};

@@ -2,6 +2,7 @@
 
 use crate::bindings::futures::Pollable;
 use crate::bindings::types::{self, Embed, Error};
+use crate::bindings::scheduling::{self, Objective};
 use crate::bindings::{allocate, inference, output_text, runtime, tokenize};
 use crate::{join_all, ChatMessage, Context, Sampler};
 use std::cell::OnceCell;
@@ -115,5 +116,18 @@ impl Queue {
     /// Higher priorities go first when the scheduler must choose; 0 is the default.
     pub fn set_priority(&self, priority: u32) {
         runtime::set_queue_priority(&self.raw, priority)
+    }
+
+    /// What the queue's calls are for (`Objective::Latency` goes first; every queue starts
+    /// as `Throughput`), and its task group ("" for none): queues of one group are ordered
+    /// as one job. Fails (`out-of-resources`) past the `latency_queues` quota.
+    pub fn set_objective(&self, objective: Objective, group: &str) -> Result<(), Error> {
+        scheduling::set_queue_objective(&self.raw, objective, group)
+    }
+
+    /// How many new tokens the queue's current job still has to run (for the `srjf`
+    /// scheduler: least work first); 0 clears the hint.
+    pub fn set_job_size(&self, tokens: u32) -> Result<(), Error> {
+        scheduling::set_job_size(&self.raw, tokens)
     }
 }

@@ -1,0 +1,245 @@
+"""PrefillOnly's experiment on Pie (issue 18): scoring requests that output no text — a
+user profile, then the probability that the user likes each of ~20 posts — under
+Poisson arrivals, scheduled first-come-first-served (`adaptive`) or shortest-remaining-
+job-first (`srjf`), without and with its waiting credit (`control.srjf_lambda`).
+
+Each request is one `scoring` inferlet: the profile is run once into its pages (the prefix
+cache keeps them for the user's next request while they last), then every post is one
+pass that writes no KV and returns log P(" Yes") and log P(" No") (`Context::score`).
+Profiles are synthetic English of ~`--profile-words` words (~1.8k tokens), one per user;
+each request picks a user at random, so some find their profile cached and most do not:
+the KV pool (`--pages`) holds only 4-6 profiles. A request's work is thus known in advance
+(its uncached tokens), which is what SRJF ranks by: the estimate is the head call's new
+tokens less the prefix cache's hits, re-evaluated at every dispatch.
+
+Per policy and rate: mean and p99 latency (arrival to the answer), completed requests per
+second. The sustained rate of a policy is the highest rate whose mean (and, separately,
+p99) latency stays within `--slo` times the lowest any policy reached at the lowest rate
+(interpolated between measured rates); the ratios srjf / fcfs are the figures.
+
+    python benchmarks/prefill_only.py [--policies fcfs,srjf,srjf-credit] [--rates 0.2,0.3,0.4,0.5]
+        [--requests 24] [--users 24] [--posts 20] [--pages 600] [--lambda 0.5] [--quick] [--out FILE]
+
+Results: benchmarks/results/prefill_only.json and prefill_only.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script: the `benchmarks` package is in the repository root
+
+from benchmarks.api_serve import sustained  # noqa: E402
+from benchmarks.run_info import command_line, machine_settings, write_results  # noqa: E402
+from pie.backend.dtype import resolve_dtype  # noqa: E402
+from pie.backend.weights import DEFAULT_MODEL_NAME  # noqa: E402
+from pie.client import PieClient, http_url  # noqa: E402
+from pie.server.local import LocalServer  # noqa: E402
+from pie.toolchain import build_inferlet  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+POLICIES = {"fcfs": ("adaptive", 0.0), "srjf": ("srjf", 0.0), "srjf-credit": ("srjf", None)}  # None: --lambda
+WORDS = ("garden river morning history travel music kitchen bicycle mountain library coffee painting "
+         "football novel science market photography harbor theater village recipe forest museum "
+         "weather engine festival ocean chess poetry bakery stadium island lecture winter cinema").split()
+TOPICS = ("a new recipe", "last night's match", "a museum opening", "a mountain trail", "a jazz concert",
+          "a science discovery", "a bicycle repair", "a poetry reading", "a harbor festival", "a chess final")
+
+
+def text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words)) + "."
+
+
+def profile(user: int, words: int) -> str:
+    rng = random.Random(10_000 + user)
+    sentences = []
+    while sum(len(s.split()) for s in sentences) < words:
+        sentences.append(f"User {user} enjoys {rng.choice(WORDS)} and {rng.choice(WORDS)}; "
+                         + text(rng, rng.randint(8, 16)))
+    return " ".join(sentences)
+
+
+def requests(n: int, rate: float, seed: int, users: int, posts: int) -> list[dict]:
+    """The same seeded requests at every policy: arrival time, user, posts."""
+    rng = random.Random(seed)
+    at, out = 0.0, []
+    for i in range(n):
+        at += rng.expovariate(rate)
+        out.append({"id": i, "at": at, "user": rng.randrange(users),
+                    "posts": [f"A post about {rng.choice(TOPICS)}: {text(rng, rng.randint(12, 24))}"
+                              for _ in range(posts)]})
+    return out
+
+
+async def one(client: PieClient, program: str, request: dict, start: float, words: int) -> dict:
+    await asyncio.sleep(max(0.0, start + request["at"] - time.monotonic()))
+    arrived = time.monotonic()
+    instance = await client.launch(program, ["--profile", profile(request["user"], words),
+                                             "--posts", "\n".join(request["posts"])])
+    messages = [m async for m in instance]
+    reason = await instance.wait()
+    ended = time.monotonic()
+    report = json.loads(messages[-1]) if reason == "finished" and messages else {}
+    return {"id": request["id"], "user": request["user"], "reason": reason, "arrived": arrived - start,
+            "latency_s": ended - arrived, "ended": ended - start, "tokens": report.get("tokens", 0),
+            "p_yes": report.get("p_yes", [])}
+
+
+async def run_policy(name: str, rates: list[float], args: argparse.Namespace, program_path: Path,
+                     dtype: str, tmp: Path) -> list[dict]:
+    scheduler, credit = POLICIES[name]
+    credit = args.credit if credit is None else credit
+    config = tmp / f"{name}.toml"
+    config.write_text(f"[backend]\nnum_kv_pages = {args.pages}\n"
+                      f"[control]\nscheduler = \"{scheduler}\"\nsrjf_lambda = {credit}\nalloc_wait_ms = 120000.0\n")
+    log = (tmp / f"{name}.log").open("ab")
+    server = LocalServer(["--dtype", dtype, "--config", str(config)], stderr=log)
+    url = await server.__aenter__()
+    rows = []
+    try:
+        async with PieClient(url) as client, httpx.AsyncClient() as http:
+            program = await client.upload(program_path.read_bytes())
+            for rate in rates:
+                batch = requests(args.requests, rate, args.seed, args.users, args.posts)
+                before = (await http.get(f"{http_url(url)}/stats")).json()["resources"]["prefix_cache"]
+                start = time.monotonic()
+                done = await asyncio.gather(*(one(client, program, r, start, args.profile_words) for r in batch))
+                after = (await http.get(f"{http_url(url)}/stats")).json()["resources"]["prefix_cache"]
+                rows.append(summarize(name, rate, done, before, after))
+                row = rows[-1]
+                print(f"{name:11} {rate:.2f} req/s: latency mean {row['mean_s']:.2f} s, p99 {row['p99_s']:.2f} s, "
+                      f"{row['completed_per_s']:.3f} req/s done, cache hits {row['hit_tokens']} tokens, "
+                      f"not finished {row['not_finished']}", flush=True)
+    finally:
+        await server.__aexit__()
+        log.close()
+    return rows
+
+
+def summarize(policy: str, rate: float, done: list[dict], before: dict, after: dict) -> dict:
+    finished = [r for r in done if r["reason"] == "finished"]
+    latencies = sorted(r["latency_s"] for r in finished) or [float("nan")]
+    span = max(r["ended"] for r in done) - min(r["arrived"] for r in done)
+    return {"policy": policy, "rate": rate, "requests": len(done),
+            "mean_s": statistics.fmean(latencies),
+            "p99_s": latencies[min(len(latencies) - 1, round(0.99 * (len(latencies) - 1)))],
+            "completed_per_s": len(finished) / span, "not_finished": len(done) - len(finished),
+            "tokens": sum(r["tokens"] for r in finished),
+            "hit_tokens": after["hit_tokens"] - before["hit_tokens"],
+            "reasons": sorted({r["reason"] for r in done if r["reason"] != "finished"}),
+            "per_request": [{k: r[k] for k in ("id", "user", "arrived", "latency_s", "tokens", "reason")}
+                            for r in done],
+            "p_yes": {r["id"]: r["p_yes"] for r in finished}}
+
+
+def plot(data: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, key, slo, label in ((axes[0], "mean_s", data["slo_mean_s"], "mean latency (s)"),
+                                (axes[1], "p99_s", data["slo_p99_s"], "p99 latency (s)")):
+        for i, policy in enumerate(data["policies"]):
+            rows = sorted((r for r in data["rows"] if r["policy"] == policy), key=lambda r: r["rate"])
+            ax.plot([r["rate"] for r in rows], [r[key] for r in rows], marker="o", label=policy, color=f"C{i}")
+        ax.axhline(slo, color="grey", linestyle=":", label="SLO")
+        ax.set_xlabel("arrival rate (requests/s)")
+        ax.set_ylabel(label)
+        ax.legend()
+    fig.suptitle(f"prefill_only: {data['requests']} scoring requests per rate ({data['posts']} posts, "
+                 f"{data['users']} users), KV pool {data['pages']} pages")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+async def run(args: argparse.Namespace) -> dict:
+    dtype = resolve_dtype(args.dtype, "cpu")
+    policies = args.policies.split(",")
+    unknown = set(policies) - set(POLICIES)
+    if unknown:
+        raise SystemExit(f"unknown policies {sorted(unknown)}; choose from {sorted(POLICIES)}")
+    rates = [float(r) for r in args.rates.split(",")]
+    program_path = build_inferlet(ROOT / "inferlets" / "scoring")
+    tmp = Path(tempfile.mkdtemp(prefix="pie-prefill-only-"))
+    rows: list[dict] = []
+    for policy in policies:
+        rows += await run_policy(policy, rates, args, program_path, dtype, tmp)
+    lowest = [r for r in rows if r["rate"] == min(rates)]
+    slo_mean = args.slo * min(r["mean_s"] for r in lowest)
+    slo_p99 = args.slo * min(r["p99_s"] for r in lowest)
+    rate_mean = {p: sustained([{"rate": r["rate"], "normalized_mean_s": r["mean_s"]} for r in rows
+                               if r["policy"] == p], slo_mean) for p in policies}
+    rate_p99 = {p: sustained([{"rate": r["rate"], "normalized_mean_s": r["p99_s"]} for r in rows
+                              if r["policy"] == p], slo_p99) for p in policies}
+    for p in policies:
+        print(f"sustained {p}: {rate_mean[p]:.3f} req/s at mean <= {slo_mean:.2f} s, "
+              f"{rate_p99[p]:.3f} req/s at p99 <= {slo_p99:.2f} s")
+
+    def ratio(table: dict, a: str, b: str = "fcfs") -> float | None:
+        return table[a] / table[b] if table.get(a) and table.get(b) else None
+
+    # Same scores whatever the order (bf16 batches differ: compared to 2 decimals).
+    same = all(
+        [round(p, 2) for p in r["p_yes"].get(i, [])] == [round(p, 2) for p in rows[0]["p_yes"].get(i, [])]
+        for r in rows if r["rate"] == rows[0]["rate"] for i in r["p_yes"])
+    return {
+        "policies": policies, "rates": rates, "requests": args.requests, "users": args.users,
+        "posts": args.posts, "profile_words": args.profile_words, "pages": args.pages, "lambda": args.credit,
+        "slo_factor": args.slo, "slo_mean_s": slo_mean, "slo_p99_s": slo_p99,
+        "sustained_mean": rate_mean, "sustained_p99": rate_p99,
+        "srjf_over_fcfs_mean": ratio(rate_mean, "srjf"), "srjf_over_fcfs_p99": ratio(rate_p99, "srjf"),
+        "credit_over_fcfs_mean": ratio(rate_mean, "srjf-credit"),
+        "credit_over_fcfs_p99": ratio(rate_p99, "srjf-credit"),
+        "same_scores": same, "not_finished": sum(r["not_finished"] for r in rows),
+        "rows": [{k: v for k, v in r.items() if k != "p_yes"} for r in rows],
+        "meta": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": command_line(),
+                 "quick": args.quick, "rounds": 1, "order": [policies], "dtype": dtype, "model": DEFAULT_MODEL_NAME,
+                 "seed": args.seed, **machine_settings(),
+                 "method": "one pie serve per policy; the same seeded Poisson requests at each rate; "
+                           "latency = arrival to the scores"},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--rates", default=None, help="arrival rates, requests/s (default 0.2,0.3,0.4,0.5; quick 1)")
+    parser.add_argument("--requests", type=int, default=None, help="requests per rate (default 24; quick 4)")
+    parser.add_argument("--users", type=int, default=24)
+    parser.add_argument("--posts", type=int, default=None, help="posts per request (default 20; quick 4)")
+    parser.add_argument("--profile-words", type=int, default=None, help="words per profile (default 1300: ~1.8k tokens; quick 120)")
+    parser.add_argument("--pages", type=int, default=None, help="KV pool pages (default 600: ~5 profiles; quick 64)")
+    parser.add_argument("--lambda", dest="credit", type=float, default=0.5, help="srjf-credit's control.srjf_lambda")
+    parser.add_argument("--slo", type=float, default=2.0, help="SLO: this many times the lowest latency")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    parser.add_argument("--quick", action="store_true", help="a smoke run (short profiles, 4 requests)")
+    parser.add_argument("--out", default=str(RESULTS / "prefill_only.json"), help="where the JSON goes")
+    args = parser.parse_args()
+    args.rates = args.rates or ("1" if args.quick else "0.2,0.3,0.4,0.5")
+    args.requests = args.requests or (4 if args.quick else 24)
+    args.posts = args.posts or (4 if args.quick else 20)
+    args.profile_words = args.profile_words or (120 if args.quick else 1300)
+    args.pages = args.pages or (64 if args.quick else 600)
+    data = asyncio.run(run(args))
+    write_results(args.out, data)
+    plot(data, Path(args.out).with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()

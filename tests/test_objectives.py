@@ -1,0 +1,121 @@
+"""Scheduling by objective (issue 18): the order in which waiting queues fill a batch —
+objective, then priority, then the policy's key (arrival order, or `srjf`'s least estimated
+work less a waiting credit) — on a real Scheduler whose fake backend stays busy while the
+test queues its calls, so `_form_batch` is asked once everything waits."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+from test_control import FakeBackend, forward
+
+from pie import protocol as P
+from pie.config import ControlConfig
+from pie.control.policies import Head, Objective, Srjf, policy_for
+from pie.control.scheduler import Scheduler
+
+
+@pytest.fixture
+def make(tmp_path):
+    made = []
+
+    def make(scheduler: str = "adaptive", srjf_lambda: float = 0.0) -> Scheduler:
+        endpoint = f"ipc://{tmp_path}/fake{len(made)}.sock"
+        backend = FakeBackend(endpoint)
+        s = Scheduler(endpoint, ControlConfig(scheduler=scheduler, srjf_lambda=srjf_lambda), max_batch_tokens=64)
+        s.backend_idle = False  # nothing is sent while the test queues
+        made.append((s, backend))
+        return s
+
+    yield make
+    for s, backend in made:
+        s.stop()
+        backend.close()
+
+
+def queued(s: Scheduler, name: str, tokens: int, waited_s: float = 0.0, **fields):
+    """A queue with one forward of `tokens` new tokens, enqueued `waited_s` ago."""
+    q = s.create_queue(name)
+    for key, value in fields.items():
+        setattr(q, key, value)
+    command = forward(q, tokens=tokens)
+    command.enqueued = time.monotonic() - waited_s
+    s.submit(command)
+    return q
+
+
+def first_batch(s: Scheduler) -> list[str]:
+    with s.lock:
+        return [c.queue.instance_id for c in s._form_batch(P.Kind.FORWARD)]
+
+
+def test_latency_goes_first_then_priority_then_arrival(make):
+    s = make()
+    queued(s, "old", 30, waited_s=0.3)
+    queued(s, "background", 10, waited_s=0.5, objective=Objective.BACKGROUND)
+    queued(s, "high", 30, waited_s=0.1, priority=5)
+    queued(s, "chat", 30, objective=Objective.LATENCY)
+    assert first_batch(s) == ["chat", "high"]  # 60 of 64 tokens: "old" waits, background last
+    assert first_batch(s) == ["old", "background"]
+
+
+def test_srjf_takes_the_least_work_first_unless_a_long_job_waited(make):
+    fcfs = make()
+    queued(fcfs, "long", 60, waited_s=0.2)
+    queued(fcfs, "short", 20, waited_s=0.1)
+    assert first_batch(fcfs) == ["long"]
+    srjf = make("srjf")
+    queued(srjf, "long", 60, waited_s=0.2)
+    queued(srjf, "short", 20, waited_s=0.1)
+    assert first_batch(srjf) == ["short"]  # the long one no longer fits after it
+    credit = make("srjf", srjf_lambda=1.0)  # 0.1 s more waited forgives 0.1 s of work (100 tokens)
+    queued(credit, "long", 60, waited_s=0.2)
+    queued(credit, "short", 20, waited_s=0.1)
+    assert first_batch(credit) == ["long"]
+
+
+def test_a_job_size_hint_counts_instead_of_the_call_and_counts_down(make):
+    s = make("srjf")
+    queued(s, "big job", 20, job_left=1000)
+    q = queued(s, "small job", 40, waited_s=0.1)
+    assert first_batch(s) == ["small job", "big job"]
+    assert q.job_left == 0
+    hinted = s.queues[0]
+    assert hinted.job_left == 980  # its 20 tokens were sent
+
+
+def test_a_task_group_is_ordered_by_its_oldest_call(make):
+    s = make()
+    queued(s, "member", 30, group=("alice", "map"))
+    queued(s, "other", 30, waited_s=0.2)
+    queued(s, "leader", 30, waited_s=0.3, group=("alice", "map"))
+    assert first_batch(s) == ["member", "leader"]  # the group's oldest call beat "other"
+
+
+def test_srjf_key_and_config():
+    policy = policy_for(ControlConfig(scheduler="srjf", srjf_lambda=0.25))
+    assert isinstance(policy, Srjf) and policy.sizes_jobs and policy.credit == 0.25
+    assert policy.key(Head(enqueued=1.0, estimate_s=2.0), now=3.0) == 1.5
+    assert not policy_for(ControlConfig()).sizes_jobs
+    with pytest.raises(Exception, match="srjf_lambda"):
+        ControlConfig(scheduler="srjf", srjf_lambda=-1)
+
+
+def test_objectives_through_a_real_server_bad_input_and_the_latency_quota(pie_server):
+    """`probe objectives 20`: past quota.user.latency_queues (16) the call fails and the
+    queue stays as it was; a long group name and an absurd hint are refused; the quota is
+    back when the instance ends (a second run marks 16 again)."""
+    from pie_server import build, run_inferlet
+
+    program = build("probe")
+    for _ in range(2):
+        run = run_inferlet(pie_server, program, ["objectives", "20"])
+        assert run.reason == "finished", run.messages
+        latency, group, absurd, fine = run.messages
+        assert re.match(r"latency: 16 ok, then out-?of-?resources", latency, re.I), latency
+        assert "quota.user.latency_queues = 16" in latency
+        assert re.match("invalid-?argument", group, re.I) and "256 bytes" in group
+        assert re.match("invalid-?argument", absurd, re.I) and "context length" in absurd
+        assert fine == "ok"
