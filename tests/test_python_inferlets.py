@@ -167,3 +167,56 @@ def _rust_importer(tmp_path):
     crate = new_inferlet(tmp_path / "rust_importer")
     (crate / "src" / "lib.rs").write_text(RUST_IMPORTER)
     return crate
+
+
+SCORING_PROGRAM = '''
+import json
+import inferlet
+
+def main(args):
+    profile, *posts = args
+    queue = inferlet.Model.default().create_queue()
+    queue.set_objective("latency", "scoring")
+    queue.set_job_size(100)
+    try:
+        queue.set_objective("urgent")
+        bad = "accepted"
+    except inferlet.Error as e:
+        bad = str(e)
+    ctx = inferlet.Context(queue)
+    ctx.fill(profile)
+    ctx.flush()
+    yes, no = queue.tokenize(" Yes")[0], queue.tokenize(" No")[0]
+    scores = ctx.score_each([queue.tokenize(p) for p in posts], [yes, no])
+    token, ids, probs = ctx.peek_next(inferlet.Sampler.greedy(), 3)
+    inferlet.send(json.dumps({"scores": scores, "next": [token, ids, probs], "bad": bad,
+                              "pending": len(ctx.pending)}))
+'''
+
+
+def test_python_sdk_scores_without_kv_and_sets_objectives(tmp_path, pie_server, hf_model, tokenizer):
+    """The Python SDK's `score_each` and `peek_next` (passes that write no KV: the context
+    keeps only its one pending token) against HF's log-probabilities, and its scheduling
+    calls (an unknown objective is refused by name)."""
+    source = tmp_path / "py_scoring.py"
+    source.write_text(SCORING_PROGRAM)
+    program = build_python_inferlet(source).read_bytes()
+    profile, posts = "A reader who loves gardening and history books.", [" Post: tomato seeds.", " Post: car racing."]
+    run = run_inferlet(pie_server, program, [profile, *posts])
+    assert run.reason == "finished", run.reason
+    out = json.loads(run.messages[0])
+    assert out["pending"] == 1 and "invalid-argument" in out["bad"] and "urgent" in out["bad"]
+
+    def ids(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False).ids
+
+    candidates = [ids(" Yes")[0], ids(" No")[0]]
+    with torch.inference_mode():
+        for post, got in zip(posts, out["scores"]):
+            logits = hf_model(torch.tensor([ids(profile) + ids(post)])).logits[0, -1].float()
+            assert got == pytest.approx(torch.log_softmax(logits, -1)[candidates].tolist(), abs=2e-3)
+        probs = torch.softmax(hf_model(torch.tensor([ids(profile)])).logits[0, -1].float(), -1)
+    top = torch.topk(probs, 3)
+    token, top_ids, top_probs = out["next"]
+    assert token == top_ids[0] == int(top.indices[0]) and top_ids == top.indices.tolist()
+    assert top_probs == pytest.approx(top.values.tolist(), abs=1e-3)
