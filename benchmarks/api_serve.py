@@ -39,8 +39,8 @@ meanwhile); the paper's ratio (GPT-J-6B KV, 458 KB a token, over PCIe 4 at
 reached here at ~0.15 GB/s (370 KB pages, ~1 ms a token to prefill). The default run
 measures both.
 
-    python benchmarks/api_serve.py [--policies discard,preserve,swap,min-waste] [--rates 0.1,0.2,0.3,0.45]
-        [--requests 12] [--pages 352] [--swap-gbps 0,0.15] [--keep-from FILE] [--quick] [--out FILE]
+    python benchmarks/api_serve.py [--policies discard,preserve,swap,min-waste] [--rates 0.1,0.2,0.3,0.45,0.6]
+        [--requests 16] [--pages 352] [--swap-gbps 0,0.15] [--keep-from FILE] [--quick] [--out FILE]
 
 Results: benchmarks/results/api_serve.json and api_serve.png.
 """
@@ -268,8 +268,8 @@ async def run(args: argparse.Namespace) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--policies", default=",".join(POLICIES))
-    parser.add_argument("--rates", default=None, help="arrival rates, requests/s (default 0.1,0.2,0.3,0.45; quick 0.5)")
-    parser.add_argument("--requests", type=int, default=None, help="requests per rate (default 12; quick 4)")
+    parser.add_argument("--rates", default=None, help="arrival rates, requests/s (default 0.1,0.2,0.3,0.45,0.6; quick 0.5)")
+    parser.add_argument("--requests", type=int, default=None, help="requests per rate (default 16; quick 4)")
     parser.add_argument("--pages", type=int, default=None, help="KV pool pages (default 352: 3-4 contexts; quick 48)")
     parser.add_argument("--swap-gbps", default=None, help="swap links, GB/s, 0 = RAM speed (default 0,0.15; quick 0)")
     parser.add_argument("--slo", type=float, default=2.0, help="SLO: this many times the lowest normalized latency")
@@ -280,8 +280,8 @@ def main() -> None:
     parser.add_argument("--keep-from", default=None, metavar="FILE",
                         help="take the rows of policies not run now from FILE (an earlier run, same requests)")
     args = parser.parse_args()
-    args.rates = args.rates or ("0.5" if args.quick else "0.1,0.2,0.3,0.45")
-    args.requests = args.requests or (4 if args.quick else 12)
+    args.rates = args.rates or ("0.5" if args.quick else "0.1,0.2,0.3,0.45,0.6")
+    args.requests = args.requests or (4 if args.quick else 16)
     args.pages = args.pages or (48 if args.quick else 352)
     args.swap_gbps = args.swap_gbps or ("0" if args.quick else "0,0.15")
     data = asyncio.run(run(args))

@@ -6,7 +6,7 @@ job-first (`srjf`), without and with its waiting credit (`control.srjf_lambda`).
 Each request is one `scoring` inferlet: the profile is run once into its pages (the prefix
 cache keeps them for the user's next request while they last), then every post is one
 pass that writes no KV and returns log P(" Yes") and log P(" No") (`Context::score`).
-Profiles are synthetic English of ~`--profile-words` words (~1.8k tokens), one per user;
+Profiles are synthetic English of ~`--profile-words` words (~800 tokens), one per user;
 each request picks a user at random, so some find their profile cached and most do not:
 the KV pool (`--pages`) holds only 4-6 profiles. A request's work is thus known in advance
 (its uncached tokens), which is what SRJF ranks by: the estimate is the head call's new
@@ -17,8 +17,14 @@ second. The sustained rate of a policy is the highest rate whose mean (and, sepa
 p99) latency stays within `--slo` times the lowest any policy reached at the lowest rate
 (interpolated between measured rates); the ratios srjf / fcfs are the figures.
 
-    python benchmarks/prefill_only.py [--policies fcfs,srjf,srjf-credit] [--rates 0.2,0.3,0.4,0.5]
-        [--requests 24] [--users 24] [--posts 20] [--pages 600] [--lambda 0.5] [--quick] [--out FILE]
+    python benchmarks/prefill_only.py [--policies fcfs,srjf,srjf-credit] [--rates 0.2,0.4,0.6,0.8,1.0]
+        [--requests 24] [--users 24] [--posts 10] [--pages 260] [--lambda 0.5] [--quick] [--out FILE]
+
+Scaled to this CPU: the seed paper's ~1.8k-token profiles and ~20 posts make a request ~4 s
+of prefill on 2 cores, so one request at a time nearly saturates the backend (a first run
+at 0.2 requests/s already queued: mean latency 10 s); profiles of ~800 tokens and 10 posts
+keep the arrival rates where queueing, not one request's length, decides latency. The pool
+still holds 4-6 profiles.
 
 Results: benchmarks/results/prefill_only.json and prefill_only.png.
 """
@@ -218,12 +224,12 @@ async def run(args: argparse.Namespace) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--policies", default=",".join(POLICIES))
-    parser.add_argument("--rates", default=None, help="arrival rates, requests/s (default 0.2,0.3,0.4,0.5; quick 1)")
+    parser.add_argument("--rates", default=None, help="arrival rates, requests/s (default 0.2,0.4,0.6,0.8,1.0; quick 1)")
     parser.add_argument("--requests", type=int, default=None, help="requests per rate (default 24; quick 4)")
     parser.add_argument("--users", type=int, default=24)
-    parser.add_argument("--posts", type=int, default=None, help="posts per request (default 20; quick 4)")
-    parser.add_argument("--profile-words", type=int, default=None, help="words per profile (default 1300: ~1.8k tokens; quick 120)")
-    parser.add_argument("--pages", type=int, default=None, help="KV pool pages (default 600: ~5 profiles; quick 64)")
+    parser.add_argument("--posts", type=int, default=None, help="posts per request (default 10; quick 4)")
+    parser.add_argument("--profile-words", type=int, default=None, help="words per profile (default 600: ~800 tokens; quick 120)")
+    parser.add_argument("--pages", type=int, default=None, help="KV pool pages (default 260: ~5 profiles; quick 64)")
     parser.add_argument("--lambda", dest="credit", type=float, default=0.5, help="srjf-credit's control.srjf_lambda")
     parser.add_argument("--slo", type=float, default=2.0, help="SLO: this many times the lowest latency")
     parser.add_argument("--seed", type=int, default=7)
@@ -231,11 +237,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke run (short profiles, 4 requests)")
     parser.add_argument("--out", default=str(RESULTS / "prefill_only.json"), help="where the JSON goes")
     args = parser.parse_args()
-    args.rates = args.rates or ("1" if args.quick else "0.2,0.3,0.4,0.5")
+    args.rates = args.rates or ("1" if args.quick else "0.2,0.4,0.6,0.8,1.0")
     args.requests = args.requests or (4 if args.quick else 24)
-    args.posts = args.posts or (4 if args.quick else 20)
-    args.profile_words = args.profile_words or (120 if args.quick else 1300)
-    args.pages = args.pages or (64 if args.quick else 600)
+    args.posts = args.posts or (4 if args.quick else 10)
+    args.profile_words = args.profile_words or (120 if args.quick else 600)
+    args.pages = args.pages or (64 if args.quick else 260)
     data = asyncio.run(run(args))
     write_results(args.out, data)
     plot(data, Path(args.out).with_suffix(".png"))
