@@ -18,7 +18,8 @@ p99) latency stays within `--slo` times the lowest any policy reached at the low
 (interpolated between measured rates); the ratios srjf / fcfs are the figures.
 
     python benchmarks/prefill_only.py [--policies fcfs,srjf,srjf-credit] [--rates 0.2,0.4,0.6,0.8,1.0]
-        [--requests 24] [--users 24] [--posts 10] [--pages 260] [--lambda 0.5] [--quick] [--out FILE]
+        [--requests 24] [--users 24] [--posts 10] [--pages 260] [--lambda 0.5] [--max-batch-tokens 4096]
+        [--quick] [--out FILE]
 
 Scaled to this CPU: the seed paper's ~1.8k-token profiles and ~20 posts make a request ~4 s
 of prefill on 2 cores, so one request at a time nearly saturates the backend (a first run
@@ -108,7 +109,7 @@ async def run_policy(name: str, rates: list[float], args: argparse.Namespace, pr
     scheduler, credit = POLICIES[name]
     credit = args.credit if credit is None else credit
     config = tmp / f"{name}.toml"
-    config.write_text(f"[backend]\nnum_kv_pages = {args.pages}\n"
+    config.write_text(f"[backend]\nnum_kv_pages = {args.pages}\nmax_batch_tokens = {args.max_batch_tokens}\n"
                       f"[control]\nscheduler = \"{scheduler}\"\nsrjf_lambda = {credit}\nalloc_wait_ms = 120000.0\n")
     log = (tmp / f"{name}.log").open("ab")
     server = LocalServer(["--dtype", dtype, "--config", str(config)], stderr=log)
@@ -206,6 +207,7 @@ async def run(args: argparse.Namespace) -> dict:
     return {
         "policies": policies, "rates": rates, "requests": args.requests, "users": args.users,
         "posts": args.posts, "profile_words": args.profile_words, "pages": args.pages, "lambda": args.credit,
+        "max_batch_tokens": args.max_batch_tokens,
         "slo_factor": args.slo, "slo_mean_s": slo_mean, "slo_p99_s": slo_p99,
         "sustained_mean": rate_mean, "sustained_p99": rate_p99,
         "srjf_over_fcfs_mean": ratio(rate_mean, "srjf"), "srjf_over_fcfs_p99": ratio(rate_p99, "srjf"),
@@ -230,6 +232,7 @@ def main() -> None:
     parser.add_argument("--posts", type=int, default=None, help="posts per request (default 10; quick 4)")
     parser.add_argument("--profile-words", type=int, default=None, help="words per profile (default 600: ~800 tokens; quick 120)")
     parser.add_argument("--pages", type=int, default=None, help="KV pool pages (default 260: ~5 profiles; quick 64)")
+    parser.add_argument("--max-batch-tokens", type=int, default=4096, help="backend.max_batch_tokens")
     parser.add_argument("--lambda", dest="credit", type=float, default=0.5, help="srjf-credit's control.srjf_lambda")
     parser.add_argument("--slo", type=float, default=2.0, help="SLO: this many times the lowest latency")
     parser.add_argument("--seed", type=int, default=7)

@@ -204,9 +204,11 @@ def prefill_only(data: Json) -> list[str]:
     def ratio(value: float | None) -> str:
         return "not measured" if value is None else f"{value:.2f}×"
 
+    batch = data.get("max_batch_tokens", 4096)
     lines = [f"PrefillOnly's workload on Pie (`scoring` inferlets: a ~{data['profile_words']}-word profile of one of "
              f"{data['users']} users, then P(Yes) of {data['posts']} posts, each a pass that writes no KV), "
-             f"{data['requests']} Poisson requests per rate, a KV pool of {data['pages']} pages, {_dtype(data)}. "
+             f"{data['requests']} Poisson requests per rate, a KV pool of {data['pages']} pages, "
+             f"`backend.max_batch_tokens` {batch}, {_dtype(data)}. "
              f"SLO: {data['slo_factor']:g}× the lowest latency at the lowest rate (mean ≤ {data['slo_mean_s']:.2f} s, "
              f"p99 ≤ {data['slo_p99_s']:.2f} s). Sustained rate, SRJF / first-come-first-served: "
              f"{ratio(data['srjf_over_fcfs_mean'])} at equal mean latency, {ratio(data['srjf_over_fcfs_p99'])} at equal "
@@ -218,7 +220,8 @@ def prefill_only(data: Json) -> list[str]:
               f"{_f(r['completed_per_s'])} | {r['hit_tokens']:,} |" for r in data["rows"]]
     lines += ["", "| policy | sustained rate at mean SLO | at p99 SLO |", "|---|---|---|"]
     lines += [f"| {p} | {data['sustained_mean'][p]:.3f}/s | {data['sustained_p99'][p]:.3f}/s |" for p in data["policies"]]
-    return lines + ["", "![prefill_only](results/prefill_only.png)"]
+    image = "prefill_only" if batch == 4096 else f"prefill_only-batch{batch}"
+    return lines + ["", f"![{image}](results/{image}.png)"]
 
 
 SCRIPTS: dict[str, tuple[str, Callable[[Json], list[str]]]] = {
@@ -239,6 +242,7 @@ SCRIPTS: dict[str, tuple[str, Callable[[Json], list[str]]]] = {
 # where present, never run by `python -m benchmarks`.
 VARIANTS: dict[str, tuple[str, Callable[[Json], list[str]]]] = {
     "soak-pressure": ("Soak under memory pressure", soak),
+    "prefill_only-batch512": ("Scoring requests with batches of at most 512 tokens", prefill_only),
 }
 
 
