@@ -58,16 +58,14 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-import httpx
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: the `benchmarks` package is in the repository root
 
+from benchmarks.policy_runs import serving, sustained
 from benchmarks.run_info import command_line, machine_settings, write_results
 from pie.backend.dtype import resolve_dtype
 from pie.backend.weights import DEFAULT_MODEL_NAME
-from pie.client import PieClient, http_url
-from pie.server.local import LocalServer
+from pie.client import PieClient
 from pie.toolchain import build_inferlet
 
 RESULTS = Path(__file__).parent / "results"
@@ -111,30 +109,20 @@ async def one(client: PieClient, program: str, tools: str, request: dict, start:
 
 async def run_policy(policy: str, rates: list[float], args: argparse.Namespace, program_path: Path,
                      tools: str, dtype: str, gbps: float, tmp: Path) -> list[dict]:
-    config = tmp / f"{policy}-{gbps:g}.toml"
-    config.write_text(f"[backend]\nnum_kv_pages = {args.pages}\nnum_host_kv_pages = 4096\nswap_gbps = {gbps}\n"
-                      f"[control]\nkv_pressure = \"{policy}\"\nalloc_wait_ms = 120000.0\n")
-    log = (tmp / f"{policy}-{gbps:g}.log").open("ab")
-    server = LocalServer(["--dtype", dtype, "--config", str(config)], stderr=log)
-    url = await server.__aenter__()
+    toml = (f"[backend]\nnum_kv_pages = {args.pages}\nnum_host_kv_pages = 4096\nswap_gbps = {gbps}\n"
+            f"[control]\nkv_pressure = \"{policy}\"\nalloc_wait_ms = 120000.0\n")
     rows = []
-    try:
-        async with PieClient(url) as client, httpx.AsyncClient() as http:
-            program = await client.upload(program_path.read_bytes())
-            for rate in rates:
-                batch = requests(args.requests, rate, args.seed, args.quick)
-                before = (await http.get(f"{http_url(url)}/stats")).json()["resources"]["reclaim"]
-                start = time.monotonic()
-                done = await asyncio.gather(*(one(client, program, tools, r, start) for r in batch))
-                after = (await http.get(f"{http_url(url)}/stats")).json()["resources"]["reclaim"]
-                rows.append(summarize(policy, rate, gbps, done, before, after))
-                row = rows[-1]
-                print(f"{policy:9} {gbps:g} GB/s, {rate:.2f} req/s: normalized {row['normalized_mean_s']:.3f} s/token "
-                      f"(p90 {row['normalized_p90_s']:.3f}), {row['completed_per_s']:.3f} req/s done, "
-                      f"recompute {row['recompute_share']:.0%}, not finished {row['not_finished']}", flush=True)
-    finally:
-        await server.__aexit__()
-        log.close()
+    async with serving(tmp, f"{policy}-{gbps:g}", toml, dtype, program_path) as (client, program, resources):
+        for rate in rates:
+            batch = requests(args.requests, rate, args.seed, args.quick)
+            before = (await resources())["reclaim"]
+            start = time.monotonic()
+            done = await asyncio.gather(*(one(client, program, tools, r, start) for r in batch))
+            rows.append(summarize(policy, rate, gbps, done, before, (await resources())["reclaim"]))
+            row = rows[-1]
+            print(f"{policy:9} {gbps:g} GB/s, {rate:.2f} req/s: normalized {row['normalized_mean_s']:.3f} s/token "
+                  f"(p90 {row['normalized_p90_s']:.3f}), {row['completed_per_s']:.3f} req/s done, "
+                  f"recompute {row['recompute_share']:.0%}, not finished {row['not_finished']}", flush=True)
     return rows
 
 
@@ -155,21 +143,6 @@ def summarize(policy: str, rate: float, gbps: float, done: list[dict], before: d
             "reasons": sorted({r["reason"] for r in done if r["reason"] != "finished"}), **moved,
             "per_request": [{k: r[k] for k in ("id", "type", "context", "arrived", "latency_s",
                                                 "normalized_s", "forward_tokens", "reason")} for r in done]}
-
-
-def sustained(rows: list[dict], slo_s: float) -> float:
-    """The highest rate whose mean normalized latency is at most `slo_s`, interpolated."""
-    rows = sorted(rows, key=lambda r: r["rate"])
-    best = 0.0
-    for low, high in zip([None] + rows, rows):
-        if high["normalized_mean_s"] <= slo_s:
-            best = high["rate"]
-            continue
-        if low is not None and low["normalized_mean_s"] <= slo_s:
-            share = (slo_s - low["normalized_mean_s"]) / (high["normalized_mean_s"] - low["normalized_mean_s"])
-            best = low["rate"] + share * (high["rate"] - low["rate"])
-        break
-    return best
 
 
 def plot(data: dict, path: Path) -> None:
@@ -238,7 +211,8 @@ async def run(args: argparse.Namespace) -> dict:
                                                                                {(r["policy"], r["swap_gbps"]) for r in old}})}}
     lowest = min(rates)
     slo = args.slo * min(r["normalized_mean_s"] for r in rows if r["rate"] == lowest)
-    sustained_rates = {f"{p}@{g:g}": sustained([r for r in rows if r["policy"] == p and r["swap_gbps"] == g], slo)
+    sustained_rates = {f"{p}@{g:g}": sustained([(r["rate"], r["normalized_mean_s"]) for r in rows
+                                                if r["policy"] == p and r["swap_gbps"] == g], slo)
                        for g in links for p in policies
                        if any(r["policy"] == p and r["swap_gbps"] == g for r in rows)}
     for key, value in sustained_rates.items():

@@ -43,17 +43,14 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-import httpx
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: the `benchmarks` package is in the repository root
 
-from benchmarks.api_serve import sustained  # noqa: E402
+from benchmarks.policy_runs import serving, sustained  # noqa: E402
 from benchmarks.run_info import command_line, machine_settings, write_results  # noqa: E402
 from pie.backend.dtype import resolve_dtype  # noqa: E402
 from pie.backend.weights import DEFAULT_MODEL_NAME  # noqa: E402
-from pie.client import PieClient, http_url  # noqa: E402
-from pie.server.local import LocalServer  # noqa: E402
+from pie.client import PieClient  # noqa: E402
 from pie.toolchain import build_inferlet  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -100,38 +97,27 @@ async def one(client: PieClient, program: str, request: dict, start: float, word
     ended = time.monotonic()
     report = json.loads(messages[-1]) if reason == "finished" and messages else {}
     return {"id": request["id"], "user": request["user"], "reason": reason, "arrived": arrived - start,
-            "latency_s": ended - arrived, "ended": ended - start, "tokens": report.get("tokens", 0),
-            "p_yes": report.get("p_yes", [])}
+            "latency_s": ended - arrived, "ended": ended - start, "tokens": report.get("tokens", 0)}
 
 
 async def run_policy(name: str, rates: list[float], args: argparse.Namespace, program_path: Path,
                      dtype: str, tmp: Path) -> list[dict]:
     scheduler, credit = POLICIES[name]
     credit = args.credit if credit is None else credit
-    config = tmp / f"{name}.toml"
-    config.write_text(f"[backend]\nnum_kv_pages = {args.pages}\nmax_batch_tokens = {args.max_batch_tokens}\n"
-                      f"[control]\nscheduler = \"{scheduler}\"\nsrjf_lambda = {credit}\nalloc_wait_ms = 120000.0\n")
-    log = (tmp / f"{name}.log").open("ab")
-    server = LocalServer(["--dtype", dtype, "--config", str(config)], stderr=log)
-    url = await server.__aenter__()
+    toml = (f"[backend]\nnum_kv_pages = {args.pages}\nmax_batch_tokens = {args.max_batch_tokens}\n"
+            f"[control]\nscheduler = \"{scheduler}\"\nsrjf_lambda = {credit}\nalloc_wait_ms = 120000.0\n")
     rows = []
-    try:
-        async with PieClient(url) as client, httpx.AsyncClient() as http:
-            program = await client.upload(program_path.read_bytes())
-            for rate in rates:
-                batch = requests(args.requests, rate, args.seed, args.users, args.posts)
-                before = (await http.get(f"{http_url(url)}/stats")).json()["resources"]["prefix_cache"]
-                start = time.monotonic()
-                done = await asyncio.gather(*(one(client, program, r, start, args.profile_words) for r in batch))
-                after = (await http.get(f"{http_url(url)}/stats")).json()["resources"]["prefix_cache"]
-                rows.append(summarize(name, rate, done, before, after))
-                row = rows[-1]
-                print(f"{name:11} {rate:.2f} req/s: latency mean {row['mean_s']:.2f} s, p99 {row['p99_s']:.2f} s, "
-                      f"{row['completed_per_s']:.3f} req/s done, cache hits {row['hit_tokens']} tokens, "
-                      f"not finished {row['not_finished']}", flush=True)
-    finally:
-        await server.__aexit__()
-        log.close()
+    async with serving(tmp, name, toml, dtype, program_path) as (client, program, resources):
+        for rate in rates:
+            batch = requests(args.requests, rate, args.seed, args.users, args.posts)
+            before = (await resources())["prefix_cache"]
+            start = time.monotonic()
+            done = await asyncio.gather(*(one(client, program, r, start, args.profile_words) for r in batch))
+            rows.append(summarize(name, rate, done, before, (await resources())["prefix_cache"]))
+            row = rows[-1]
+            print(f"{name:11} {rate:.2f} req/s: latency mean {row['mean_s']:.2f} s, p99 {row['p99_s']:.2f} s, "
+                  f"{row['completed_per_s']:.3f} req/s done, cache hits {row['hit_tokens']} tokens, "
+                  f"not finished {row['not_finished']}", flush=True)
     return rows
 
 
@@ -147,8 +133,7 @@ def summarize(policy: str, rate: float, done: list[dict], before: dict, after: d
             "hit_tokens": after["hit_tokens"] - before["hit_tokens"],
             "reasons": sorted({r["reason"] for r in done if r["reason"] != "finished"}),
             "per_request": [{k: r[k] for k in ("id", "user", "arrived", "latency_s", "tokens", "reason")}
-                            for r in done],
-            "p_yes": {r["id"]: r["p_yes"] for r in finished}}
+                            for r in done]}
 
 
 def plot(data: dict, path: Path) -> None:
@@ -189,10 +174,10 @@ async def run(args: argparse.Namespace) -> dict:
     lowest = [r for r in rows if r["rate"] == min(rates)]
     slo_mean = args.slo * min(r["mean_s"] for r in lowest)
     slo_p99 = args.slo * min(r["p99_s"] for r in lowest)
-    rate_mean = {p: sustained([{"rate": r["rate"], "normalized_mean_s": r["mean_s"]} for r in rows
-                               if r["policy"] == p], slo_mean) for p in policies}
-    rate_p99 = {p: sustained([{"rate": r["rate"], "normalized_mean_s": r["p99_s"]} for r in rows
-                              if r["policy"] == p], slo_p99) for p in policies}
+    rate_mean = {p: sustained([(r["rate"], r["mean_s"]) for r in rows if r["policy"] == p], slo_mean)
+                 for p in policies}
+    rate_p99 = {p: sustained([(r["rate"], r["p99_s"]) for r in rows if r["policy"] == p], slo_p99)
+                for p in policies}
     for p in policies:
         print(f"sustained {p}: {rate_mean[p]:.3f} req/s at mean <= {slo_mean:.2f} s, "
               f"{rate_p99[p]:.3f} req/s at p99 <= {slo_p99:.2f} s")
@@ -200,10 +185,6 @@ async def run(args: argparse.Namespace) -> dict:
     def ratio(table: dict, a: str, b: str = "fcfs") -> float | None:
         return table[a] / table[b] if table.get(a) and table.get(b) else None
 
-    # Same scores whatever the order (bf16 batches differ: compared to 2 decimals).
-    same = all(
-        [round(p, 2) for p in r["p_yes"].get(i, [])] == [round(p, 2) for p in rows[0]["p_yes"].get(i, [])]
-        for r in rows if r["rate"] == rows[0]["rate"] for i in r["p_yes"])
     return {
         "policies": policies, "rates": rates, "requests": args.requests, "users": args.users,
         "posts": args.posts, "profile_words": args.profile_words, "pages": args.pages, "lambda": args.credit,
@@ -213,8 +194,7 @@ async def run(args: argparse.Namespace) -> dict:
         "srjf_over_fcfs_mean": ratio(rate_mean, "srjf"), "srjf_over_fcfs_p99": ratio(rate_p99, "srjf"),
         "credit_over_fcfs_mean": ratio(rate_mean, "srjf-credit"),
         "credit_over_fcfs_p99": ratio(rate_p99, "srjf-credit"),
-        "same_scores": same, "not_finished": sum(r["not_finished"] for r in rows),
-        "rows": [{k: v for k, v in r.items() if k != "p_yes"} for r in rows],
+        "not_finished": sum(r["not_finished"] for r in rows), "rows": rows,
         "meta": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": command_line(),
                  "quick": args.quick, "rounds": 1, "order": [policies], "dtype": dtype, "model": DEFAULT_MODEL_NAME,
                  "seed": args.seed, **machine_settings(),

@@ -139,15 +139,21 @@ def test_discard_drops_only_discardable_pages_and_the_next_use_says_so():
     assert manager.pages.available == 8
 
 
-def test_min_waste_preserves_a_fresh_pause_and_moves_one_that_lasts():
-    """APIServe's estimate: keeping C pages for the call's expected rest (its time so far)
-    against holding them while they cross the link out and back (or stalling every page
-    in use for a recompute, or for a swap beyond what one forward step hides)."""
+def paused_beside_a_full_pool():
+    """min-waste; instance `a` holds 4 pages, `me` 56 of 64; 1 ms a page or a token."""
     manager, scheduler, _, book = world("min-waste", pages=64, host=64)
     a, me = instance(book, "a", 0), instance(book, "me", 1)
     manager.alloc_pages(a, 4)
     manager.alloc_pages(me, 56)
     scheduler.costs = Costs(token_s=1e-3, page_s=1e-3)
+    return manager, scheduler, a, me
+
+
+def test_min_waste_preserves_a_fresh_pause_and_moves_one_that_lasts():
+    """APIServe's estimate: keeping C pages for the call's expected rest (its time so far)
+    against holding them while they cross the link out and back (or stalling every page
+    in use for a recompute, or for a swap beyond what one forward step hides)."""
+    manager, scheduler, a, me = paused_beside_a_full_pool()
     # swap: 2 * 4 pages * (4 pages * 1 ms) = 0.032 page-seconds; preserve: 4 pages * T.
     paused(manager, a, 0.005)  # 0.02 page-seconds: keep
     press(manager, me, 4)
@@ -158,11 +164,7 @@ def test_min_waste_preserves_a_fresh_pause_and_moves_one_that_lasts():
 
 
 def test_min_waste_charges_a_swap_beyond_one_step_with_a_stall():
-    manager, scheduler, _, book = world("min-waste", pages=64, host=64)
-    a, me = instance(book, "a", 0), instance(book, "me", 1)
-    manager.alloc_pages(a, 4)
-    manager.alloc_pages(me, 56)
-    scheduler.costs = Costs(token_s=1e-3, page_s=1e-3)
+    manager, scheduler, a, me = paused_beside_a_full_pool()
     scheduler.last_forward_s = 0.001  # one page a step hides: 3 beyond, 3 ms x 60 in use
     paused(manager, a, 0.05)  # 0.2 page-seconds against 0.032 + 0.18
     press(manager, me, 4)

@@ -117,7 +117,8 @@ class Reclaimer:
         return None if choice == "preserve" else choice
 
     def swap_budget(self) -> int:
-        """Pages that may be on their way out at once: what one forward step covers."""
+        """Pages the link carries in one forward step: swaps in flight up to this many hide
+        under compute."""
         s = self.scheduler
         return max(1, math.floor(s.last_forward_s / max(s.costs.page_s, 1e-6)))
 

@@ -316,12 +316,12 @@ class Scheduler:
                     waited = now - command.enqueued
                     self.stats.wait_s_total += waited
                     self.stats.wait_s_max = max(self.stats.wait_s_max, waited)
-            if self.prefix_cache is not None and kind == P.Kind.PASS:  # takes the pools' lock: not under ours
-                deferred = self.prefix_cache.prepare(batch)  # type: ignore[arg-type]
-                if deferred and not self._hold_back(request_id, deferred, batch):
+            if self.prefix_cache is not None:  # takes the pools' lock: not under ours
+                if kind != P.Kind.PASS:
+                    self.prefix_cache.overwritten(batch)
+                elif (deferred := self.prefix_cache.prepare(batch)) and not self._hold_back(  # type: ignore[arg-type]
+                        request_id, deferred, batch):
                     continue
-            elif self.prefix_cache is not None:
-                self.prefix_cache.overwritten(batch)
             socket.send(P.encode(request_id, build_batch(kind, batch)))
 
     def _hold_back(self, request_id: int, deferred: list[Pass], batch: list[Command]) -> bool:

@@ -102,10 +102,10 @@ async fn choice(index: usize, mut ctx: Context, r: &Request, eos: &[u32]) -> Res
     let (mut generated, mut count, mut sent, mut finish) = (Vec::new(), 0usize, 0usize, "length");
     while count < r.max_tokens {
         let k = r.logprobs.map(|k| k.clamp(1, 256).max(20));
-        let (token, dist) = if r.max_tokens == 1 && k.is_some() {
+        let (token, dist) = if let (1, Some(k)) = (r.max_tokens, k) {
             // PrefillOnly's path: one pass that writes no KV draws the token with its
             // distribution (scoring requests: max_tokens 1 with logprobs).
-            let (token, ids, probs) = ctx.peek_next(&sampler, k.unwrap()).await?;
+            let (token, ids, probs) = ctx.peek_next(&sampler, k).await?;
             (token, Some((ids, probs)))
         } else {
             let last = ctx.pending().len() as u32 - 1;

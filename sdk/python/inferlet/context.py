@@ -101,10 +101,11 @@ class Context:
         (detail,) = self._step(_output(top_k=k)).details
         return list(detail.top_ids), list(detail.top_probs)
 
-    def score(self, candidates: list[int], then: list[int] = ()) -> list[float]:  # type: ignore[assignment]
+    def score(self, then: list[int], candidates: list[int]) -> list[float]:
         """Log-probabilities of `candidates` as the next token after the context's tokens
-        (committed and pending) and `then`: one pass that writes no KV, so the context is
-        unchanged (PrefillOnly's scoring path). `score_each` runs many at once."""
+        (committed and pending) and `then` (as Rust's `Context::score`): one pass that
+        writes no KV, so the context is unchanged (PrefillOnly's scoring path). `score_each`
+        runs many at once."""
         return self.score_each([list(then)], candidates)[0]
 
     def score_each(self, thens: list[list[int]], candidates: list[int]) -> list[list[float]]:
@@ -112,9 +113,7 @@ class Context:
         share batches (e.g. one per post after a flushed profile)."""
         if not candidates:
             raise Error("invalid-argument", "no candidate tokens to score")
-        ids = [self._peek(then, inference.Output(index=0, sample=None, top_k=0, logprobs_of=list(candidates),
-                                                 entropy=False, allowed=None, grammar=None, keep=None))
-               for then in thens]
+        ids = [self._peek(then, _output(logprobs_of=candidates)) for then in thens]
         return [list(self._peeked(pass_id).details[0].logprobs) for pass_id in ids]
 
     def peek_next(self, sampler: Sampler, k: int) -> tuple[int, list[int], list[float]]:
@@ -447,9 +446,9 @@ RUN_STEPS = 256  # the most steps of one host-side run: its pages are reserved u
 _RESULTS: dict[int, list] = {}
 
 
-def _output(index: int = 0, sample=None, top_k: int = 0):
-    return inference.Output(index=index, sample=sample, top_k=top_k, logprobs_of=[], entropy=False,
-                            allowed=None, grammar=None, keep=None)
+def _output(index: int = 0, sample=None, top_k: int = 0, logprobs_of: list[int] = ()):  # type: ignore[assignment]
+    return inference.Output(index=index, sample=sample, top_k=top_k, logprobs_of=list(logprobs_of),
+                            entropy=False, allowed=None, grammar=None, keep=None)
 
 
 def _pass_sampler(s: Sampler):
