@@ -21,10 +21,11 @@ from pie.control.scheduler import Scheduler
 def make(tmp_path):
     made = []
 
-    def make(scheduler: str = "adaptive", srjf_lambda: float = 0.0) -> Scheduler:
+    def make(scheduler: str = "adaptive", srjf_lambda: float = 0.0, max_batch_tokens: int = 64) -> Scheduler:
         endpoint = f"ipc://{tmp_path}/fake{len(made)}.sock"
         backend = FakeBackend(endpoint)
-        s = Scheduler(endpoint, ControlConfig(scheduler=scheduler, srjf_lambda=srjf_lambda), max_batch_tokens=64)
+        s = Scheduler(endpoint, ControlConfig(scheduler=scheduler, srjf_lambda=srjf_lambda),
+                      max_batch_tokens=max_batch_tokens)
         s.backend_idle = False  # nothing is sent while the test queues
         made.append((s, backend))
         return s
@@ -92,6 +93,21 @@ def test_a_task_group_is_ordered_by_its_oldest_call(make):
     queued(s, "other", 30, waited_s=0.2)
     queued(s, "leader", 30, waited_s=0.3, group=("alice", "map"))
     assert first_batch(s) == ["member", "leader"]  # the group's oldest call beat "other"
+
+
+def test_while_a_latency_queue_is_open_other_prompts_go_in_chunks(make):
+    from conftest import sampling_pass
+
+    for latency_open, sent in ((False, 200), (True, 64)):  # 64: control.max_step_tokens
+        s = make(max_batch_tokens=4096)
+        if latency_open:
+            s.create_queue("chat").objective = Objective.LATENCY  # open, nothing waiting
+        q = s.create_queue("map")
+        prompt = sampling_pass(list(range(100, 300)), 0, list(range(13)), 16)
+        prompt.queue = q
+        s.submit(prompt)
+        with s.lock:
+            assert sum(c.tokens for c in s._form_batch(P.Kind.PASS)) == sent
 
 
 def test_srjf_key_and_config():
