@@ -1,5 +1,5 @@
 """RESULTS.md sections for Pie's own benchmark scripts (backend, quantization, placement,
-overhead, frontends, prefix_cache, api_serve, prefill_only, soak, drain): each writes its JSON in its own shape, so each gets a small table here.
+overhead, frontends, prefix_cache, api_serve, prefill_only, max_input, soak, drain): each writes its JSON in its own shape, so each gets a small table here.
 
 Why a table per script rather than one generic dump: those files carry every sample; the
 reader of RESULTS.md needs the medians and the ratio that each script exists to measure
@@ -224,6 +224,24 @@ def prefill_only(data: Json) -> list[str]:
     return lines + ["", f"![{image}](results/{image}.png)"]
 
 
+def max_input(data: Json) -> list[str]:
+    longest = data["longest"]
+    bound = f" (the model's {data['context_length']:,}-token context: the budget holds more)" \
+        if data["bounded_by_context"] else ""
+    lines = [f"A scoring pass (no KV kept, log-probabilities at the last position) of T tokens, {_dtype(data)}: "
+             "the memory it needs beyond weights and KV pool (peak resident growth during the pass + the "
+             "scratch pages allocated for items that keep no KV), one-shot vs `backend.mlp_chunk_tokens` = "
+             f"{data['chunk']}. Budget: the one-shot forward's need at {data['budget_at']:,} tokens "
+             f"({data['budget_bytes'] / 2**20:.0f} MiB). Longest input within it: {longest['one-shot']:,} one-shot, "
+             f"{longest['chunked']:,} chunked{bound}: **{data['longest_ratio']:.1f}×** (target ≥ 3×). "
+             f"Log-probabilities equal bit for bit at every T: {'yes' if data['identical_logprobs'] else 'no'}.", "",
+             "| T | one-shot need | chunked need |", "|---|---|---|"]
+    one_shot, chunked = data["modes"].values()
+    lines += [f"| {a['tokens']:,} | {a['need_bytes'] / 2**20:.0f} MiB | {b['need_bytes'] / 2**20:.0f} MiB |"
+              for a, b in zip(one_shot, chunked)]
+    return lines + ["", "![max_input](results/max_input.png)"]
+
+
 SCRIPTS: dict[str, tuple[str, Callable[[Json], list[str]]]] = {
     "backend": ("Backend step vs HF transformers", backend),
     "quantization": ("Int8 weights: speed and quality", quantization),
@@ -233,6 +251,7 @@ SCRIPTS: dict[str, tuple[str, Callable[[Json], list[str]]]] = {
     "prefix_cache": ("Prefix cache: a client-side conversation", prefix_cache),
     "api_serve": ("KV across API calls: APIServe's policies", api_serve),
     "prefill_only": ("Scoring requests: PrefillOnly's shortest-remaining-job-first", prefill_only),
+    "max_input": ("Scoring long inputs on a fixed memory budget", max_input),
     "soak": ("Soak", soak),
     "drain": ("Graceful drain", drain),
 }

@@ -28,7 +28,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-MIN_MLP_CHUNK = 64  # backend.mlp_chunk_tokens: halves stay above the 16-token GEMV path
+MIN_MLP_CHUNK = 256  # backend.mlp_chunk_tokens: chunks keep the many-row kernels (chunked_forward.py)
 
 
 @dataclass
@@ -64,9 +64,10 @@ class BackendConfig:
     swap_gbps: float = 0.0
     num_embeds: int = 32768
     max_batch_tokens: int = 4096
-    # A forward's MLPs run over at most this many tokens at a time (0: all at once), so the
-    # intermediate activations of a long prompt (2 x intermediate_size values a token, the
-    # largest in a Llama layer) stay bounded (PrefillOnly; pie/backend/llama.py).
+    # An item of more new tokens runs alone, every op but attention's key set over at most
+    # this many tokens at a time (0: off), and one that keeps no KV (scoring) holds only the
+    # current layer's keys and values: a long input's activations stay bounded and results
+    # equal the one-shot forward's bit for bit (PrefillOnly; pie/backend/chunked_forward.py).
     mlp_chunk_tokens: int = 0
     threads: int = 0
     # Replay decode steps from captured CUDA graphs (pie/backend/cuda_graphs.py; 4.7 vs 30.7 ms

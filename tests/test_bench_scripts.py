@@ -335,11 +335,29 @@ def test_prefill_only_quick(results):
     assert Path(results.out / "prefill_only.png").stat().st_size > 0
 
 
+def test_max_input_quick(results):
+    """Both modes at both lengths, the need = growth + scratch, the longest inputs follow
+    from the rows and the budget, and the chunked pass returns the same log-probabilities."""
+    data = results("max_input")
+    check_meta(data["meta"])
+    one_shot, chunked = data["modes"].values()
+    assert [r["tokens"] for r in one_shot] == [r["tokens"] for r in chunked] == [300, 600]
+    for r in one_shot + chunked:
+        assert r["need_bytes"] == r["growth_bytes"] + r["scratch_bytes"] and r["growth_bytes"] > 0
+        assert len(r["logprobs"]) == 3 and all(v < 0 for v in r["logprobs"])
+    assert data["budget_bytes"] == one_shot[0]["need_bytes"] and data["longest"]["one-shot"] >= 300
+    assert data["longest_ratio"] == data["longest"]["chunked"] / data["longest"]["one-shot"]
+    # One layer's K/V instead of every layer's: the chunked scratch stops growing with T.
+    assert chunked[1]["scratch_bytes"] < one_shot[1]["scratch_bytes"]
+    assert data["identical_logprobs"] is True
+    assert Path(results.out / "max_input.png").stat().st_size > 0
+
+
 def test_every_script_takes_quick_and_out():
     """Each script offers `--quick` and `--out` (without `--out` a test would write over the
     committed benchmarks/results/)."""
     for script in ("overhead", "backend", "quantization", "placement", "frontends", "prefix_cache", "api_serve",
-                   "prefill_only", "soak", "drain"):
+                   "prefill_only", "max_input", "soak", "drain"):
         done = subprocess.run([sys.executable, f"benchmarks/{script}.py", "--help"], cwd=ROOT,
                               capture_output=True, text=True, timeout=120, check=False)
         assert done.returncode == 0 and "--out" in done.stdout and "--quick" in done.stdout, script

@@ -27,38 +27,40 @@ def hf_logprobs(hf_model, ids: list[int], candidates: list[int]) -> list[float]:
     return torch.log_softmax(logits, -1)[candidates].tolist()
 
 
-def test_mlp_chunks_give_the_same_scores(model_dir):
-    """`backend.mlp_chunk_tokens`: a 300-token scoring pass (no output pages: no KV kept)
-    whose MLPs run 75 tokens at a time returns the unchunked top-k exactly and the same
-    log-probabilities to fp32 rounding (measured: <= 8e-6 apart; the matmul library sums a
-    300-row product in another order than 75-row ones; 64- and 100-token chunks agree bit
-    for bit)."""
-    from array import array
-
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_chunked_items_give_the_one_shot_results_bit_for_bit(model_dir, dtype):
+    """`backend.mlp_chunk_tokens` (chunked_forward.py): a 520-token prefix written to pages,
+    then a 540-token scoring pass over it that keeps no KV; each run 256 tokens at a time.
+    Outputs (top-k, log-probabilities, drawn tokens) and the prefix's pages equal the
+    one-shot forward's bit for bit. Beside a 4-token pass in one batch, each gives what it
+    gives alone (the short one runs in a forward of its own)."""
     from pie.backend.engine import Engine
     from pie.config import BackendConfig
     from pie.control.passes import Output, Pass, encode
 
-    tokens = [(7 * i + 300) % 49_000 for i in range(300)]
-    replies = []
-    for chunk in (0, 64):
-        engine = Engine(model_dir, BackendConfig(dtype="float32", num_kv_pages=8, num_embeds=8, mlp_chunk_tokens=chunk))
-        score = Pass(None, 0, 16, tokens, list(range(300)), [], [], 0, [], 0, None,  # type: ignore[arg-type]
-                     [Output(299, logprob_ids=[5, 42, 1000], dist_k=4), Output(150, logprob_ids=[7])])
-        reply = engine.handle(encode([score]))
-        assert reply.errors == {}
-        replies.append(reply)
-    unchunked, chunked = replies
-    assert chunked.dist_ids == unchunked.dist_ids and chunked.tokens == unchunked.tokens
-
-    def floats(data: bytes) -> list[float]:
-        values = array("f")
-        values.frombytes(data)
-        return values.tolist()
-
-    assert len(floats(chunked.logprobs)) == 4 and all(v < 0 for v in floats(chunked.logprobs))
-    assert floats(chunked.logprobs) == pytest.approx(floats(unchunked.logprobs), abs=5e-5, rel=0)
-    assert floats(chunked.dist_probs) == pytest.approx(floats(unchunked.dist_probs), abs=1e-6, rel=0)
+    prefix = [(7 * i + 300) % 49_000 for i in range(520)]
+    post = [(11 * i + 77) % 49_000 for i in range(540)]
+    pages = list(range(33))  # 520 tokens: 32 full pages and 8 slots of the 33rd
+    results = []
+    for chunk in (0, 256):
+        engine = Engine(model_dir, BackendConfig(dtype=dtype, num_kv_pages=40, num_embeds=8,
+                                                 mlp_chunk_tokens=chunk))
+        fill = Pass(None, 0, 16, prefix, list(range(520)), [], [], 0, pages, 0, None,  # type: ignore[arg-type]
+                    [Output(519, dist_k=5)])
+        score = Pass(None, 1, 16, post, list(range(520, 1060)), [], pages, 8, [], 0, None,  # type: ignore[arg-type]
+                     [Output(539, logprob_ids=[5, 42, 1000], dist_k=4), Output(150, logprob_ids=[7]),
+                      Output(10, sample=True)])
+        short = Pass(None, 2, 16, post[:4], list(range(520, 524)), [], pages, 8, [], 0, None,  # type: ignore[arg-type]
+                     [Output(3, logprob_ids=[5])])
+        replies = [engine.handle(encode(batch)) for batch in ([fill], [score], [score, short], [short])]
+        assert all(reply.errors == {} for reply in replies)
+        keys = torch.stack([engine.kv.keys[layer][:33] for layer in (0, 29)])
+        results.append((replies, keys))
+    (replies0, keys0), (replies1, keys1) = results
+    assert replies1[:2] == replies0[:2] and torch.equal(keys1, keys0)
+    alone, mixed = replies1[1], replies1[2]
+    assert mixed.logprobs[:16] == alone.logprobs[:16] and mixed.logprobs[16:] == replies1[3].logprobs
+    assert mixed.dist_probs == alone.dist_probs
 
 
 def test_scoring_inferlet_scores_every_post_as_hf_and_keeps_no_kv_for_them(pie_server, hf_model, tokenizer):

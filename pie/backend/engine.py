@@ -26,6 +26,7 @@ from pie.backend.attention import (
     PagedAttention,
     TorchPagedAttention,
 )
+from pie.backend.chunked_forward import ChunkedForward
 from pie.backend.dtype import resolve_dtype, resolve_prefill_dtype
 from pie.backend.host_pages import HostPages
 from pie.backend.kv_cache import EmbedPool, KvCache
@@ -100,6 +101,8 @@ class ForwardItem:
     n_new: int
     write_slots: np.ndarray
     mask: torch.Tensor | None
+    keeps_kv: bool = True  # False: its K/V live only during the pass (scratch or chunked_forward)
+    alone: bool = False  # runs in a forward of its own, a chunk at a time (chunked_forward.py)
 
 
 class Engine:
@@ -114,13 +117,18 @@ class Engine:
         self.dtype = DTYPES[config.dtype]
         self.model_dir = model_dir
         self.model = Llama(model_dir, self.dtype, self.device, config.weight_dtype,
-                           prefill_fp32=config.prefill_dtype == "float32",
-                           mlp_chunk_tokens=config.mlp_chunk_tokens)
+                           prefill_fp32=config.prefill_dtype == "float32")
         cfg = self.model.config
         self.page_size = config.page_size
         self.num_pages = config.num_kv_pages
+        self.chunked = ChunkedForward(self.model, config.mlp_chunk_tokens) if config.mlp_chunk_tokens else None
+        # Scratch slots for the new tokens of items that keep no KV. Chunking on, two chunks'
+        # worth: a longer such item, or one that finds the scratch full, runs alone and keeps
+        # one layer's K/V at a time (a long input's memory does not grow with every layer).
+        self.scratch_tokens = config.max_batch_tokens if self.chunked is None else \
+            min(config.max_batch_tokens, 2 * config.mlp_chunk_tokens)
         self.kv = KvCache(
-            cfg.num_layers, config.num_kv_pages, config.page_size, config.max_batch_tokens,
+            cfg.num_layers, config.num_kv_pages, config.page_size, self.scratch_tokens,
             cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device,
         )
         self.embeds = EmbedPool(config.num_embeds, cfg.hidden_size, self.dtype, self.device)
@@ -307,9 +315,10 @@ class Engine:
 
     def forward_item(
         self, pages: np.ndarray, last_len: int, n_new: int, out_pages: np.ndarray,
-        out_offset: int, mask: bytes | None, scratch_cursor: int,
+        out_offset: int, mask: bytes | None, scratch_cursor: int | None,
     ) -> ForwardItem:
-        """Check one item's pages, offsets and mask (ItemError says what is wrong)."""
+        """Check one item's pages, offsets and mask (ItemError says what is wrong); no
+        `scratch_cursor`: it runs alone (chunked_forward.py)."""
         ps = self.page_size
         self._check_pages(pages, "input")
         if len(pages) and not 1 <= last_len <= ps:
@@ -329,8 +338,10 @@ class Engine:
             write = self._page_slots(out_pages)[out_offset : out_offset + n_new]
             if len(context) and np.isin(write, context).any():
                 raise ItemError("output slots overlap the input context")
-        else:
+        elif scratch_cursor is not None:
             write = np.arange(scratch_cursor, scratch_cursor + n_new, dtype=np.int64)
+        else:
+            write = np.zeros(0, dtype=np.int64)
         dense = None
         if mask is not None:
             n_keys = len(context) + n_new
@@ -346,12 +357,47 @@ class Engine:
                                  torch.ones(n_new, dtype=torch.bool, device=self.device)])
             if not (dense & visible).any(dim=1).all():
                 raise ItemError("attention mask leaves a new token with nothing to attend to")
-        return ForwardItem(context, n_new, write, dense)
+        return ForwardItem(context, n_new, write, dense, keeps_kv=bool(len(out_pages)),
+                           alone=scratch_cursor is None)
 
     def run_items(self, items: list[ForwardItem], x: torch.Tensor, positions: torch.Tensor,
                   out_rows: torch.Tensor) -> torch.Tensor:
-        """One model forward over the items' new tokens (inputs `x` at `positions`, item
-        after item); the final hidden states of rows `out_rows`."""
+        """The items' new tokens (inputs `x` at `positions`, item after item) through the
+        model; the final hidden states of rows `out_rows`. Items longer than
+        `backend.mlp_chunk_tokens` run alone, a chunk at a time (chunked_forward.py), the
+        others in one forward per run of consecutive items, in item order (an item may read
+        an earlier one's new tokens)."""
+        if self.chunked is None or not any(i.alone for i in items):
+            return self._forward_batch(items, x, positions, out_rows)
+        hidden = torch.empty(len(out_rows), self.model.config.hidden_size, dtype=self.dtype,
+                             device=self.device)
+        segments: list[list[ForwardItem]] = []
+        for item in items:
+            if item.alone or not segments or segments[-1][0].alone:
+                segments.append([])
+            segments[-1].append(item)
+        q0 = 0
+        for segment in segments:
+            q1 = q0 + sum(i.n_new for i in segment)
+            at = torch.nonzero((out_rows >= q0) & (out_rows < q1)).flatten()
+            rows = out_rows[at] - q0
+            if segment[0].alone:
+                item = segment[0]
+                write = self._tensor(item.write_slots) if item.keeps_kv else None
+                if write is not None:
+                    self.kv.masked[write] = False
+                context = self._tensor(item.context_slots)
+                hidden[at] = self.chunked.run(  # type: ignore[union-attr]
+                    x[q0:q1], positions[q0:q1], context, ~self.kv.masked[context], write, item.mask,
+                    self.kv, rows)
+            else:
+                hidden[at] = self._forward_batch(segment, x[q0:q1], positions[q0:q1], rows)
+            q0 = q1
+        return hidden
+
+    def _forward_batch(self, items: list[ForwardItem], x: torch.Tensor, positions: torch.Tensor,
+                       out_rows: torch.Tensor) -> torch.Tensor:
+        """One model forward over the items' new tokens."""
         q_indptr, kv_indptr = [0], [0]
         for item in items:
             q_indptr.append(q_indptr[-1] + item.n_new)
@@ -581,6 +627,7 @@ class BatchLayout:
         self.engine = engine
         self.tokens = 0
         self.scratch = engine.kv.scratch_start
+        self.scratch_end = engine.kv.scratch_start + engine.scratch_tokens
 
     def add(self, pages: np.ndarray, last_len: int, n_new: int, out_pages: np.ndarray,
             out_offset: int, mask: bytes | None) -> ForwardItem:
@@ -588,9 +635,13 @@ class BatchLayout:
         if self.tokens + n_new > limit:
             raise ItemError(f"batch exceeds max_batch_tokens={limit} "
                             f"({n_new} new tokens, {limit - self.tokens} left)")
+        chunked, no_kv = self.engine.chunked, not len(out_pages)
+        # Chunking off, the scratch holds max_batch_tokens: an item always finds room.
+        alone = chunked is not None and (chunked.applies(n_new) or
+                                         (no_kv and self.scratch + n_new > self.scratch_end))
         item = self.engine.forward_item(pages, last_len, n_new, out_pages, out_offset, mask,
-                                        self.scratch)
-        if not len(out_pages):
+                                        None if alone else self.scratch)
+        if no_kv and not alone:
             self.scratch += n_new
         self.tokens += n_new
         return item

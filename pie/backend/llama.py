@@ -139,9 +139,8 @@ class Llama:
     """Weights plus the math of one batched forward pass over a paged KV cache."""
 
     def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device,
-                 weight_dtype: str = "model", prefill_fp32: bool = False, mlp_chunk_tokens: int = 0):
+                 weight_dtype: str = "model", prefill_fp32: bool = False):
         self.config = LlamaConfig.from_json(model_dir / "config.json")
-        self.mlp_chunk_tokens = mlp_chunk_tokens
         self.dtype, self.device = dtype, device
         weights = load_checkpoint(model_dir, dtype, device)
         cfg = self.config
@@ -214,25 +213,14 @@ class Llama:
                 # prompt's last layer computes its last position alone).
                 x, attn, out_rows = x[out_rows], attn[out_rows], torch.arange(len(out_rows), device=x.device)
             x, h = glue.add_norm(x, project(layer.o, layer.o_bias, attn), layer.post_norm, eps)
-            delta = self._mlp(layer, h)
+            delta = self.mlp(layer, h)
         x = x if delta is None else x + delta
         return rms_norm(x[out_rows], self.norm, eps)
 
-    def _mlp(self, layer: LlamaLayer, h: torch.Tensor) -> torch.Tensor:
-        """SiLU-gated MLP, over at most `mlp_chunk_tokens` rows at a time: its [T, 2 x
-        intermediate] activations are a layer's largest. Chunks are of equal size (within a
-        token), at least half of `mlp_chunk_tokens` >= MIN_MLP_CHUNK / 2 tokens, so none takes
-        the few-token matmul path."""
-        glue, chunk = self.glue, self.mlp_chunk_tokens
-        if not chunk or h.shape[0] <= chunk:
-            gate_up = project(layer.gate_up, layer.gate_up_bias, h)
-            return project(layer.down, layer.down_bias, glue.silu_mul(gate_up, layer.intermediate))
-        out = torch.empty_like(h)
-        n = math.ceil(h.shape[0] / chunk)
-        for part, into in zip(h.tensor_split(n), out.tensor_split(n)):
-            gate_up = project(layer.gate_up, layer.gate_up_bias, part)
-            into.copy_(project(layer.down, layer.down_bias, glue.silu_mul(gate_up, layer.intermediate)))
-        return out
+    def mlp(self, layer: LlamaLayer, h: torch.Tensor) -> torch.Tensor:
+        """SiLU-gated MLP (a long item runs it a chunk at a time: chunked_forward.py)."""
+        gate_up = project(layer.gate_up, layer.gate_up_bias, h)
+        return project(layer.down, layer.down_bias, self.glue.silu_mul(gate_up, layer.intermediate))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of final-normed hidden states (computed in the model dtype, as HF does)."""

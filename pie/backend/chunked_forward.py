@@ -1,0 +1,117 @@
+"""One long item's forward pass, `backend.mlp_chunk_tokens` rows at a time (PrefillOnly's
+hybrid prefilling).
+
+Why: a T-token pass holds per layer [T, 2 x intermediate] MLP activations and, when it
+keeps no KV (a scoring pass), every layer's keys and values in the scratch pages until the
+pass ends. Here every op but attention's key set runs over one chunk of rows at a time, and
+a pass that keeps no KV holds only the current layer's keys and values (in fp32, the form
+attention reads). What stays is O(T) per token of hidden size: the residual stream, the
+next layer's pending MLP output and the queries. Measured with SmolLM2-135M in bf16
+(`benchmarks/max_input.py`): the memory a scoring pass needs beyond weights and KV pool,
+and the longest input that fits a fixed budget, in benchmarks/RESULTS.md.
+
+Results equal the one-shot forward's bit for bit on CPU (tests/test_scoring.py). A chunk
+is at least MIN_MLP_CHUNK = 256 rows (the last one absorbs the remainder), so every glue op
+takes the same (torch, not fused) path as over all T rows, and every matmul the same
+summation order: an fp32 product's rows equal a 4,096-row product's from 193 rows on (Xeon,
+2 threads; below that the library splits the sums across threads: the down projection
+differs from 1 to 192 rows), oneDNN's bf16 rows at any count. Attention runs each chunk of
+queries over the item's whole key set with its rows of the same mask, which is how the CPU
+flash kernel blocks queries anyway (equal at 64-512-query chunks). On CUDA it runs
+the same PyTorch ops (SDPA instead of FlashInfer): unverified there.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pie.backend.glue import rms_norm
+from pie.backend.kv_cache import KvCache
+from pie.backend.llama import Llama, project
+
+
+class ChunkedForward:
+    def __init__(self, model: Llama, chunk: int):
+        self.model, self.chunk = model, chunk
+
+    def applies(self, n_new: int) -> bool:
+        return self.chunk > 0 and n_new > self.chunk
+
+    def bounds(self, tokens: int) -> list[tuple[int, int]]:
+        """Chunks of `chunk` rows; the last one takes the remainder (< 2 x chunk rows)."""
+        starts = list(range(0, max(tokens - self.chunk, 0) + 1, self.chunk))
+        return [(a, b) for a, b in zip(starts, starts[1:] + [tokens])]
+
+    @torch.inference_mode()
+    def run(self, x: torch.Tensor, positions: torch.Tensor, context_slots: torch.Tensor,
+            context_visible: torch.Tensor, write_slots: torch.Tensor | None, mask: torch.Tensor | None,
+            kv: KvCache, out_rows: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] new tokens after `context_slots` (visible where `context_visible`);
+        their K/V written to `write_slots` (None: kept only while their layer runs); `mask`:
+        the item's custom [T, n_keys] mask or None (causal). Returns the final-normed hidden
+        states of rows `out_rows` (indices into T)."""
+        model, cfg = self.model, self.model.config
+        glue, eps, dtype = model.glue, cfg.rms_norm_eps, model.dtype
+        tokens, n_ctx = x.shape[0], len(context_slots)
+        chunks = self.bounds(tokens)
+        cos, sin = model.rope_tables(positions)
+        x = x.clone()
+        delta: torch.Tensor | None = None  # the previous layer's MLP output, added by the next norm
+        q = torch.empty(tokens, cfg.num_heads, cfg.head_dim, dtype=dtype, device=x.device)
+        shape = (1, cfg.num_kv_heads, n_ctx + tokens, cfg.head_dim)
+        keys = torch.empty(shape, dtype=torch.float32, device=x.device)
+        values = torch.empty(shape, dtype=torch.float32, device=x.device)
+        last = len(model.layers) - 1
+        out_chunks = [(a, b) for a, b in chunks if bool(((out_rows >= a) & (out_rows < b)).any())]
+        for index, layer in enumerate(model.layers):
+            if n_ctx:
+                k_ctx, v_ctx = kv.gather(index, context_slots)
+                keys[0, :, :n_ctx] = k_ctx.float().transpose(0, 1)
+                values[0, :, :n_ctx] = v_ctx.float().transpose(0, 1)
+            for a, b in chunks:
+                xa, h = glue.add_norm(x[a:b], None if delta is None else delta[a:b], layer.input_norm, eps)
+                x[a:b] = xa
+                qkv = project(layer.qkv, layer.qkv_bias, h)
+                qk = glue.rope(qkv[:, : layer.q_size + layer.kv_size].view(b - a, -1, cfg.head_dim),
+                               cos[a:b], sin[a:b])
+                q[a:b] = qk[:, : cfg.num_heads]
+                pool = kv.keys[index].dtype  # attention reads K/V as the pool holds them
+                k = qk[:, cfg.num_heads :].to(pool)
+                v = qkv[:, layer.q_size + layer.kv_size :].view(b - a, cfg.num_kv_heads, cfg.head_dim).to(pool)
+                if write_slots is not None:
+                    kv.write(index, write_slots[a:b], k, v)
+                keys[0, :, n_ctx + a : n_ctx + b] = k.float().transpose(0, 1)
+                values[0, :, n_ctx + a : n_ctx + b] = v.float().transpose(0, 1)
+            if delta is None:
+                delta = torch.empty_like(x)
+            for a, b in (out_chunks if index == last else chunks):
+                # Each chunk's output overwrites its own queries (read first, as fp32).
+                q[a:b] = F.scaled_dot_product_attention(
+                    q[a:b].float().transpose(0, 1)[None], keys, values,
+                    attn_mask=self._mask(a, b, n_ctx + tokens, context_visible, mask), enable_gqa=True,
+                )[0].transpose(0, 1).to(dtype)
+                if index < last:
+                    xa, h = glue.add_norm(x[a:b], project(layer.o, layer.o_bias, q[a:b].view(b - a, -1)),
+                                          layer.post_norm, eps)
+                    x[a:b], delta[a:b] = xa, model.mlp(layer, h)
+        # Past the last layer's attention only the output rows matter, all in one call as the
+        # one-shot forward makes it (a matmul of few rows may round otherwise).
+        layer = model.layers[last]
+        xo, h = glue.add_norm(x[out_rows], project(layer.o, layer.o_bias, q.view(tokens, -1)[out_rows]),
+                              layer.post_norm, eps)
+        return rms_norm(xo + model.mlp(layer, h), model.norm, eps)
+
+    @staticmethod
+    def _mask(a: int, b: int, n_keys: int, context_visible: torch.Tensor,
+              mask: torch.Tensor | None) -> torch.Tensor:
+        """Rows a:b of the item's [T, n_keys] visibility (as AttentionPlan.item_mask)."""
+        n_ctx = len(context_visible)
+        if mask is None:
+            rows = torch.arange(a, b, device=context_visible.device)[:, None]
+            mask = torch.arange(n_keys, device=context_visible.device)[None, :] <= rows + n_ctx
+        else:
+            mask = mask[a:b]
+        visible = torch.cat([context_visible, torch.ones(n_keys - n_ctx, dtype=torch.bool,
+                                                         device=context_visible.device)])
+        return mask & visible[None, :]
