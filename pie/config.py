@@ -125,6 +125,11 @@ class ControlConfig:
     # a 2,000-token prompt prefills (1.6x here; 128: 4.4x; unchunked: 64x) at +67% on that
     # prompt's time to first token (benchmarks/results/interference.json, Xeon 2 vCPU).
     max_step_tokens: int = 64
+    # While a latency queue (scheduling.set-queue-objective) is open but has no call waiting
+    # or in flight, other queues' prompts go in chunks of at most this many tokens a batch,
+    # so a latency call arriving waits for one such batch at most; while it has calls, its
+    # batches carry at most max_step_tokens new tokens (benchmarks/objectives.py).
+    latency_batch_tokens: int = 512
     # Hosts inferlets may reach with http-get/post (exact host names or IP literals).
     http_allowlist: list[str] = field(default_factory=lambda: ["127.0.0.1", "localhost"])
     http_timeout_s: float = 30.0
@@ -158,6 +163,9 @@ class ControlConfig:
             raise ConfigError("control.batch_k, batch_t_ms and max_dist_k must be positive")
         if self.max_step_tokens < 16:
             raise ConfigError(f"control.max_step_tokens must be at least 16, got {self.max_step_tokens}")
+        if self.latency_batch_tokens < self.max_step_tokens:
+            raise ConfigError(f"control.latency_batch_tokens ({self.latency_batch_tokens}) must be at least "
+                              f"control.max_step_tokens ({self.max_step_tokens})")
         if self.alloc_wait_ms < 0:
             raise ConfigError(f"control.alloc_wait_ms must be >= 0, got {self.alloc_wait_ms}")
         if self.http_max_response_bytes < 1 or self.kvs_max_bytes < 1:

@@ -353,11 +353,27 @@ def test_max_input_quick(results):
     assert Path(results.out / "max_input.png").stat().st_size > 0
 
 
+def test_objectives_quick(results):
+    """Both systems every round, in rotated order; every chat turn answered; the medians and
+    ratios follow from the runs."""
+    data = results("objectives")
+    check_meta(data["meta"], ["blind", "objectives"])
+    w = data["workload"]
+    assert len(data["runs"]) == 2 * data["meta"]["rounds"]
+    for run in data["runs"]:
+        assert len(run["turns"]) == w["sessions"] * w["turns"] and run["map_reduce_s"] > 0
+        assert all(t["tokens"] >= 1 and t["normalized_s"] == t["latency_s"] / t["tokens"] for t in run["turns"])
+    median = data["median"]
+    assert data["chat_speedup"] == median["blind"]["chat_normalized_mean_s"] / median["objectives"]["chat_normalized_mean_s"]
+    assert data["map_reduce_ratio"] == median["objectives"]["map_reduce_s"] / median["blind"]["map_reduce_s"]
+    assert Path(results.out / "objectives.png").stat().st_size > 0
+
+
 def test_every_script_takes_quick_and_out():
     """Each script offers `--quick` and `--out` (without `--out` a test would write over the
     committed benchmarks/results/)."""
     for script in ("overhead", "backend", "quantization", "placement", "frontends", "prefix_cache", "api_serve",
-                   "prefill_only", "max_input", "soak", "drain"):
+                   "prefill_only", "max_input", "objectives", "soak", "drain"):
         done = subprocess.run([sys.executable, f"benchmarks/{script}.py", "--help"], cwd=ROOT,
                               capture_output=True, text=True, timeout=120, check=False)
         assert done.returncode == 0 and "--out" in done.stdout and "--quick" in done.stdout, script

@@ -229,6 +229,38 @@ def test_text_completion_sampling_arguments(server):
     assert len(others | {first}) > 1
 
 
+def test_text_completion_turns_continue_one_context_as_hf_greedy(server, hf_model, tokenizer, chat_template):
+    """`--turns 2 --objective latency`: a chat session. The second turn, sent to the
+    instance, is answered on the same context (the first turn is not prefilled again) with
+    exactly HF's greedy reply to the whole conversation rendered by the chat template."""
+    from conftest import hf_greedy
+
+    from pie.control.chat_template import render_chat
+
+    first, second = "Name a fruit.", "And a vegetable?"
+
+    async def run() -> tuple[list[str], str, dict]:
+        async with PieClient(server.ws, TOKEN) as client:
+            instance = await client.launch("text_completion", ["--prompt", first, "--max-tokens", "10",
+                                                               "--turns", "2", "--objective", "latency"])
+            replies = [(await instance.recv()).text]
+            await instance.send(second)
+            replies.append((await instance.recv()).text)
+            return replies, await instance.wait(), instance.usage
+
+    replies, reason, usage = asyncio.run(run())
+    assert reason == "finished", replies
+    eos = hf_model.config.eos_token_id
+    conversation = [{"role": "user", "content": first}]
+    ids = tokenizer.encode(render_chat(chat_template, conversation), add_special_tokens=False).ids
+    assert replies[0] == tokenizer.decode(hf_greedy(hf_model, ids, 10, stop_at=eos), skip_special_tokens=False)
+    conversation += [{"role": "assistant", "content": replies[0]}, {"role": "user", "content": second}]
+    ids = tokenizer.encode(render_chat(chat_template, conversation), add_special_tokens=False).ids
+    assert replies[1] == tokenizer.decode(hf_greedy(hf_model, ids, 10, stop_at=eos), skip_special_tokens=False)
+    # Every token was forwarded once: the conversation plus the second reply, less the last.
+    assert usage["forward_tokens"] <= len(ids) + 10
+
+
 def test_backend_death_is_survived(tmp_path, expected):
     """kill -9 of the backend mid-generation: the running inferlet ends with the reason, /health
     says why, the server restarts the backend and then serves new launches correctly, with

@@ -96,18 +96,27 @@ def test_a_task_group_is_ordered_by_its_oldest_call(make):
 
 
 def test_while_a_latency_queue_is_open_other_prompts_go_in_chunks(make):
+    """No latency queue: a 900-token prompt goes whole. One open and idle: in chunks of
+    control.latency_batch_tokens (512). One with a call waiting: that call and 63 tokens of
+    the prompt (a batch of max_step_tokens = 64)."""
     from conftest import sampling_pass
 
-    for latency_open, sent in ((False, 200), (True, 64)):  # 64: control.max_step_tokens
+    for latency, sent in ((None, 900), ("idle", 512), ("waiting", 64)):
         s = make(max_batch_tokens=4096)
-        if latency_open:
-            s.create_queue("chat").objective = Objective.LATENCY  # open, nothing waiting
+        if latency:
+            chat = s.create_queue("chat")
+            chat.objective = Objective.LATENCY
+            if latency == "waiting":
+                call = sampling_pass([5], 0, [100], 16)
+                call.queue = chat
+                s.submit(call)
         q = s.create_queue("map")
-        prompt = sampling_pass(list(range(100, 300)), 0, list(range(13)), 16)
+        prompt = sampling_pass([100 + i for i in range(900)], 0, list(range(60)), 16)
         prompt.queue = q
         s.submit(prompt)
         with s.lock:
-            assert sum(c.tokens for c in s._form_batch(P.Kind.PASS)) == sent
+            batch = s._form_batch(P.Kind.PASS)
+        assert sum(c.tokens for c in batch) == sent, latency
 
 
 def test_srjf_key_and_config():

@@ -47,7 +47,8 @@ class ChunkedForward:
     def run(self, x: torch.Tensor, positions: torch.Tensor, context_slots: torch.Tensor,
             context_visible: torch.Tensor, write_slots: torch.Tensor | None, mask: torch.Tensor | None,
             kv: KvCache, out_rows: torch.Tensor) -> torch.Tensor:
-        """x: [T, hidden] new tokens after `context_slots` (visible where `context_visible`);
+        """x: [T, hidden] new tokens after `context_slots` (visible where `context_visible`),
+        overwritten (it becomes the residual stream);
         their K/V written to `write_slots` (None: kept only while their layer runs); `mask`:
         the item's custom [T, n_keys] mask or None (causal). Returns the final-normed hidden
         states of rows `out_rows` (indices into T)."""
@@ -56,10 +57,8 @@ class ChunkedForward:
         tokens, n_ctx = x.shape[0], len(context_slots)
         chunks = self.bounds(tokens)
         cos, sin = model.rope_tables(positions)
-        x = x.clone()
-        delta: torch.Tensor | None = None  # the previous layer's MLP output, added by the next norm
         q = torch.empty(tokens, cfg.num_heads, cfg.head_dim, dtype=dtype, device=x.device)
-        shape = (1, cfg.num_kv_heads, n_ctx + tokens, cfg.head_dim)
+        shape = (cfg.num_kv_heads, n_ctx + tokens, cfg.head_dim)
         keys = torch.empty(shape, dtype=torch.float32, device=x.device)
         values = torch.empty(shape, dtype=torch.float32, device=x.device)
         last = len(model.layers) - 1
@@ -67,11 +66,10 @@ class ChunkedForward:
         for index, layer in enumerate(model.layers):
             if n_ctx:
                 k_ctx, v_ctx = kv.gather(index, context_slots)
-                keys[0, :, :n_ctx] = k_ctx.float().transpose(0, 1)
-                values[0, :, :n_ctx] = v_ctx.float().transpose(0, 1)
+                keys[:, :n_ctx] = k_ctx.float().transpose(0, 1)
+                values[:, :n_ctx] = v_ctx.float().transpose(0, 1)
             for a, b in chunks:
-                xa, h = glue.add_norm(x[a:b], None if delta is None else delta[a:b], layer.input_norm, eps)
-                x[a:b] = xa
+                _, h = glue.add_norm(x[a:b], None, layer.input_norm, eps)
                 qkv = project(layer.qkv, layer.qkv_bias, h)
                 qk = glue.rope(qkv[:, : layer.q_size + layer.kv_size].view(b - a, -1, cfg.head_dim),
                                cos[a:b], sin[a:b])
@@ -81,26 +79,36 @@ class ChunkedForward:
                 v = qkv[:, layer.q_size + layer.kv_size :].view(b - a, cfg.num_kv_heads, cfg.head_dim).to(pool)
                 if write_slots is not None:
                     kv.write(index, write_slots[a:b], k, v)
-                keys[0, :, n_ctx + a : n_ctx + b] = k.float().transpose(0, 1)
-                values[0, :, n_ctx + a : n_ctx + b] = v.float().transpose(0, 1)
-            if delta is None:
-                delta = torch.empty_like(x)
+                keys[:, n_ctx + a : n_ctx + b] = k.float().transpose(0, 1)
+                values[:, n_ctx + a : n_ctx + b] = v.float().transpose(0, 1)
             for a, b in (out_chunks if index == last else chunks):
-                # Each chunk's output overwrites its own queries (read first, as fp32).
-                q[a:b] = F.scaled_dot_product_attention(
-                    q[a:b].float().transpose(0, 1)[None], keys, values,
-                    attn_mask=self._mask(a, b, n_ctx + tokens, context_visible, mask), enable_gqa=True,
-                )[0].transpose(0, 1).to(dtype)
+                self._attend(q, keys, values, a, b, self._mask(a, b, n_ctx + tokens, context_visible, mask))
                 if index < last:
                     xa, h = glue.add_norm(x[a:b], project(layer.o, layer.o_bias, q[a:b].view(b - a, -1)),
                                           layer.post_norm, eps)
-                    x[a:b], delta[a:b] = xa, model.mlp(layer, h)
+                    x[a:b] = xa + model.mlp(layer, h)  # (the one-shot forward adds it in the next norm)
         # Past the last layer's attention only the output rows matter, all in one call as the
         # one-shot forward makes it (a matmul of few rows may round otherwise).
         layer = model.layers[last]
         xo, h = glue.add_norm(x[out_rows], project(layer.o, layer.o_bias, q.view(tokens, -1)[out_rows]),
                               layer.post_norm, eps)
         return rms_norm(xo + model.mlp(layer, h), model.norm, eps)
+
+    @staticmethod
+    def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, a: int, b: int,
+                mask: torch.Tensor) -> None:
+        """Queries a:b over every key, in place of those queries. Per KV head, its query
+        heads stacked as rows over that head's keys: SDPA's GQA would copy the keys and
+        values once per query head ([heads, n_keys, head_dim] in fp32 each, the largest
+        buffer of a long input); the sums are the same ones."""
+        kv_heads, heads = keys.shape[0], q.shape[1]
+        group = heads // kv_heads
+        rows = mask.repeat(group, 1)
+        for g in range(kv_heads):
+            hs = slice(g * group, (g + 1) * group)
+            qg = q[a:b, hs].float().transpose(0, 1).reshape(1, 1, group * (b - a), -1)
+            out = F.scaled_dot_product_attention(qg, keys[None, g : g + 1], values[None, g : g + 1], attn_mask=rows)
+            q[a:b, hs] = out.view(group, b - a, -1).transpose(0, 1).to(q.dtype)
 
     @staticmethod
     def _mask(a: int, b: int, n_keys: int, context_visible: torch.Tensor,

@@ -414,10 +414,14 @@ class Scheduler:
                   and q.pending[0].kind == kind]
         decoders = sum(q.pending[0].tokens <= DECODE_TOKENS for q in queues)
         # Latency queues are never held behind a long prefill of another class: while one
-        # is open, the others' prompts go in chunks.
-        latency = any(q.objective is Objective.LATENCY for q in self.queues)
+        # is open, the others' prompts go in chunks (latency_batch_tokens), and while one has
+        # calls, in batches of at most max_step_tokens new tokens.
+        latency = [q for q in self.queues if q.objective is Objective.LATENCY]
+        active = any(q.pending or id(q) in busy for q in latency)
+        step = self.config.max_step_tokens if active or 0 < decoders >= len(queues) - decoders \
+            else self.config.latency_batch_tokens
         chunking = kind == P.Kind.PASS and not single and (
-            0 < decoders >= len(queues) - decoders or latency)
+            0 < decoders >= len(queues) - decoders or bool(latency))
         keys = self._order(queues)
         queues.sort(key=lambda q: (q.objective, -q.priority,
                                    chunking and q.pending[0].tokens > DECODE_TOKENS
@@ -430,7 +434,7 @@ class Scheduler:
                 if command.kind != kind or conflicts(command, taken):
                     break
                 if chunking and queue.objective is not Objective.LATENCY:  # every step moves a prefill on by at least MIN_CHUNK_TOKENS
-                    room = self.config.max_step_tokens - used
+                    room = step - used
                     room = room if chunked else max(room, MIN_CHUNK_TOKENS)
                     cut = command.chunkable() if command.tokens > room else 0  # type: ignore[attr-defined]
                     if cut >= MIN_CHUNK_TOKENS:  # the rest stays at the head of its queue
