@@ -4,18 +4,21 @@ inputs): the one-shot forward against `backend.mlp_chunk_tokens` (pie/backend/ch
 A scoring pass of T tokens: no KV kept, the log-probabilities of a few tokens at the last
 position, on the default model in the backend's default dtype. For each T and each mode a
 fresh process builds the backend's Engine (max_batch_tokens = T, so the pass is admitted),
-warms it with a pass of min(T, 768) tokens (the matmul library's buffers), returns freed heap memory to the system (malloc_trim), then
-measures the memory the pass needs beyond the weights and
-the KV pool:
+warms it with a pass of min(T, 768) tokens, then measures the memory the pass needs beyond
+the weights and the KV pool:
 
-    need = growth of peak resident memory during the pass (VmHWM after writing 5 to
-           /proc/self/clear_refs) + the scratch pages the engine allocated at start-up
-           for items that keep no KV (every layer's K/V of max_batch_tokens tokens in
-           one-shot mode; two chunks' worth when chunking).
+    need = the peak of tensor memory allocated during the pass (torch's allocator events,
+           recorded by torch.profiler with profile_memory: deterministic, unlike the
+           resident set, which glibc's arenas blur by several MiB) + the scratch pages the
+           engine allocated at start-up for items that keep no KV (every layer's K/V of
+           max_batch_tokens tokens in one-shot mode; two chunks' worth when chunking).
 
-The budget is what the one-shot forward needs at T = --budget-at; each mode's longest input
-is the largest measured T whose need fits it, measured up to the model's context length.
-Both modes' log-probabilities at equal T are compared bit for bit.
+The growth of peak resident memory (VmHWM after writing 5 to /proc/self/clear_refs, freed
+heap returned first with malloc_trim) in an unprofiled run of the same pass is recorded
+beside it. The budget is what the
+one-shot forward needs at T = --budget-at; each mode's longest input is the largest
+measured T whose need fits it, measured up to the model's context length. Both modes'
+log-probabilities at equal T are compared bit for bit.
 
     python benchmarks/max_input.py [--lengths 512,1024,...] [--budget-at 1024] [--chunk 256] [--quick] [--out FILE]
 
@@ -31,6 +34,7 @@ import gc
 import json
 import subprocess
 import sys
+import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -78,9 +82,16 @@ def measure(length: int, chunk: int) -> dict:
     before = status("VmRSS")
     reply = engine.handle(scoring(length))
     growth = status("VmHWM") - before
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        again = engine.handle(scoring(length))  # (the profiler's own buffers would blur the resident set)
+    assert again.logprobs == reply.logprobs
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(f"{tmp}/trace.json")
+        events = json.loads(Path(f"{tmp}/trace.json").read_text())["traceEvents"]
+    peak = max(e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]")
     assert not reply.errors, reply.errors
-    return {"tokens": length, "chunk": chunk, "growth_bytes": growth, "scratch_bytes": scratch_bytes,
-            "need_bytes": growth + scratch_bytes, "logprobs": list(reply.logprobs), "dtype": engine.config.dtype,
+    return {"tokens": length, "chunk": chunk, "peak_bytes": peak, "rss_growth_bytes": growth,
+            "scratch_bytes": scratch_bytes, "need_bytes": peak + scratch_bytes, "logprobs": list(reply.logprobs), "dtype": engine.config.dtype,
             "context_length": engine.model.config.max_position_embeddings, "torch_threads": torch.get_num_threads()}
 
 
@@ -140,7 +151,8 @@ def main() -> None:
             row = run_point(length, chunk)
             modes[mode].append(row)
             print(f"T={length:5d} {mode:14s} needs {row['need_bytes'] / 2**20:7.1f} MiB "
-                  f"(growth {row['growth_bytes'] / 2**20:.1f}, scratch {row['scratch_bytes'] / 2**20:.1f})", flush=True)
+                  f"(tensors {row['peak_bytes'] / 2**20:.1f}, scratch {row['scratch_bytes'] / 2**20:.1f}; "
+                  f"resident growth {row['rss_growth_bytes'] / 2**20:.1f})", flush=True)
     one_shot, chunked = modes.values()
     budget = next(r["need_bytes"] for r in one_shot if r["tokens"] == budget_at)
     longest_one_shot, longest_chunked = longest(one_shot, budget), longest(chunked, budget)

@@ -20,7 +20,7 @@ chat's normalized latency >= 2x better, the map-reduce's completion time within 
     python benchmarks/objectives.py [--rounds 3] [--docs 2] [--chunks 8] [--sessions 4] [--turns 4] [--quick] [--out FILE]
 
 Results: benchmarks/results/objectives.json and objectives.png. `--quick` (one document of
-3 short chunks, 2 sessions of 2 turns, 2 rounds) is the smoke run tests/test_bench_scripts.py
+2 short chunks, 2 sessions of 2 turns, 8 tokens each, 2 rounds) is the smoke run tests/test_bench_scripts.py
 makes.
 """
 
@@ -47,7 +47,8 @@ from pie.server.local import LocalServer
 RESULTS = Path(__file__).parent / "results"
 SYSTEMS = ("blind", "objectives")
 MODEL = "smollm2-135m-instruct"
-MAP_TOKENS, REDUCE_TOKENS, CHAT_TOKENS = 32, 48, 24
+TOKENS = {"map": 32, "reduce": 48, "chat": 24}
+QUICK_TOKENS = {"map": 8, "reduce": 8, "chat": 8}
 WORDS = ("river harbor council market winter engine garden letter bridge signal mountain "
          "village report season ledger captain station forest budget harvest museum canal "
          "factory school doctor library railway festival storm valley").split()
@@ -66,27 +67,27 @@ async def completion(client: PieClient, args: list[str]) -> str:
     return messages[0]
 
 
-async def map_reduce(client: PieClient, docs: list[list[str]], start: float) -> float:
+async def map_reduce(client: PieClient, docs: list[list[str]], tokens: dict[str, int], start: float) -> float:
     """Every chunk summarised at once, then each document's summaries reduced; seconds."""
     async def document(chunks: list[str]) -> None:
         summaries = await asyncio.gather(*(completion(client, [
-            "--prompt", f"Summarize in one sentence:\n{chunk}", "--max-tokens", str(MAP_TOKENS)])
+            "--prompt", f"Summarize in one sentence:\n{chunk}", "--max-tokens", str(tokens["map"])])
             for chunk in chunks))
         await completion(client, ["--prompt", "Combine these summaries into one paragraph:\n"
-                                  + "\n".join(summaries), "--max-tokens", str(REDUCE_TOKENS)])
+                                  + "\n".join(summaries), "--max-tokens", str(tokens["reduce"])])
 
     await asyncio.gather(*(document(chunks) for chunks in docs))
     return time.monotonic() - start
 
 
 async def chat(client: PieClient, session: int, turns: int, think: float, delay: float,
-               objective: bool, tokenizer) -> list[dict]:
+               objective: bool, max_tokens: int, tokenizer) -> list[dict]:
     """One session's turns: (latency, reply tokens, normalized latency) each."""
     await asyncio.sleep(delay)
     rng = random.Random(session)
     messages = [f"Session {session}, question {t}: tell me about the {rng.choice(WORDS)} and the "
                 f"{rng.choice(WORDS)} near the {rng.choice(WORDS)} in two sentences." for t in range(turns)]
-    args = ["--prompt", messages[0], "--max-tokens", str(CHAT_TOKENS), "--turns", str(turns)]
+    args = ["--prompt", messages[0], "--max-tokens", str(max_tokens), "--turns", str(turns)]
     sent = time.monotonic()
     instance = await client.launch("text_completion", args + (["--objective", "latency"] if objective else []))
     out = []
@@ -112,8 +113,8 @@ async def one_run(client: PieClient, system: str, args: argparse.Namespace, docs
                   tokenizer) -> dict:
     start = time.monotonic()
     chats = [chat(client, s, args.turns, args.think, args.chat_delay + s * args.stagger, system == "objectives",
-                  tokenizer) for s in range(args.sessions)]
-    makespan, *sessions = await asyncio.gather(map_reduce(client, docs, start), *chats)
+                  args.tokens["chat"], tokenizer) for s in range(args.sessions)]
+    makespan, *sessions = await asyncio.gather(map_reduce(client, docs, args.tokens, start), *chats)
     turns = [t for s in sessions for t in s]
     normalized = sorted(t["normalized_s"] for t in turns)
     return {"system": system, "map_reduce_s": makespan, "chat_normalized_mean_s": statistics.mean(normalized),
@@ -178,7 +179,7 @@ async def main_async(args: argparse.Namespace) -> dict:
         "workload": {"docs": args.docs, "chunks": args.chunks, "chunk_words": args.chunk_words,
                      "sessions": args.sessions, "turns": args.turns, "think_s": args.think,
                      "stagger_s": args.stagger, "chat_delay_s": args.chat_delay,
-                     "tokens": {"map": MAP_TOKENS, "reduce": REDUCE_TOKENS, "chat": CHAT_TOKENS}},
+                     "tokens": args.tokens},
         "runs": runs, "median": median,
         "chat_speedup": median["blind"]["chat_normalized_mean_s"] / median["objectives"]["chat_normalized_mean_s"],
         "map_reduce_ratio": median["objectives"]["map_reduce_s"] / median["blind"]["map_reduce_s"],
@@ -200,8 +201,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a small run (the tests' smoke run)")
     parser.add_argument("--out", default=str(RESULTS / "objectives.json"))
     args = parser.parse_args()
+    args.tokens = QUICK_TOKENS if args.quick else TOKENS
     if args.quick:
-        args.rounds, args.docs, args.chunks, args.chunk_words, args.sessions, args.turns = 2, 1, 3, 60, 2, 2
+        args.rounds, args.docs, args.chunks, args.chunk_words, args.sessions, args.turns = 2, 1, 2, 30, 2, 2
+        args.think, args.stagger = 0.1, 0.2
     data = asyncio.run(main_async(args))
     print(f"chat {data['chat_speedup']:.2f}x better normalized latency; map-reduce {data['map_reduce_ratio']:.2f}x the time")
     write_results(args.out, data)

@@ -229,15 +229,16 @@ def max_input(data: Json) -> list[str]:
     bound = f" (the model's {data['context_length']:,}-token context: the budget holds more)" \
         if data["bounded_by_context"] else ""
     lines = [f"A scoring pass (no KV kept, log-probabilities at the last position) of T tokens, {_dtype(data)}: "
-             "the memory it needs beyond weights and KV pool (peak resident growth during the pass + the "
-             "scratch pages allocated for items that keep no KV), one-shot vs `backend.mlp_chunk_tokens` = "
+             "the memory it needs beyond weights and KV pool (peak tensor memory allocated during the pass + "
+             "the scratch pages allocated for items that keep no KV), one-shot vs `backend.mlp_chunk_tokens` = "
              f"{data['chunk']}. Budget: the one-shot forward's need at {data['budget_at']:,} tokens "
              f"({data['budget_bytes'] / 2**20:.0f} MiB). Longest input within it: {longest['one-shot']:,} one-shot, "
              f"{longest['chunked']:,} chunked{bound}: **{data['longest_ratio']:.1f}×** (target ≥ 3×). "
              f"Log-probabilities equal bit for bit at every T: {'yes' if data['identical_logprobs'] else 'no'}.", "",
-             "| T | one-shot need | chunked need |", "|---|---|---|"]
+             "| T | one-shot need | chunked need | resident growth, one-shot / chunked |", "|---|---|---|---|"]
     one_shot, chunked = data["modes"].values()
-    lines += [f"| {a['tokens']:,} | {a['need_bytes'] / 2**20:.0f} MiB | {b['need_bytes'] / 2**20:.0f} MiB |"
+    lines += [f"| {a['tokens']:,} | {a['need_bytes'] / 2**20:.0f} MiB | {b['need_bytes'] / 2**20:.0f} MiB | "
+              f"{a['rss_growth_bytes'] / 2**20:.0f} / {b['rss_growth_bytes'] / 2**20:.0f} MiB |"
               for a, b in zip(one_shot, chunked)]
     return lines + ["", "![max_input](results/max_input.png)"]
 

@@ -336,14 +336,14 @@ def test_prefill_only_quick(results):
 
 
 def test_max_input_quick(results):
-    """Both modes at both lengths, the need = growth + scratch, the longest inputs follow
+    """Both modes at both lengths, the need = tensor peak + scratch, the longest inputs follow
     from the rows and the budget, and the chunked pass returns the same log-probabilities."""
     data = results("max_input")
     check_meta(data["meta"])
     one_shot, chunked = data["modes"].values()
     assert [r["tokens"] for r in one_shot] == [r["tokens"] for r in chunked] == [300, 600]
     for r in one_shot + chunked:
-        assert r["need_bytes"] == r["growth_bytes"] + r["scratch_bytes"] and r["growth_bytes"] > 0
+        assert r["need_bytes"] == r["peak_bytes"] + r["scratch_bytes"] and r["peak_bytes"] > 0
         assert len(r["logprobs"]) == 3 and all(v < 0 for v in r["logprobs"])
     assert data["budget_bytes"] == one_shot[0]["need_bytes"] and data["longest"]["one-shot"] >= 300
     assert data["longest_ratio"] == data["longest"]["chunked"] / data["longest"]["one-shot"]
