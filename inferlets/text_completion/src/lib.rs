@@ -1,4 +1,4 @@
-//! `text_completion`: one chat-template completion, sent as one message (built in).
+//! `text_completion`: one chat-template completion, or with `--turns` a chat session, one message per reply (built in).
 //!
 //! The plain prefill–decode loop a serving engine runs for every request, as a program:
 //! the prompt is the user turn (after the system turn, if given) of the model's chat
