@@ -1,7 +1,8 @@
 """Scheduling by objective (issue 18; Parrot): chat sessions beside map-reduce summaries on
 one `pie serve`, objective-blind vs chat marked `latency`.
 
-Map-reduce: `--docs` documents of `--chunks` synthetic chunks (~`--chunk-words` words each),
+Map-reduce: `--docs` documents of `--chunks` synthetic chunks (~`--chunk-words` words each;
+summarising is mostly prefill, as on a real map phase),
 every chunk summarised by its own `text_completion` (32 tokens), all launched at once; each
 document's summaries then reduced by one more (48 tokens). Its figure is the completion
 time of the whole job. Chat: `--sessions` `text_completion --turns` sessions, started
@@ -14,10 +15,10 @@ The same server (default config, `control.scheduler = adaptive`) runs both syste
 rotated order round after round: "blind" launches the chat sessions without an objective
 (every queue is `throughput`), "objectives" with `--objective latency`, so the scheduler
 serves them first and chunks the map-reduce's prompts around them
-(`control.latency_batch_tokens`, `control.max_step_tokens`). Medians over rounds; targets:
+(`control.latency_batch_tokens`). Medians over rounds; targets:
 chat's normalized latency >= 2x better, the map-reduce's completion time within 1.1x.
 
-    python benchmarks/objectives.py [--rounds 3] [--docs 2] [--chunks 8] [--sessions 4] [--turns 4] [--quick] [--out FILE]
+    python benchmarks/objectives.py [--rounds 3] [--docs 4] [--chunks 8] [--sessions 4] [--turns 4] [--quick] [--out FILE]
 
 Results: benchmarks/results/objectives.json and objectives.png. `--quick` (one document of
 2 short chunks, 2 sessions of 2 turns, 8 tokens each, 2 rounds) is the smoke run tests/test_bench_scripts.py
@@ -189,13 +190,13 @@ async def main_async(args: argparse.Namespace) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--docs", type=int, default=2)
+    parser.add_argument("--docs", type=int, default=4)
     parser.add_argument("--chunks", type=int, default=8)
-    parser.add_argument("--chunk-words", type=int, default=300)
+    parser.add_argument("--chunk-words", type=int, default=350)
     parser.add_argument("--sessions", type=int, default=4)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--think", type=float, default=0.5, help="seconds between a reply and the next message")
-    parser.add_argument("--stagger", type=float, default=0.7, help="seconds between sessions' starts")
+    parser.add_argument("--stagger", type=float, default=0.5, help="seconds between sessions' starts")
     parser.add_argument("--chat-delay", type=float, default=0.3, help="seconds from the map-reduce's launch to the first session")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quick", action="store_true", help="a small run (the tests' smoke run)")

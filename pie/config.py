@@ -125,11 +125,10 @@ class ControlConfig:
     # a 2,000-token prompt prefills (1.6x here; 128: 4.4x; unchunked: 64x) at +67% on that
     # prompt's time to first token (benchmarks/results/interference.json, Xeon 2 vCPU).
     max_step_tokens: int = 64
-    # While a latency queue (scheduling.set-queue-objective) is open but has no call waiting
-    # or in flight, other queues' prompts go in chunks of at most this many tokens a batch,
-    # so a latency call arriving waits for one such batch at most; while it has calls, its
-    # batches carry at most max_step_tokens new tokens (benchmarks/objectives.py).
-    latency_batch_tokens: int = 512
+    # While a latency queue (scheduling.set-queue-objective) is open, other queues' prompts
+    # go in chunks of at most this many tokens a batch, so a latency call waits for one such
+    # batch at most, while prompts still prefill at near full speed (benchmarks/objectives.py).
+    latency_batch_tokens: int = 256
     # Hosts inferlets may reach with http-get/post (exact host names or IP literals).
     http_allowlist: list[str] = field(default_factory=lambda: ["127.0.0.1", "localhost"])
     http_timeout_s: float = 30.0

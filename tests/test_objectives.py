@@ -97,11 +97,12 @@ def test_a_task_group_is_ordered_by_its_oldest_call(make):
 
 def test_while_a_latency_queue_is_open_other_prompts_go_in_chunks(make):
     """No latency queue: a 900-token prompt goes whole. One open and idle: in chunks of
-    control.latency_batch_tokens (512). One with a call waiting: that call and 63 tokens of
-    the prompt (a batch of max_step_tokens = 64)."""
+    control.latency_batch_tokens (256) a batch. With its decode step waiting, the step goes
+    first and chunked prefill's own rule applies (as many decoders as prompts: a batch of
+    control.max_step_tokens = 64)."""
     from conftest import sampling_pass
 
-    for latency, sent in ((None, 900), ("idle", 512), ("waiting", 64)):
+    for latency, sent in ((None, 900), ("idle", 256), ("waiting", 64)):
         s = make(max_batch_tokens=4096)
         if latency:
             chat = s.create_queue("chat")
@@ -117,6 +118,7 @@ def test_while_a_latency_queue_is_open_other_prompts_go_in_chunks(make):
         with s.lock:
             batch = s._form_batch(P.Kind.PASS)
         assert sum(c.tokens for c in batch) == sent, latency
+        assert [c.queue.instance_id for c in batch][:1] == (["chat"] if latency == "waiting" else ["map"])
 
 
 def test_srjf_key_and_config():

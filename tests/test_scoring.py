@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -61,6 +62,36 @@ def test_chunked_items_give_the_one_shot_results_bit_for_bit(model_dir, dtype):
     alone, mixed = replies1[1], replies1[2]
     assert mixed.logprobs[:16] == alone.logprobs[:16] and mixed.logprobs[16:] == replies1[3].logprobs
     assert mixed.dist_probs == alone.dist_probs
+
+
+def test_a_no_kv_item_that_finds_the_scratch_full_runs_alone(model_dir):
+    """Chunking on (256), the scratch pages hold two chunks' worth (512 tokens): of three
+    200-token scoring passes in one batch the third runs alone, keeping one layer's K/V at a
+    time; all three score as with chunking off (to rounding: their output rows meet the
+    last layer's matmuls in other groupings)."""
+    from pie.backend.engine import Engine
+    from pie.config import BackendConfig
+    from pie.control.passes import Output, Pass, encode
+
+    def item(i: int) -> Pass:
+        tokens = [(13 * j + 101 * i) % 49_000 for j in range(200)]
+        return Pass(None, i, 16, tokens, list(range(200)), [], [], 0, [], 0, None,  # type: ignore[arg-type]
+                    [Output(199, logprob_ids=[5, 42])])
+
+    scores = []
+    for chunk in (0, 256):
+        engine = Engine(model_dir, BackendConfig(dtype="float32", num_kv_pages=8, num_embeds=8,
+                                                 mlp_chunk_tokens=chunk))
+        if chunk:
+            assert engine.scratch_tokens == 512 and len(engine.kv.keys[0]) == 8 + 512 // 16
+            layout = engine.layout()
+            alone = [layout.add(np.zeros(0, np.int64), 0, 200, np.zeros(0, np.int64), 0, None).alone
+                     for _ in range(3)]
+            assert alone == [False, False, True]
+        reply = engine.handle(encode([item(i) for i in range(3)]))
+        assert reply.errors == {}
+        scores.append(np.frombuffer(reply.logprobs, np.float32))
+    assert len(scores[1]) == 6 and scores[1] == pytest.approx(scores[0], abs=1e-4)
 
 
 def test_scoring_inferlet_scores_every_post_as_hf_and_keeps_no_kv_for_them(pie_server, hf_model, tokenizer):

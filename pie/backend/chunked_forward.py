@@ -5,8 +5,9 @@ Why: a T-token pass holds per layer [T, 2 x intermediate] MLP activations and, w
 keeps no KV (a scoring pass), every layer's keys and values in the scratch pages until the
 pass ends. Here every op but attention's key set runs over one chunk of rows at a time, and
 a pass that keeps no KV holds only the current layer's keys and values (in fp32, the form
-attention reads). What stays is O(T) per token of hidden size: the residual stream, the
-next layer's pending MLP output and the queries. Measured with SmolLM2-135M in bf16
+attention reads). What stays per token is the residual stream, the queries and one layer's
+K/V; attention takes 64 queries a call, over each KV head's keys with its query heads
+stacked (no per-head copies of the keys). Measured with SmolLM2-135M in bf16
 (`benchmarks/max_input.py`): the memory a scoring pass needs beyond weights and KV pool,
 and the longest input that fits a fixed budget, in benchmarks/RESULTS.md.
 
@@ -17,7 +18,8 @@ summation order: an fp32 product's rows equal a 4,096-row product's from 193 row
 2 threads; below that the library splits the sums across threads: the down projection
 differs from 1 to 192 rows), oneDNN's bf16 rows at any count. Attention runs each chunk of
 queries over the item's whole key set with its rows of the same mask, which is how the CPU
-flash kernel blocks queries anyway (equal at 64-512-query chunks). On CUDA it runs
+flash kernel blocks queries anyway (equal at 64-512-query chunks, and with a KV head's
+query heads stacked as rows). On CUDA it runs
 the same PyTorch ops (SDPA instead of FlashInfer): unverified there.
 """
 
@@ -29,7 +31,6 @@ import torch.nn.functional as F
 from pie.backend.glue import rms_norm
 from pie.backend.kv_cache import KvCache
 from pie.backend.llama import Llama, project
-
 
 # Queries per attention call: SDPA turns the boolean mask into an fp32 one of
 # (query heads per KV head) x rows x keys, 3 KiB per key at 256 rows of SmolLM2.
@@ -53,10 +54,10 @@ class ChunkedForward:
             context_visible: torch.Tensor, write_slots: torch.Tensor | None, mask: torch.Tensor | None,
             kv: KvCache, out_rows: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] new tokens after `context_slots` (visible where `context_visible`),
-        overwritten (it becomes the residual stream);
-        their K/V written to `write_slots` (None: kept only while their layer runs); `mask`:
-        the item's custom [T, n_keys] mask or None (causal). Returns the final-normed hidden
-        states of rows `out_rows` (indices into T)."""
+        overwritten (it becomes the residual stream); their K/V written to `write_slots`
+        (None: kept only while their layer runs); `mask`: the item's custom [T, n_keys] mask
+        or None (causal). Returns the final-normed hidden states of rows `out_rows`
+        (indices into T)."""
         model, cfg = self.model, self.model.config
         glue, eps, dtype = model.glue, cfg.rms_norm_eps, model.dtype
         tokens, n_ctx = x.shape[0], len(context_slots)

@@ -19,6 +19,9 @@ from types import ModuleType
 
 from pie.config import PieConfig
 
+# A build lock older than this is a build that was killed (one takes ~30-40 s here).
+STALE_LOCK_S = 600
+
 log = logging.getLogger("pie.backend")
 CSRC = Path(__file__).parent / "csrc"
 
@@ -64,6 +67,10 @@ def _build(name: str) -> ModuleType:
     digest = hashlib.sha256(text).hexdigest()[:12]
     build_dir = PieConfig().paths.cache / "kernels" / f"{name}-{digest}"
     build_dir.mkdir(parents=True, exist_ok=True)
+    lock = build_dir / "lock"  # torch's build baton: a build killed mid-way leaves it behind,
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:  # and every later start waits on it
+        log.warning("removing the stale build lock %s (%.0f s old)", lock, time.time() - lock.stat().st_mtime)
+        lock.unlink(missing_ok=True)
     fresh = not any(build_dir.glob("*.so"))
     if fresh:
         log.info("compiling the CPU kernel %s (once per machine, ~30-40 s)", name)

@@ -414,14 +414,11 @@ class Scheduler:
                   and q.pending[0].kind == kind]
         decoders = sum(q.pending[0].tokens <= DECODE_TOKENS for q in queues)
         # Latency queues are never held behind a long prefill of another class: while one
-        # is open, the others' prompts go in chunks (latency_batch_tokens), and while one has
-        # calls, in batches of at most max_step_tokens new tokens.
-        latency = [q for q in self.queues if q.objective is Objective.LATENCY]
-        active = any(q.pending or id(q) in busy for q in latency)
-        step = self.config.max_step_tokens if active or 0 < decoders >= len(queues) - decoders \
-            else self.config.latency_batch_tokens
-        chunking = kind == P.Kind.PASS and not single and (
-            0 < decoders >= len(queues) - decoders or bool(latency))
+        # is open, the others' prompts go in chunks of control.latency_batch_tokens.
+        latency = any(q.objective is Objective.LATENCY for q in self.queues)
+        decoding = 0 < decoders >= len(queues) - decoders
+        step = self.config.max_step_tokens if decoding else self.config.latency_batch_tokens
+        chunking = kind == P.Kind.PASS and not single and (decoding or latency)
         keys = self._order(queues)
         queues.sort(key=lambda q: (q.objective, -q.priority,
                                    chunking and q.pending[0].tokens > DECODE_TOKENS
