@@ -98,3 +98,21 @@ def test_kernel_kv_write_equals_index_assignment(dtype, page_size):
     assert torch.equal(kernel_side.values[0], torch_side.values[0])
     with pytest.raises(RuntimeError, match="out of range"):
         kernel_side.write(0, torch.tensor([12 * page_size]), k[:1], v[:1])
+
+
+def test_a_stale_build_lock_is_removed(tmp_path):
+    """A kernel build killed mid-way leaves torch's `lock` file in its build directory, and
+    every later start would wait on it forever: one older than STALE_LOCK_S is removed; a
+    fresh one (a build in progress in another process) is not."""
+    import os
+    import time
+
+    from pie.backend.kernels import STALE_LOCK_S, clear_stale_lock
+
+    lock = tmp_path / "lock"
+    assert not clear_stale_lock(lock)
+    lock.touch()
+    assert not clear_stale_lock(lock) and lock.exists()
+    old = time.time() - STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    assert clear_stale_lock(lock) and not lock.exists()

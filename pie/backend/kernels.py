@@ -56,6 +56,20 @@ def decode_step_module() -> ModuleType:
     return _build("decode_step")
 
 
+def clear_stale_lock(lock: Path) -> bool:
+    """Remove torch's build baton if older than STALE_LOCK_S: a build killed mid-way leaves
+    it behind, and every later start would wait on it forever. Whether it was removed."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age <= STALE_LOCK_S:
+        return False  # a build in progress (another process)
+    log.warning("removing the stale build lock %s (%.0f s old: a build that was killed)", lock, age)
+    lock.unlink(missing_ok=True)
+    return True
+
+
 def _build(name: str) -> ModuleType:
     """Build (or load the cached build of) csrc/<name>.cpp, keyed by its content, the shared
     headers' and that of the sources it includes (decode_step.cpp includes three)."""
@@ -67,10 +81,7 @@ def _build(name: str) -> ModuleType:
     digest = hashlib.sha256(text).hexdigest()[:12]
     build_dir = PieConfig().paths.cache / "kernels" / f"{name}-{digest}"
     build_dir.mkdir(parents=True, exist_ok=True)
-    lock = build_dir / "lock"  # torch's build baton: a build killed mid-way leaves it behind,
-    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:  # and every later start waits on it
-        log.warning("removing the stale build lock %s (%.0f s old)", lock, time.time() - lock.stat().st_mtime)
-        lock.unlink(missing_ok=True)
+    clear_stale_lock(build_dir / "lock")
     fresh = not any(build_dir.glob("*.so"))
     if fresh:
         log.info("compiling the CPU kernel %s (once per machine, ~30-40 s)", name)
