@@ -53,6 +53,7 @@ WARM_UP = 768
 
 def measure(length: int, chunk: int) -> dict:
     """One pass in this (fresh) process: its memory and log-probabilities (see module doc)."""
+    import numpy as np
     import torch
 
     from pie.backend.engine import Engine
@@ -91,7 +92,8 @@ def measure(length: int, chunk: int) -> dict:
     peak = max(e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]")
     assert not reply.errors, reply.errors
     return {"tokens": length, "chunk": chunk, "peak_bytes": peak, "rss_growth_bytes": growth,
-            "scratch_bytes": scratch_bytes, "need_bytes": peak + scratch_bytes, "logprobs": list(reply.logprobs), "dtype": engine.config.dtype,
+            "scratch_bytes": scratch_bytes, "need_bytes": peak + scratch_bytes,
+            "logprobs": np.frombuffer(reply.logprobs, np.float32).tolist(), "dtype": engine.config.dtype,
             "context_length": engine.model.config.max_position_embeddings, "torch_threads": torch.get_num_threads()}
 
 
@@ -158,7 +160,7 @@ def main() -> None:
     longest_one_shot, longest_chunked = longest(one_shot, budget), longest(chunked, budget)
     data = {
         "meta": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": command_line(),
-                 "quick": args.quick, "rounds": 1, "model": MODEL, "dtype": one_shot[0]["dtype"],
+                 "quick": args.quick, "rounds": 1, "order": [list(modes)], "model": MODEL, "dtype": one_shot[0]["dtype"],
                  **machine_settings()},
         "chunk": args.chunk, "budget_at": budget_at, "budget_bytes": budget, "modes": modes,
         "context_length": one_shot[0]["context_length"],

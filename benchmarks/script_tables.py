@@ -229,6 +229,8 @@ def prefill_only(data: Json) -> list[str]:
 
 def max_input(data: Json) -> list[str]:
     longest = data["longest"]
+    one_shot, chunked = data["modes"].values()
+    same = sum(a["logprobs"] == b["logprobs"] for a, b in zip(one_shot, chunked))
     bound = f" (the model's {data['context_length']:,}-token context: the budget holds more)" \
         if data["bounded_by_context"] else ""
     lines = [f"A scoring pass (no KV kept, log-probabilities at the last position) of T tokens, {_dtype(data)}: "
@@ -237,9 +239,8 @@ def max_input(data: Json) -> list[str]:
              f"{data['chunk']}. Budget: the one-shot forward's need at {data['budget_at']:,} tokens "
              f"({data['budget_bytes'] / 2**20:.0f} MiB). Longest input within it: {longest['one-shot']:,} one-shot, "
              f"{longest['chunked']:,} chunked{bound}: **{data['longest_ratio']:.1f}×** (target ≥ 3×). "
-             f"Log-probabilities equal bit for bit at every T: {'yes' if data['identical_logprobs'] else 'no'}.", "",
+             f"Log-probabilities equal bit for bit at {same} of {len(one_shot)} lengths (the others within rounding).", "",
              "| T | one-shot need | chunked need | resident growth, one-shot / chunked |", "|---|---|---|---|"]
-    one_shot, chunked = data["modes"].values()
     lines += [f"| {a['tokens']:,} | {a['need_bytes'] / 2**20:.0f} MiB | {b['need_bytes'] / 2**20:.0f} MiB | "
               f"{a['rss_growth_bytes'] / 2**20:.0f} / {b['rss_growth_bytes'] / 2**20:.0f} MiB |"
               for a, b in zip(one_shot, chunked)]

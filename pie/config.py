@@ -67,7 +67,7 @@ class BackendConfig:
     # An item of more new tokens runs alone, every op but attention's key set over at most
     # this many tokens at a time (0: off), and one that keeps no KV (scoring) holds only the
     # current layer's keys and values: a long input's activations stay bounded and results
-    # equal the one-shot forward's bit for bit (PrefillOnly; pie/backend/chunked_forward.py).
+    # equal the one-shot forward's (PrefillOnly; pie/backend/chunked_forward.py).
     mlp_chunk_tokens: int = 0
     threads: int = 0
     # Replay decode steps from captured CUDA graphs (pie/backend/cuda_graphs.py; 4.7 vs 30.7 ms

@@ -288,12 +288,17 @@ class FakeModel(FakeHost):
                 futures.add_resource("pollable", ResourceType.host(self.POLLABLE), self.drop)
                 futures.add_func("[method]pollable.watch", lambda store, p, key: self.watched.append(key))
                 futures.add_func("wait", lambda store: [self.watched.pop() for _ in list(self.watched)][::-1])
+                # text_completion --turns receives user messages; these runs have one turn.
+                futures.add_resource("future-string", ResourceType.host(self.FUTURE_STRING), self.drop)
+                for name in ("[method]future-string.subscribe", "[method]future-string.get"):
+                    futures.add_func(name, self.unexpected(name))
             with root.add_instance("pie:inferlet/runtime@0.1.0") as runtime:
                 runtime.add_func("get-arguments", lambda store: self.args)
                 runtime.add_func("available-models", lambda store: ["toy"])
                 runtime.add_func("create-queue", lambda store, model: self.own(model, self.QUEUE))
             with root.add_instance("pie:inferlet/messaging@0.1.0") as messaging:
                 messaging.add_func("send", lambda store, message: self.sent.append(message))
+                messaging.add_func("receive", self.unexpected("receive"))
             with root.add_instance("pie:inferlet/allocate@0.1.0") as allocate:
                 allocate.add_func("kv-page-size", lambda store, q: self.PAGE_SIZE)
                 allocate.add_func("alloc-kvpage", lambda store, q, n: self.ids(n, self.kv))

@@ -11,7 +11,10 @@ stacked (no per-head copies of the keys). Measured with SmolLM2-135M in bf16
 (`benchmarks/max_input.py`): the memory a scoring pass needs beyond weights and KV pool,
 and the longest input that fits a fixed budget, in benchmarks/RESULTS.md.
 
-Results equal the one-shot forward's bit for bit on CPU (tests/test_scoring.py). A chunk
+Results equal the one-shot forward's bit for bit on CPU when the matmul library sums as it
+did there (tests/test_scoring.py; benchmarks/max_input.py compares every length: two of
+eight differed in the last bits in a run beside other work, whose load seemingly changed
+how the library split its sums; the others were equal). A chunk
 is at least MIN_MLP_CHUNK = 256 rows (the last one absorbs the remainder), so every glue op
 takes the same (torch, not fused) path as over all T rows, and every matmul the same
 summation order: an fp32 product's rows equal a 4,096-row product's from 193 rows on (Xeon,
