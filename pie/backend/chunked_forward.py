@@ -45,7 +45,7 @@ class ChunkedForward:
         self.model, self.chunk = model, chunk
 
     def applies(self, n_new: int) -> bool:
-        return self.chunk > 0 and n_new > self.chunk
+        return n_new > self.chunk
 
     def bounds(self, tokens: int) -> list[tuple[int, int]]:
         """Chunks of `chunk` rows; the last one takes the remainder (< 2 x chunk rows)."""
@@ -72,6 +72,7 @@ class ChunkedForward:
         values = torch.empty(shape, dtype=torch.float32, device=x.device)
         last = len(model.layers) - 1
         out_chunks = [(a, b) for a, b in chunks if bool(((out_rows >= a) & (out_rows < b)).any())]
+        visible = torch.cat([context_visible, torch.ones(tokens, dtype=torch.bool, device=x.device)])
         for index, layer in enumerate(model.layers):
             if n_ctx:
                 k_ctx, v_ctx = kv.gather(index, context_slots)
@@ -93,7 +94,7 @@ class ChunkedForward:
             for a, b in (out_chunks if index == last else chunks):
                 for c in range(a, b, ATTENTION_ROWS):
                     d = min(c + ATTENTION_ROWS, b)
-                    self._attend(q, keys, values, c, d, self._mask(c, d, n_ctx + tokens, context_visible, mask))
+                    self._attend(q, keys, values, c, d, self._mask(c, d, n_ctx, visible, mask))
                 if index < last:
                     xa, h = glue.add_norm(x[a:b], project(layer.o, layer.o_bias, q[a:b].view(b - a, -1)),
                                           layer.post_norm, eps)
@@ -122,15 +123,12 @@ class ChunkedForward:
             q[a:b, hs] = out.view(group, b - a, -1).transpose(0, 1).to(q.dtype)
 
     @staticmethod
-    def _mask(a: int, b: int, n_keys: int, context_visible: torch.Tensor,
-              mask: torch.Tensor | None) -> torch.Tensor:
-        """Rows a:b of the item's [T, n_keys] visibility (as AttentionPlan.item_mask)."""
-        n_ctx = len(context_visible)
+    def _mask(a: int, b: int, n_ctx: int, visible: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Rows a:b of the item's [T, n_keys] visibility (as AttentionPlan.item_mask);
+        `visible`: which of its n_keys keys page mask bits leave visible."""
         if mask is None:
-            rows = torch.arange(a, b, device=context_visible.device)[:, None]
-            mask = torch.arange(n_keys, device=context_visible.device)[None, :] <= rows + n_ctx
+            rows = torch.arange(a, b, device=visible.device)[:, None]
+            mask = torch.arange(len(visible), device=visible.device)[None, :] <= rows + n_ctx
         else:
             mask = mask[a:b]
-        visible = torch.cat([context_visible, torch.ones(n_keys - n_ctx, dtype=torch.bool,
-                                                         device=context_visible.device)])
         return mask & visible[None, :]
