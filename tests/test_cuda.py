@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 
+import numpy as np
 import pytest
 import torch
 from conftest import hf_greedy, run_sampling_passes, sampling_pass
@@ -317,3 +318,37 @@ def test_cuda_graphs_give_the_tokens_of_eager_decode(model_dir, monkeypatch):
     capped = Engine(model_dir, BackendConfig(**config, cuda_graphs=True))
     assert capped.graphs.sizes == [1, 2]
     assert greedy(capped, prompts, 24) == want
+
+
+def scored(engine) -> tuple[np.ndarray, list[int]]:
+    """A 520-token prefix written to pages, then a 540-token pass over it that keeps no KV:
+    (log-probabilities of three tokens at its last position, top-4 ids there)."""
+    from pie.control.passes import Output, Pass, encode
+
+    prefix = [(7 * i + 300) % 49_000 for i in range(520)]
+    post = [(11 * i + 77) % 49_000 for i in range(540)]
+    pages = list(range(33))
+    fill = Pass(None, 0, 16, prefix, list(range(520)), [], [], 0, pages, 0, None, [Output(519)])  # type: ignore[arg-type]
+    score = Pass(None, 1, 16, post, list(range(520, 1060)), [], pages, 8, [], 0, None,  # type: ignore[arg-type]
+                 [Output(539, logprob_ids=[5, 42, 1000], dist_k=4)])
+    replies = [engine.handle(encode([p])) for p in (fill, score)]
+    assert all(reply.errors == {} for reply in replies)
+    return (np.frombuffer(replies[1].logprobs, np.float32),
+            np.frombuffer(replies[1].dist_ids, np.int32).tolist())
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype, attention", [("float32", "torch"), ("bfloat16", "flashinfer")])
+def test_chunked_items_on_cuda_give_the_one_shot_results(model_dir, dtype, attention):
+    """`backend.mlp_chunk_tokens` on the GPU (chunked_forward.py's SDPA beside the engine's
+    attention, the cache in the "nhd" layout): a long no-KV pass scores as in one shot."""
+    from pie.backend.engine import Engine
+
+    if attention == "flashinfer" and importlib.util.find_spec("flashinfer") is None:
+        pytest.skip("needs flashinfer; not installed here")
+    results = [scored(Engine(model_dir, BackendConfig(
+        device="cuda", dtype=dtype, attention=attention, num_kv_pages=40, num_embeds=8,
+        mlp_chunk_tokens=chunk))) for chunk in (0, 256)]
+    (one_shot, top0), (chunked, top1) = results
+    assert top1[0] == top0[0]
+    assert chunked == pytest.approx(one_shot, abs=1e-3 if dtype == "float32" else 5e-2, rel=0)

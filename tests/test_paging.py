@@ -160,3 +160,23 @@ def test_seeds_differing_above_32_bits_draw_differently():
     seeds = [7, 7 + 2**32, 7 + 2**40, 7 + 2**63]
     assert len({_seed32(s) for s in seeds}) == len(seeds)
     assert _seed32(7) == _seed32(7) and all(0 <= _seed32(s) < 2**32 for s in seeds)
+
+
+def test_the_overlap_check_equals_the_slot_sets(engine):
+    """`_writes_context` (page ranges in plain ints) says what intersecting the slot lists
+    says, on random layouts: repeated and shared pages, offsets, writes over page ends."""
+    rng = np.random.default_rng(0)
+    ps = engine.page_size
+    seen = {True: 0, False: 0}
+    for _ in range(2000):
+        pages = rng.integers(0, 6, size=rng.integers(1, 5))
+        last_len = int(rng.integers(1, ps + 1))
+        out_pages = rng.choice(6, size=rng.integers(1, 4), replace=False)
+        out_offset = int(rng.integers(0, ps))
+        n_new = int(rng.integers(1, len(out_pages) * ps - out_offset + 1))
+        context = engine._page_slots(pages)[: (len(pages) - 1) * ps + last_len]
+        write = engine._page_slots(out_pages)[out_offset : out_offset + n_new]
+        expected = bool(np.isin(write, context).any())
+        assert engine._writes_context(pages, last_len, out_pages, out_offset, n_new) == expected
+        seen[expected] += 1
+    assert min(seen.values()) > 100  # both answers exercised
