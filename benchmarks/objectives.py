@@ -15,10 +15,12 @@ The same server (default config, `control.scheduler = adaptive`) runs both syste
 rotated order round after round: "blind" launches the chat sessions without an objective
 (every queue is `throughput`), "objectives" with `--objective latency`, so the scheduler
 serves them first and chunks the map-reduce's prompts around them
-(`control.latency_batch_tokens`). Medians over rounds; targets:
+(`control.latency_batch_tokens`), and with `--latency-step-tokens N` caps the map-reduce's
+share of each batch a chat call rides to N tokens (`control.latency_step_tokens`). Medians over rounds; targets:
 chat's normalized latency >= 2x better, the map-reduce's completion time within 1.1x.
 
-    python benchmarks/objectives.py [--rounds 3] [--docs 6] [--doc-gap 3] [--chunks 8] [--sessions 4] [--turns 5] [--quick] [--out FILE]
+    python benchmarks/objectives.py [--rounds 3] [--docs 6] [--doc-gap 3] [--chunks 8] [--sessions 4] [--turns 5]
+        [--latency-step-tokens N] [--quick] [--out FILE]
 
 Results: benchmarks/results/objectives.json and objectives.png. `--quick` (one document of
 2 short chunks, 2 sessions of 2 turns, 8 tokens each, 2 rounds) is the smoke run tests/test_bench_scripts.py
@@ -164,8 +166,11 @@ async def main_async(args: argparse.Namespace) -> dict:
     runs: list[dict] = []
     order: list[list[str]] = []
     tmp = Path(tempfile.mkdtemp(prefix="pie-objectives-"))
+    settings = tmp / "config.toml"
+    settings.write_text(f"[control]\nlatency_step_tokens = {args.latency_step_tokens}\n")
     with (tmp / "serve.log").open("ab") as log:
-        async with LocalServer(["--dtype", dtype], stderr=log) as url, PieClient(url) as client:
+        async with LocalServer(["--dtype", dtype, "--config", str(settings)], stderr=log) as url, \
+                PieClient(url) as client:
             # Warm-up (the first map wave after a start ran ~2x slower): one document, no chat.
             await map_reduce(client, docs[:1], args.tokens, 0.0, time.monotonic())
             for round_ in range(args.rounds):
@@ -190,6 +195,7 @@ async def main_async(args: argparse.Namespace) -> dict:
                      "sessions": args.sessions, "turns": args.turns, "think_s": args.think,
                      "stagger_s": args.stagger, "chat_delay_s": args.chat_delay,
                      "tokens": args.tokens},
+        "control": {"latency_step_tokens": args.latency_step_tokens},
         "runs": runs, "median": median,
         "chat_speedup": median["blind"]["chat_normalized_mean_s"] / median["objectives"]["chat_normalized_mean_s"],
         "map_reduce_ratio": median["objectives"]["map_reduce_s"] / median["blind"]["map_reduce_s"],
@@ -209,6 +215,8 @@ def main() -> None:
     parser.add_argument("--stagger", type=float, default=0.5, help="seconds between sessions' starts")
     parser.add_argument("--chat-delay", type=float, default=0.3, help="seconds from the map-reduce's launch to the first session")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--latency-step-tokens", type=int, default=0,
+                        help="the server's control.latency_step_tokens (default 0: no cap)")
     parser.add_argument("--quick", action="store_true", help="a small run (the tests' smoke run)")
     parser.add_argument("--out", default=str(RESULTS / "objectives.json"))
     args = parser.parse_args()

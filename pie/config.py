@@ -129,6 +129,13 @@ class ControlConfig:
     # go in chunks of at most this many tokens a batch, so a latency call waits for one such
     # batch at most, while prompts still prefill at near full speed (benchmarks/objectives.py).
     latency_batch_tokens: int = 256
+    # While a latency queue's call rides a batch, the other queues' calls in that batch carry
+    # at most this many new tokens (decoders first, then a prompt's chunk of at least 16),
+    # so a latency step costs little more than its own rows; 0 = no cap (the rules above
+    # size the batch). On this CPU a decode row costs ~2.4 ms and a step ~13 ms whatever
+    # its size (benchmarks/results/backend.json): the cap trades the others' throughput for
+    # the latency queue's time per token (benchmarks/objectives.py --latency-step-tokens).
+    latency_step_tokens: int = 0
     # Hosts inferlets may reach with http-get/post (exact host names or IP literals).
     http_allowlist: list[str] = field(default_factory=lambda: ["127.0.0.1", "localhost"])
     http_timeout_s: float = 30.0
@@ -165,6 +172,9 @@ class ControlConfig:
         if self.latency_batch_tokens < self.max_step_tokens:
             raise ConfigError(f"control.latency_batch_tokens ({self.latency_batch_tokens}) must be at least "
                               f"control.max_step_tokens ({self.max_step_tokens})")
+        if self.latency_step_tokens < 0 or 0 < self.latency_step_tokens < 16:
+            raise ConfigError(f"control.latency_step_tokens must be 0 (no cap) or at least 16, "
+                              f"got {self.latency_step_tokens}")
         if self.alloc_wait_ms < 0:
             raise ConfigError(f"control.alloc_wait_ms must be >= 0, got {self.alloc_wait_ms}")
         if self.http_max_response_bytes < 1 or self.kvs_max_bytes < 1:

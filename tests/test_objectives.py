@@ -21,10 +21,11 @@ from pie.control.scheduler import Scheduler
 def make(tmp_path):
     made = []
 
-    def make(scheduler: str = "adaptive", srjf_lambda: float = 0.0, max_batch_tokens: int = 64) -> Scheduler:
+    def make(scheduler: str = "adaptive", srjf_lambda: float = 0.0, max_batch_tokens: int = 64,
+             **control) -> Scheduler:
         endpoint = f"ipc://{tmp_path}/fake{len(made)}.sock"
         backend = FakeBackend(endpoint)
-        s = Scheduler(endpoint, ControlConfig(scheduler=scheduler, srjf_lambda=srjf_lambda),
+        s = Scheduler(endpoint, ControlConfig(scheduler=scheduler, srjf_lambda=srjf_lambda, **control),
                       max_batch_tokens=max_batch_tokens)
         s.backend_idle = False  # nothing is sent while the test queues
         made.append((s, backend))
@@ -119,6 +120,40 @@ def test_while_a_latency_queue_is_open_other_prompts_go_in_chunks(make):
             batch = s._form_batch(P.Kind.PASS)
         assert sum(c.tokens for c in batch) == sent, latency
         assert [c.queue.instance_id for c in batch][:1] == (["chat"] if latency == "waiting" else ["map"])
+
+
+def test_a_latency_call_caps_the_others_share_of_its_batch(make):
+    """control.latency_step_tokens = 24: beside a waiting latency decode, 20 decoders of
+    other queues go (20 tokens) and a 900-token prompt does not (the 4 tokens of room left
+    are less than a chunk); cap 48: the decoders, then a 28-token chunk. Without a latency
+    call waiting, or with cap 0 (the default), chunked prefill's 64-token step."""
+    from conftest import sampling_pass
+
+    def batch_of(cap: int, chat_waits: bool) -> list[tuple[str, int]]:
+        s = make(max_batch_tokens=4096, latency_step_tokens=cap)
+        chat = s.create_queue("chat")
+        chat.objective = Objective.LATENCY
+        if chat_waits:
+            call = sampling_pass([5], 0, [100], 16)
+            call.queue = chat
+            s.submit(call)
+        prompt = sampling_pass([100 + i for i in range(900)], 0, list(range(60)), 16)
+        prompt.queue = s.create_queue("map prompt")
+        s.submit(prompt)
+        for i in range(20):
+            decode = sampling_pass([7], 40, [200 + i, 300 + i], 16)
+            decode.queue = s.create_queue(f"map {i}")
+            s.submit(decode)
+        with s.lock:
+            return [(c.queue.instance_id, c.tokens) for c in s._form_batch(P.Kind.PASS)]
+
+    capped = batch_of(24, True)
+    assert capped[0] == ("chat", 1) and len(capped) == 21 and sum(t for _, t in capped) == 21
+    assert batch_of(48, True)[-1] == ("map prompt", 28)
+    assert sum(t for _, t in batch_of(0, True)) == 1 + 20 + 43  # chunked prefill's 64-token step
+    assert sum(t for _, t in batch_of(24, False)) == 20 + 44
+    with pytest.raises(Exception, match="latency_step_tokens"):
+        ControlConfig(latency_step_tokens=8)
 
 
 def test_srjf_key_and_config():

@@ -419,17 +419,28 @@ class Scheduler:
         decoding = 0 < decoders >= len(queues) - decoders
         step = self.config.max_step_tokens if decoding else self.config.latency_batch_tokens
         chunking = kind == P.Kind.PASS and not single and (decoding or latency)
+        # A latency call waits to go: the others' share of its batch is capped.
+        cap = self.config.latency_step_tokens if kind == P.Kind.PASS and not single and any(
+            q.objective is Objective.LATENCY for q in queues) else 0
         keys = self._order(queues)
         queues.sort(key=lambda q: (q.objective, -q.priority,
                                    chunking and q.pending[0].tokens > DECODE_TOKENS
                                    and q.objective is not Objective.LATENCY, keys[id(q)]))
         batch: list[Command] = []
-        used, chunked = 0, False
+        used, chunked, latency_used = 0, False, 0
         for queue in queues:
             taken: list[Command] = []
             for command in queue.pending:  # vertical batching within the queue
                 if command.kind != kind or conflicts(command, taken):
                     break
+                if cap and queue.objective is not Objective.LATENCY:
+                    room = cap - (used - latency_used)
+                    if command.tokens > room:  # a prompt's chunk that fits, or nothing
+                        cut = min(room, command.chunkable()) if not taken else 0  # type: ignore[attr-defined]
+                        if cut >= MIN_CHUNK_TOKENS:
+                            batch.append(command.split(cut))  # type: ignore[attr-defined]
+                            used, chunked = used + cut, True
+                        break
                 if chunking and queue.objective is not Objective.LATENCY:  # every step moves a prefill on by at least MIN_CHUNK_TOKENS
                     room = step - used
                     room = room if chunked else max(room, MIN_CHUNK_TOKENS)
@@ -443,6 +454,8 @@ class Scheduler:
                     break
                 taken.append(command)
                 used += command.tokens
+                if queue.objective is Objective.LATENCY:
+                    latency_used += command.tokens
                 if single:
                     break
             for _ in taken:
