@@ -89,10 +89,10 @@ async def map_reduce(client: PieClient, docs: list[list[str]], tokens: dict[str,
 
 
 async def chat(client: PieClient, session: int, turns: int, think: float, delay: float,
-               objective: bool, max_tokens: int, tokenizer) -> list[dict]:
+               objective: bool, max_tokens: int, tokenizer, seed: int) -> list[dict]:
     """One session's turns: (latency, reply tokens, normalized latency) each."""
     await asyncio.sleep(delay)
-    rng = random.Random(session)
+    rng = random.Random(seed)
     messages = [f"Session {session}, question {t}: tell me about the {rng.choice(WORDS)} and the "
                 f"{rng.choice(WORDS)} near the {rng.choice(WORDS)} in two sentences." for t in range(turns)]
     args = ["--prompt", messages[0], "--max-tokens", str(max_tokens), "--turns", str(turns)]
@@ -117,11 +117,18 @@ async def chat(client: PieClient, session: int, turns: int, think: float, delay:
     return out
 
 
-async def one_run(client: PieClient, system: str, args: argparse.Namespace, docs: list[list[str]],
-                  tokenizer) -> dict:
+def documents(args: argparse.Namespace, seed: int) -> list[list[str]]:
+    """`args.docs` documents of their own: every run prefills text no earlier run left in
+    the prefix cache (with the same documents each round, later rounds took half the time)."""
+    rng = random.Random(seed)
+    return [[chunk_text(rng, args.chunk_words) for _ in range(args.chunks)] for _ in range(args.docs)]
+
+
+async def one_run(client: PieClient, system: str, args: argparse.Namespace, tokenizer, seed: int) -> dict:
+    docs = documents(args, seed)
     start = time.monotonic()
     chats = [chat(client, s, args.turns, args.think, args.chat_delay + s * args.stagger, system == "objectives",
-                  args.tokens["chat"], tokenizer) for s in range(args.sessions)]
+                  args.tokens["chat"], tokenizer, seed=1000 * seed + s) for s in range(args.sessions)]
     (makespan, documents), *sessions = await asyncio.gather(
         map_reduce(client, docs, args.tokens, args.doc_gap, start), *chats)
     turns = [t for s in sessions for t in s]
@@ -160,8 +167,6 @@ async def main_async(args: argparse.Namespace) -> dict:
 
     config = load_config()
     tokenizer = Tokenizer.from_file(str(resolve_model_dir(config.model.path, config.paths.cache) / "tokenizer.json"))
-    rng = random.Random(7)
-    docs = [[chunk_text(rng, args.chunk_words) for _ in range(args.chunks)] for _ in range(args.docs)]
     dtype = resolve_dtype(args.dtype, "cpu")
     runs: list[dict] = []
     order: list[list[str]] = []
@@ -172,12 +177,12 @@ async def main_async(args: argparse.Namespace) -> dict:
         async with LocalServer(["--dtype", dtype, "--config", str(settings)], stderr=log) as url, \
                 PieClient(url) as client:
             # Warm-up (the first map wave after a start ran ~2x slower): one document, no chat.
-            await map_reduce(client, docs[:1], args.tokens, 0.0, time.monotonic())
+            await map_reduce(client, documents(args, 0)[:1], args.tokens, 0.0, time.monotonic())
             for round_ in range(args.rounds):
                 systems = rotated(list(SYSTEMS), round_)
                 order.append(systems)
                 for system in systems:
-                    run = await one_run(client, system, args, docs, tokenizer)
+                    run = await one_run(client, system, args, tokenizer, seed=1 + len(runs))
                     run["round"] = round_
                     runs.append(run)
                     print(f"round {round_} {system:10s}: chat {1000 * run['chat_normalized_mean_s']:.0f} ms/token "
