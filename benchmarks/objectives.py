@@ -117,7 +117,7 @@ async def chat(client: PieClient, session: int, turns: int, think: float, delay:
     return out
 
 
-def documents(args: argparse.Namespace, seed: int) -> list[list[str]]:
+def make_documents(args: argparse.Namespace, seed: int) -> list[list[str]]:
     """`args.docs` documents of their own: every run prefills text no earlier run left in
     the prefix cache (with the same documents each round, later rounds took half the time)."""
     rng = random.Random(seed)
@@ -125,7 +125,7 @@ def documents(args: argparse.Namespace, seed: int) -> list[list[str]]:
 
 
 async def one_run(client: PieClient, system: str, args: argparse.Namespace, tokenizer, seed: int) -> dict:
-    docs = documents(args, seed)
+    docs = make_documents(args, seed)
     start = time.monotonic()
     chats = [chat(client, s, args.turns, args.think, args.chat_delay + s * args.stagger, system == "objectives",
                   args.tokens["chat"], tokenizer, seed=1000 * seed + s) for s in range(args.sessions)]
@@ -177,7 +177,7 @@ async def main_async(args: argparse.Namespace) -> dict:
         async with LocalServer(["--dtype", dtype, "--config", str(settings)], stderr=log) as url, \
                 PieClient(url) as client:
             # Warm-up (the first map wave after a start ran ~2x slower): one document, no chat.
-            await map_reduce(client, documents(args, 0)[:1], args.tokens, 0.0, time.monotonic())
+            await map_reduce(client, make_documents(args, 0)[:1], args.tokens, 0.0, time.monotonic())
             for round_ in range(args.rounds):
                 systems = rotated(list(SYSTEMS), round_)
                 order.append(systems)
