@@ -132,10 +132,11 @@ class ControlConfig:
     # While a latency queue's call rides a batch, the other queues' calls in that batch carry
     # at most this many new tokens (decoders first, then a prompt's chunk of at least 16),
     # so a latency step costs little more than its own rows; 0 = no cap (the rules above
-    # size the batch). On this CPU a decode row costs ~2.4 ms and a step ~13 ms whatever
-    # its size (benchmarks/results/backend.json): the cap trades the others' throughput for
-    # the latency queue's time per token (benchmarks/objectives.py --latency-step-tokens).
-    latency_step_tokens: int = 0
+    # size the batch). On this CPU a step's time grows with its rows (batch 32 = 6.6x batch
+    # 1, benchmarks/results/backend.json), so chat beside a saturating map-reduce
+    # (benchmarks/objectives.py) ran 5.5x faster a token at 16 with the map-reduce's time
+    # unchanged (0.98x); 48 helped far less, no cap hardly at all (docs/architecture.md).
+    latency_step_tokens: int = 16
     # Hosts inferlets may reach with http-get/post (exact host names or IP literals).
     http_allowlist: list[str] = field(default_factory=lambda: ["127.0.0.1", "localhost"])
     http_timeout_s: float = 30.0

@@ -47,6 +47,9 @@
 //!   vocabulary, an out-of-range output index, a wrong-size mask, a position past the
 //!   model's context and a log-probability asked of a token past the vocabulary; sends each
 //!   error, then one good pass's token (`good: T`).
+//! - `semvar`: semantic-variable mistakes (`inferlet::semvar`): malformed templates, a
+//!   binding missing, extra or of another pipeline, then a call whose sampler the host
+//!   refuses and a call that reads its output; sends each error, one per message.
 //! - `fuzz N SEED`: N host calls with random arguments — live, freed and forged ids, wild
 //!   counts, lengths, offsets and positions — each of which must come back as `Ok` or a
 //!   host `Error`, never a trap; frees what it still holds and sends `{"ok": a, "err": b}`.
@@ -205,6 +208,26 @@ async fn main() -> Result<(), String> {
             inferlet::send(&show(queue.set_objective(inferlet::Objective::Throughput, &"g".repeat(300))));
             inferlet::send(&show(queue.set_job_size(1 << 31)));
             inferlet::send(&show(queue.set_job_size(100)));
+            Ok(())
+        }
+        Some("semvar") => {
+            use inferlet::semvar::{Gen, Pipeline, Template};
+            for source in ["no slots", "{{input:x}", "{{inputx}}{{output:y}}", "{{foo:x}}{{output:y}}",
+                           "{{output:y}}{{output:y}}", "{{input:a b}}{{output:y}}"] {
+                inferlet::send(&Template::parse(source).err().unwrap_or("parsed".into()));
+            }
+            let pipeline = Pipeline::new(Model::default_model()?);
+            let other = Pipeline::new(Model::default_model()?);
+            let template = Template::parse("Q: {{input:q}} A:{{output:a}}")?;
+            let (q, foreign) = (pipeline.input("q", "2+2?"), other.input("q", "3+3?"));
+            let gen = Gen::greedy(4);
+            for bindings in [vec![], vec![("q", &q), ("r", &q)], vec![("q", &foreign)], vec![("q", &q), ("q", &q)]] {
+                inferlet::send(&pipeline.call(&template, &bindings, &gen).err().unwrap_or("called".into()));
+            }
+            let refused = Gen { max_tokens: 4, sampler: Sampler::temperature(-1.0) };
+            let a = pipeline.call(&template, &[("q", &q)], &refused)?.remove(0);
+            let b = pipeline.call(&Template::parse("Then: {{input:q}} B:{{output:b}}")?, &[("q", &a)], &gen)?.remove(0);
+            inferlet::send(&pipeline.get(&b, inferlet::Objective::Throughput).await.err().unwrap_or("produced".into()));
             Ok(())
         }
         Some("http") => {

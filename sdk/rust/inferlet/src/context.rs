@@ -503,7 +503,14 @@ impl Context {
     /// same queue, so its calls are ordered with the original's; to decode many
     /// continuations at once (batched), use `branch::generate_branches`.
     pub fn fork(&self) -> Context {
-        Context { queue: self.queue.clone(), pages: self.pages.clone(), last_len: self.last_len,
+        self.fork_on(self.queue.clone())
+    }
+
+    /// A fork whose calls go to `queue` instead (another queue of the same instance), so
+    /// that it runs concurrently with this context. Queues do not order each other's
+    /// calls: await `self.queue().synchronize()` after this context's last write first.
+    pub fn fork_on(&self, queue: Rc<Queue>) -> Context {
+        Context { queue, pages: self.pages.clone(), last_len: self.last_len,
                   committed: self.committed.clone(), pending: self.pending.clone(),
                   embeds: Vec::new(), outputs: Vec::new(), unclaimed: Vec::new(),
                   discardable: self.discardable }

@@ -31,6 +31,7 @@ pub mod http;
 pub mod json;
 mod lines;
 pub mod messages;
+pub mod semvar;
 mod model;
 mod sampling;
 pub mod speculative;
