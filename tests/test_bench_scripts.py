@@ -370,11 +370,24 @@ def test_objectives_quick(results):
     assert Path(results.out / "objectives.png").stat().st_size > 0
 
 
+def test_semantic_variables_quick(results):
+    """Both of Pie's sides ran every application each round, in rotated order, each run
+    produced text; the medians and ratios follow from the runs."""
+    data = results("semantic_variables")
+    check_meta(data["meta"], ["inferlet", "client"])
+    runs = data["runs"]
+    assert len(runs) == 2 * 2 * data["meta"]["rounds"] and all(r["result_chars"] > 0 for r in runs)
+    for app in ("chain", "map-reduce"):
+        median = data["median"][app]
+        assert data["speedup"][app]["pie_client"] == median["pie (client-side)"] / median["pie (inferlet)"]
+    assert Path(results.out / "semantic_variables.png").stat().st_size > 0
+
+
 def test_every_script_takes_quick_and_out():
     """Each script offers `--quick` and `--out` (without `--out` a test would write over the
     committed benchmarks/results/)."""
     for script in ("overhead", "backend", "quantization", "placement", "frontends", "prefix_cache", "api_serve",
-                   "prefill_only", "max_input", "objectives", "soak", "drain"):
+                   "prefill_only", "max_input", "objectives", "semantic_variables", "soak", "drain"):
         done = subprocess.run([sys.executable, f"benchmarks/{script}.py", "--help"], cwd=ROOT,
                               capture_output=True, text=True, timeout=120, check=False)
         assert done.returncode == 0 and "--out" in done.stdout and "--quick" in done.stdout, script

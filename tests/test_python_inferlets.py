@@ -220,3 +220,66 @@ def test_python_sdk_scores_without_kv_and_sets_objectives(tmp_path, pie_server, 
     token, top_ids, top_probs = out["next"]
     assert token == top_ids[0] == int(top.indices[0]) and top_ids == top.indices.tolist()
     assert top_probs == pytest.approx(top.values.tolist(), abs=1e-3)
+
+
+SEMVAR_MISTAKES = '''
+import json
+
+import inferlet
+from inferlet.semvar import Pipeline, Template
+
+
+def main(args):
+    out = []
+    for source in ["no slots", "{{input:x}", "{{inputx}}{{output:y}}", "{{foo:x}}{{output:y}}",
+                   "{{output:y}}{{output:y}}", "{{input:a b}}{{output:y}}"]:
+        try:
+            Template.parse(source)
+            out.append("parsed")
+        except ValueError as e:
+            out.append(str(e))
+    pipeline, other = Pipeline(inferlet.Model.default()), Pipeline(inferlet.Model.default())
+    template = Template.parse("Q: {{input:q}} A:{{output:a}}")
+    q = pipeline.input("q", "2+2?")
+    for bindings in [{}, {"q": q, "r": q}, {"q": other.input("q", "3+3?")}]:
+        try:
+            pipeline.call(template, bindings)
+            out.append("called")
+        except ValueError as e:
+            out.append(str(e))
+    (a,) = pipeline.call(template, {"q": q}, 4, inferlet.Sampler(temperature=-1.0))
+    (b,) = pipeline.call(Template.parse("Then: {{input:q}} B:{{output:b}}"), {"q": a}, 4)
+    try:
+        out.append(pipeline.get(b, "throughput"))
+    except inferlet.Error as e:
+        out.append(e.message)
+    inferlet.send(json.dumps(out))
+'''
+
+
+def test_semantic_variables_equal_the_rust_twin(tmp_path, pie_server, python_component):
+    """`inferlet.semvar` (Python) runs Parrot's chain and map-reduce to the Rust library's
+    outputs, call by call (same templates, same prefix split, greedy fp32; the Rust side is
+    held to HF's greedy output in tests/test_semantic_variables.py); its mistakes are
+    errors before any model call, and a refused call fails the call that reads it."""
+    chunks = ["The river flooded the old market in the winter of that year.",
+              "The council voted to build a stone bridge near the station."]
+    for app in ("chain", "map-reduce"):
+        args = ["--app", app, "--max-tokens", "12"] + [a for c in chunks for a in ("--chunk", c)]
+        rust = run_inferlet(pie_server, build("semantic_variables"), args)
+        python = run_inferlet(pie_server, python_component("semantic_variables"), args)
+        assert python.reason == rust.reason == "finished", (python.reason, rust.reason)
+        assert json.loads(python.messages[0]) == json.loads(rust.messages[0]), app
+    source = tmp_path / "py_semvar_mistakes.py"
+    source.write_text(SEMVAR_MISTAKES)
+    run = run_inferlet(pie_server, build_python_inferlet(source).read_bytes(), [])
+    assert run.reason == "finished", run.reason
+    out = json.loads(run.messages[0])
+    assert "no {{output:NAME}} slot" in out[0] and "not closed" in out[1]
+    assert "must be {{input:NAME}} or {{output:NAME}}" in out[2] and "unknown slot kind 'foo'" in out[3]
+    assert "'y' appears twice" in out[4] and "must be letters, digits and _" in out[5]
+    assert "reads {{input:q}}, which no binding gives" in out[6]
+    assert "binding 'r' names no input slot" in out[7] and "belongs to another pipeline" in out[8]
+    assert out[9].startswith("input 'q' failed: ") and "temperature" in out[9]
+    resources = pie_server.resources()
+    assert resources["kv_pages_free"] == resources["kv_pages_total"]

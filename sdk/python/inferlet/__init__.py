@@ -14,7 +14,8 @@ def main(args: list[str]) -> None:
 Build it with `pie build my_inferlet.py` (componentize-py; the component embeds CPython).
 Same concepts as the Rust SDK (sdk/rust/inferlet), over the same WIT (sdk/wit): `Model` and
 `Queue`, `Context` (fill / flush / generate / fork), samplers and stop conditions, futures
-with `wait_any` / `wait_all`, messaging, HTTP, KV export/import. Host calls that fail raise
+with `wait_any` / `wait_all`, messaging, HTTP, KV export/import, and semantic variables
+(`inferlet.semvar`: an application's calls as prompt templates run inside the inferlet). Host calls that fail raise
 `inferlet.Error`; an exception escaping `main` ends the instance with its message.
 """
 

@@ -148,49 +148,25 @@ class Context:
         The decoding runs on the host (`inference.run`, at most RUN_STEPS steps a run): the
         next step is queued by the reply to the last, without waking this inferlet; tokens
         come back per step only when stop strings must be checked."""
+        return self.start_generate(sampler, stop).result()
+
+    def start_generate(self, sampler: Sampler, stop: Stop) -> Generation:
+        """`generate` in two halves: this starts the host-side run and returns at once;
+        `result()` waits for the text. Started on contexts of different queues, several
+        generations decode together (their steps batch), as Rust's concurrent tasks do."""
         if not self.pending:
             raise Error("invalid-argument", "no pending token to predict from; fill the context first")
-        generated: list[int] = []
-        seed = sampler.seed
-        while len(generated) < stop.max_tokens:
-            steps = min(stop.max_tokens - len(generated), RUN_STEPS)
-            tokens, pass_id, new = self._start_run(sampler.with_seed(seed), steps, list(stop.eos),
-                                                   bool(stop.strings))
-            drawn: list[int] = []
-            cut, status = None, "running"
-            while status == "running":
-                for result in _await(self.queue, pass_id):
-                    drawn += result.tokens
-                    status = _status(result)
-                    _check(result)
-                if cut is None and stop.strings:
-                    visible = []
-                    for t in generated + drawn:
-                        if t in stop.eos:
-                            break
-                        visible.append(t)
-                    cut = stop.cut(self.queue.detokenize(visible))
-                    if cut is not None and status == "running":
-                        host(inference.cancel, self.queue.raw, pass_id)
-            self._claim_unclaimed()
-            self._commit(tokens + drawn[:-1], new)  # all but the last drawn token were fed back
-            self.pending = drawn[-1:]
-            seed = None if seed is None else seed + len(drawn)
-            if cut is not None:
-                return cut
-            for token in drawn:
-                if token in stop.eos:
-                    return self.queue.detokenize(generated)
-                generated.append(token)
-        return self.queue.detokenize(generated)
+        return Generation(self, sampler, stop)
 
     # --- branching and reuse ---------------------------------------------------------------
 
-    def fork(self) -> Context:
-        """A copy that can diverge: pages are shared, and copied before either side writes."""
+    def fork(self, queue: Queue | None = None) -> Context:
+        """A copy that can diverge: pages are shared, and copied before either side writes.
+        With `queue` (another queue of this instance), its calls go there and run
+        concurrently with this context's: call `self.queue.synchronize()` first."""
         for page in self.pages:
             page.shared = True
-        other = Context(self.queue)
+        other = Context(queue or self.queue)
         other.pages, other.last_len = list(self.pages), self.last_len
         other.committed, other.pending = list(self.committed), list(self.pending)
         other._discardable = self._discardable
@@ -444,6 +420,56 @@ RUN_STEPS = 256  # the most steps of one host-side run: its pages are reserved u
 
 # Results taken from the host but not yet claimed, by pass id (pass ids are per instance).
 _RESULTS: dict[int, list] = {}
+
+
+class Generation:
+    """A `Context.start_generate` in progress: one host-side run at a time (RUN_STEPS steps
+    at most), the next started when one ends short of `stop`."""
+
+    def __init__(self, ctx: Context, sampler: Sampler, stop: Stop):
+        self.ctx, self.sampler, self.stop = ctx, sampler, stop
+        self.generated: list[int] = []
+        self.seed = sampler.seed
+        self.run = self._start() if stop.max_tokens > 0 else None
+
+    def _start(self):
+        steps = min(self.stop.max_tokens - len(self.generated), RUN_STEPS)
+        return self.ctx._start_run(self.sampler.with_seed(self.seed), steps, list(self.stop.eos),
+                                   bool(self.stop.strings))
+
+    def result(self) -> str:
+        """The generated text (blocking until the decoding ends)."""
+        ctx, stop, generated = self.ctx, self.stop, self.generated
+        while self.run is not None:
+            tokens, pass_id, new = self.run
+            drawn: list[int] = []
+            cut, status = None, "running"
+            while status == "running":
+                for result in _await(ctx.queue, pass_id):
+                    drawn += result.tokens
+                    status = _status(result)
+                    _check(result)
+                if cut is None and stop.strings:
+                    visible = []
+                    for t in generated + drawn:
+                        if t in stop.eos:
+                            break
+                        visible.append(t)
+                    cut = stop.cut(ctx.queue.detokenize(visible))
+                    if cut is not None and status == "running":
+                        host(inference.cancel, ctx.queue.raw, pass_id)
+            ctx._claim_unclaimed()
+            ctx._commit(tokens + drawn[:-1], new)  # all but the last drawn token were fed back
+            ctx.pending = drawn[-1:]
+            self.seed = None if self.seed is None else self.seed + len(drawn)
+            if cut is not None:
+                return cut
+            for token in drawn:
+                if token in stop.eos:
+                    return ctx.queue.detokenize(generated)
+                generated.append(token)
+            self.run = self._start() if len(generated) < stop.max_tokens else None
+        return ctx.queue.detokenize(generated)
 
 
 def _output(index: int = 0, sample=None, top_k: int = 0, logprobs_of: list[int] = ()):  # type: ignore[assignment]
