@@ -1,8 +1,7 @@
 """Semantic variables (`inferlet::semvar`, issue 19): the `semantic_variables` inferlet's
 chain and map-reduce through a real `pie serve` (fp32), every call held to HF transformers'
-greedy output on the tokens the pipeline builds (the shared static prefix tokenized on its
-own, then the rest of the prompt), the shared prefix prefilled once; and the library's
-mistakes through `probe semvar`."""
+greedy output on each prompt tokenized whole, the shared static prefix prefilled once (the
+model ran exactly the tokens that says); and the library's mistakes through `probe semvar`."""
 
 from __future__ import annotations
 
@@ -32,20 +31,26 @@ def server(pie_server):
 @pytest.fixture(scope="module")
 def oracle(hf_model, tokenizer, chat_template):
     """HF's greedy reply to a call of the chat template around `user` with `values` in its
-    input slots, on the tokens the pipeline builds: the static prefix (the rendered text
-    before the first slot) tokenized alone, then the rest; and how many tokens that rest
-    and the reply ran through the model, and the prefix's length."""
+    input slots, the prompt tokenized whole (as one request of that text would be); and the
+    tokens the call runs through the model when it forks the static prefix's context (the
+    rendered text before the first slot, prefilled once: len - 1 tokens, the last pending):
+    the prompt from where its tokens and the prefix's part, then every drawn token but the
+    last. (reply, tokens the call runs, tokens the prefix ran)."""
     from pie.control.chat_template import render_chat
 
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False).ids  # noqa: E731
+    eos = hf_model.config.eos_token_id
 
     def call(user: str, values: dict[str, str]) -> tuple[str, int, int]:
         rendered = render_chat(chat_template, [{"role": "user", "content": user}])
-        cut = rendered.index("{{")
-        rest = re.sub(r"\{\{input:(\w+)\}\}", lambda m: values[m.group(1)], rendered[cut:])
-        prefix, tail = encode(rendered[:cut]), encode(rest)
-        out = hf_greedy(hf_model, prefix + tail, MAX_TOKENS, stop_at=hf_model.config.eos_token_id)
-        return tokenizer.decode(out, skip_special_tokens=False), len(tail) + MAX_TOKENS, len(prefix)
+        prefix = encode(rendered[:rendered.index("{{")])
+        ids = encode(re.sub(r"\{\{input:(\w+)\}\}", lambda m: values[m.group(1)], rendered))
+        shared = 0
+        while shared < min(len(prefix) - 1, len(ids) - 1) and prefix[shared] == ids[shared]:
+            shared += 1
+        out = hf_greedy(hf_model, ids, MAX_TOKENS, stop_at=eos)
+        drawn = len(out) + (len(out) < MAX_TOKENS)  # an EOS drawn too
+        return tokenizer.decode(out, skip_special_tokens=False), len(ids) - shared + drawn - 1, len(prefix) - 1
 
     return call
 
@@ -71,7 +76,7 @@ def test_chain_summary_is_hf_greedy_call_by_call(server, oracle):
         ran += n
     assert report["result"] == summary and report["calls"] == 2
     # The static prefix (the chat template's system prompt and more) ran once for both calls.
-    assert usage["forward_tokens"] <= prefix + ran
+    assert usage["forward_tokens"] == prefix + ran
 
 
 def test_map_reduce_is_hf_greedy_and_prefills_the_map_prefix_once(server, oracle):
@@ -84,7 +89,7 @@ def test_map_reduce_is_hf_greedy_and_prefills_the_map_prefix_once(server, oracle
     assert report["summaries"] == summaries and all(s.strip() for s in summaries)
     paragraph, n, reduce_prefix = oracle(REDUCE, {"s0": summaries[0], "s1": summaries[1]})
     assert report["result"] == paragraph and report["calls"] == 3
-    assert usage["forward_tokens"] <= map_prefix + reduce_prefix + ran + n
+    assert usage["forward_tokens"] == map_prefix + reduce_prefix + ran + n
 
 
 def test_mistakes_are_precise_errors_and_a_failed_call_fails_its_readers(server):

@@ -14,7 +14,8 @@ print(pipeline.get(summary, "latency"))
 have values starts its generation (each on its own queue, so their steps batch), then the
 wave's results are collected. `get(var, objective)` first marks every call `var` still
 waits on with the objective. Calls of templates with the same static prefix (the text
-before the first slot) fork one context that holds it, prefilled once. A malformed
+before the first slot) fork one context that holds it, prefilled once; a call's prompt is
+still tokenized whole, so its output is what one request of the same text gives. A malformed
 template or a binding missing, extra or of another pipeline raises `ValueError` before any
 model call; a call that fails fails its outputs with the cause, and the calls reading them.
 """
@@ -191,23 +192,29 @@ class Pipeline:
             return
         try:
             prefix = call.template.static_prefix()
-            parts = list(call.template.parts)
-            if prefix:
-                call.context, parts = self._prefix(prefix).fork(call.queue), parts[1:]
-            else:
-                call.context = Context(call.queue)
-            call.rest = parts
-            self._advance(call)
+            call.context = self._prefix(prefix).fork(call.queue) if prefix else Context(call.queue)
+            call.rest = list(call.template.parts)
+            self._advance(call, first=True)
         except Error as e:
             self._fail(call, e.message)
 
-    def _advance(self, call: _Call) -> None:
-        """Fill text and inputs up to the next output and start its generation."""
+    def _advance(self, call: _Call, first: bool = False) -> None:
+        """Fill text and inputs up to the next output and start its generation. The first
+        time, the prompt so far is tokenized whole, as one request of the same text would
+        be, and the context keeps the longest run of the prefix's tokens that begins it."""
         text = []
         while call.rest:
             kind, name = call.rest.pop(0)
             if kind == "output":
-                call.context.fill("".join(text))
+                if first:
+                    tokens = call.queue.tokenize("".join(text))
+                    held, keep = call.context.tokens, 0
+                    while keep < min(len(held), len(tokens) - 1) and held[keep] == tokens[keep]:
+                        keep += 1
+                    call.context.truncate(keep)
+                    call.context.fill_tokens(tokens[keep:])
+                else:
+                    call.context.fill("".join(text))
                 stop = Stop(call.max_tokens, eos=call.queue.eos_tokens())
                 call.generation = (name, call.context.start_generate(call.sampler, stop))
                 return

@@ -14,7 +14,9 @@
 //!   before bulk work (`scheduling.set-queue-objective`);
 //! - calls of templates with the same static prefix (the text before the first slot)
 //!   share its KV: it is filled once and each call forks it (`Context::fork_on`); with
-//!   `Pipeline::share_prefixes`, under a named export that other instances import.
+//!   `Pipeline::share_prefixes`, under a named export that other instances import. A
+//!   call's prompt is still tokenized whole (the fork keeps the prefix tokens that begin
+//!   it), so its output is what the same prompt text sent as one request gives.
 //!
 //! Errors are found before any model call where they can be: a malformed template, a
 //! binding missing or extra, a variable of another pipeline. A call that fails (a host
@@ -343,14 +345,29 @@ async fn generate_outputs(template: &Template, bound: &HashMap<String, Var>, out
         None => (Context::new(queue.clone()), 0),
     };
     let stop = Stop::new(gen.max_tokens).eos(queue.eos_tokens());
-    let mut text = String::new();
+    // The prompt up to the first output is tokenized whole, as a client sending the same
+    // text would have it, and the fork keeps the longest run of the prefix's tokens that
+    // starts it (a token may straddle where the prefix ends): the outputs are those of the
+    // whole prompt, and only the prefix's KV is reused.
+    let mut text = if skip == 1 { template.static_prefix().to_string() } else { String::new() };
+    let mut first = true;
     let mut outputs = outputs.iter();
     for part in &template.parts[skip..] {
         match part {
             Part::Text(t) => text.push_str(t),
             Part::Input(name) => text.push_str(&values[name]),
             Part::Output(_) => {
-                ctx.fill(&text);
+                if first {
+                    let tokens = queue.tokenize(&text);
+                    let held = ctx.tokens();
+                    let keep = held.iter().zip(&tokens).take_while(|(a, b)| a == b).count()
+                        .min(tokens.len().saturating_sub(1));
+                    ctx.truncate(keep);
+                    ctx.fill_tokens(&tokens[keep..]);
+                    first = false;
+                } else {
+                    ctx.fill(&text);
+                }
                 text.clear();
                 let value = ctx.generate(&gen.sampler, &stop).await.map_err(|e| e.message)?;
                 outputs.next().expect("one variable per output slot").settle(Ok(value));
