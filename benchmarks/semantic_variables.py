@@ -189,15 +189,14 @@ async def main_async(args: argparse.Namespace) -> dict:
     if not args.no_vllm:
         vllm_runs, vllm_version = await run_vllm(args, dtype, chat_template, tmp)
         runs += vllm_runs
-    label = {("pie", "inferlet"): "pie (inferlet)", ("pie", "client"): "pie (client-side)",
-             ("vllm", "client"): "vllm (client-side)"}
+    label = {("pie", "inferlet"): "pie_inferlet", ("pie", "client"): "pie_client", ("vllm", "client"): "vllm_client"}
     median = {app: {name: statistics.median(r["seconds"] for r in runs
                                             if r["app"] == app and (r["system"], r["side"]) == key)
                     for key, name in label.items()
                     if any(r["app"] == app and (r["system"], r["side"]) == key for r in runs)}
               for app in APPS}
-    speedup = {app: {"pie_client": m["pie (client-side)"] / m["pie (inferlet)"],
-                     "vllm_client": (m["vllm (client-side)"] / m["pie (inferlet)"]) if "vllm (client-side)" in m else None}
+    speedup = {app: {"pie_client": m["pie_client"] / m["pie_inferlet"],
+                     "vllm_client": (m["vllm_client"] / m["pie_inferlet"]) if "vllm_client" in m else None}
                for app, m in median.items()}
     return {
         "meta": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": command_line(),
