@@ -109,7 +109,7 @@ class _Call:
     outputs: list[Var]
     max_tokens: int
     sampler: Sampler
-    queue: Queue
+    queue: Queue | None  # let go when the call finishes
     started: bool = False
     generation: object = None
     context: Context | None = None
@@ -148,7 +148,7 @@ class Pipeline:
         raises `Error` with the cause if it cannot be produced."""
         needed = self._needed(var)
         for call in needed:
-            call.queue.set_objective(objective)
+            call.queue.set_objective(objective)  # (not started yet: its queue is open)
         while var.value is None and var.error is None:
             wave = [c for c in needed if not c.started and all(
                 v.value is not None or v.error is not None for v in c.inputs.values())]
@@ -231,7 +231,10 @@ class Pipeline:
                 self._advance(call)
         except Error as e:
             self._fail(call, e.message)
-        call.context = None  # its pages go back
+        # Its pages go back, and its queue closes: an open queue that ran the model lately
+        # looks to the scheduler like a decoder about to send its next step, and the next
+        # call's first step waited up to half a forward for it (~0.3 s after a long prefill).
+        call.context = call.queue = None
 
     @staticmethod
     def _fail(call: _Call, cause: str) -> None:

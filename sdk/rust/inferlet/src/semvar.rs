@@ -170,8 +170,11 @@ impl Var {
 }
 
 /// A call as `get` walks the graph: its queues (its own, its shared prefix's) and inputs.
+/// Its own queue is let go when it finishes: an open queue that ran the model lately looks
+/// to the scheduler like a decoder about to send its next step, and the next call's first
+/// step waited up to half a forward for it (~0.3 s a call after a long prefill).
 struct CallNode {
-    queue: Rc<Queue>,
+    queue: RefCell<Option<Rc<Queue>>>,
     prefix: Option<Rc<Prefix>>,
     inputs: Vec<Var>,
     done: std::cell::Cell<bool>,
@@ -247,7 +250,7 @@ impl Pipeline {
         }
         let queue = Rc::new(self.model.create_queue().map_err(|e| e.message)?);
         let prefix = self.prefix(template.static_prefix())?;
-        let node = Rc::new(CallNode { queue: queue.clone(), prefix: prefix.clone(),
+        let node = Rc::new(CallNode { queue: RefCell::new(Some(queue.clone())), prefix: prefix.clone(),
                                       inputs: bound.values().cloned().collect(), done: std::cell::Cell::new(false) });
         let outputs: Vec<Var> = template.outputs().iter()
             .map(|name| Var::new(name, self.key(), State::Pending(Vec::new()), Some(node.clone()))).collect();
@@ -264,7 +267,9 @@ impl Pipeline {
         while let Some(v) = stack.pop() {
             if let Some(node) = &v.0.producer {
                 if seen.insert(Rc::as_ptr(node)) && !node.done.get() {
-                    node.queue.set_objective(objective, "").map_err(|e| e.message)?;
+                    if let Some(queue) = node.queue.borrow().as_ref() {
+                        queue.set_objective(objective, "").map_err(|e| e.message)?;
+                    }
                     if let Some(p) = node.prefix.as_ref().filter(|p| p.ready.value().is_none()) {
                         p.queue.set_objective(objective, "").map_err(|e| e.message)?;
                     }
@@ -320,6 +325,8 @@ async fn run_call(template: Template, bound: HashMap<String, Var>, outputs: Vec<
                   prefix: Option<Rc<Prefix>>, gen: Gen, node: Rc<CallNode>) {
     let result = generate_outputs(&template, &bound, &outputs, &queue, prefix.as_deref(), &gen).await;
     node.done.set(true);
+    node.queue.borrow_mut().take();
+    drop(queue); // with the call's context (dropped above), the last holder: the queue closes
     if let Err(cause) = result {
         for out in &outputs {
             if out.value().is_none() {
