@@ -337,15 +337,13 @@ def scored(engine) -> tuple[np.ndarray, list[int]]:
             np.frombuffer(replies[1].dist_ids, np.int32).tolist())
 
 
-@needs_cuda
-@pytest.mark.parametrize("dtype, attention", [("float32", "torch"), ("bfloat16", "flashinfer")])
+@pytest.mark.parametrize("dtype, attention", [
+    pytest.param("float32", "torch", marks=needs_cuda), pytest.param("bfloat16", "flashinfer", marks=needs_gpu)])
 def test_chunked_items_on_cuda_give_the_one_shot_results(model_dir, dtype, attention):
     """`backend.mlp_chunk_tokens` on the GPU (chunked_forward.py's SDPA beside the engine's
     attention, the cache in the "nhd" layout): a long no-KV pass scores as in one shot."""
     from pie.backend.engine import Engine
 
-    if attention == "flashinfer" and importlib.util.find_spec("flashinfer") is None:
-        pytest.skip("needs flashinfer; not installed here")
     results = [scored(Engine(model_dir, BackendConfig(
         device="cuda", dtype=dtype, attention=attention, num_kv_pages=40, num_embeds=8,
         mlp_chunk_tokens=chunk))) for chunk in (0, 256)]

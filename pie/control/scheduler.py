@@ -418,9 +418,10 @@ class Scheduler:
         latency = any(q.objective is Objective.LATENCY for q in self.queues)
         decoding = 0 < decoders >= len(queues) - decoders
         step = self.config.max_step_tokens if decoding else self.config.latency_batch_tokens
-        chunking = kind == P.Kind.PASS and not single and (decoding or latency)
+        passes = kind == P.Kind.PASS and not single
+        chunking = passes and (decoding or latency)
         # A latency call waits to go: the others' share of its batch is capped.
-        cap = self.config.latency_step_tokens if kind == P.Kind.PASS and not single and any(
+        cap = self.config.latency_step_tokens if passes and any(
             q.objective is Objective.LATENCY for q in queues) else 0
         keys = self._order(queues)
         queues.sort(key=lambda q: (q.objective, -q.priority,

@@ -174,10 +174,10 @@ impl Var {
 /// to the scheduler like a decoder about to send its next step, and the next call's first
 /// step waited up to half a forward for it (~0.3 s a call after a long prefill).
 struct CallNode {
+    /// None once the call has finished.
     queue: RefCell<Option<Rc<Queue>>>,
     prefix: Option<Rc<Prefix>>,
     inputs: Vec<Var>,
-    done: std::cell::Cell<bool>,
 }
 
 /// How a call generates each output: up to `max_tokens` (or EOS) with `sampler`.
@@ -251,7 +251,7 @@ impl Pipeline {
         let queue = Rc::new(self.model.create_queue().map_err(|e| e.message)?);
         let prefix = self.prefix(template.static_prefix())?;
         let node = Rc::new(CallNode { queue: RefCell::new(Some(queue.clone())), prefix: prefix.clone(),
-                                      inputs: bound.values().cloned().collect(), done: std::cell::Cell::new(false) });
+                                      inputs: bound.values().cloned().collect() });
         let outputs: Vec<Var> = template.outputs().iter()
             .map(|name| Var::new(name, self.key(), State::Pending(Vec::new()), Some(node.clone()))).collect();
         let task = run_call(template.clone(), bound, outputs.clone(), queue, prefix, gen.clone(), node);
@@ -265,17 +265,14 @@ impl Pipeline {
         let mut stack = vec![var.clone()];
         let mut seen = HashSet::new();
         while let Some(v) = stack.pop() {
-            if let Some(node) = &v.0.producer {
-                if seen.insert(Rc::as_ptr(node)) && !node.done.get() {
-                    if let Some(queue) = node.queue.borrow().as_ref() {
-                        queue.set_objective(objective, "").map_err(|e| e.message)?;
-                    }
-                    if let Some(p) = node.prefix.as_ref().filter(|p| p.ready.value().is_none()) {
-                        p.queue.set_objective(objective, "").map_err(|e| e.message)?;
-                    }
-                    stack.extend(node.inputs.iter().cloned());
-                }
+            let Some(node) = &v.0.producer else { continue };
+            let running = node.queue.borrow().clone(); // None: the call has finished
+            let Some(queue) = running.filter(|_| seen.insert(Rc::as_ptr(node))) else { continue };
+            queue.set_objective(objective, "").map_err(|e| e.message)?;
+            if let Some(p) = node.prefix.as_ref().filter(|p| p.ready.value().is_none()) {
+                p.queue.set_objective(objective, "").map_err(|e| e.message)?;
             }
+            stack.extend(node.inputs.iter().cloned());
         }
         var.wait().await
     }
@@ -324,7 +321,6 @@ async fn fill_prefix(prefix: &Prefix, text: &str, export: Option<String>) -> Res
 async fn run_call(template: Template, bound: HashMap<String, Var>, outputs: Vec<Var>, queue: Rc<Queue>,
                   prefix: Option<Rc<Prefix>>, gen: Gen, node: Rc<CallNode>) {
     let result = generate_outputs(&template, &bound, &outputs, &queue, prefix.as_deref(), &gen).await;
-    node.done.set(true);
     node.queue.borrow_mut().take();
     drop(queue); // with the call's context (dropped above), the last holder: the queue closes
     if let Err(cause) = result {
@@ -343,23 +339,23 @@ async fn generate_outputs(template: &Template, bound: &HashMap<String, Var>, out
         let value = var.wait().await.map_err(|e| format!("input {name:?} failed: {e}"))?;
         values.insert(name.clone(), value);
     }
-    let (mut ctx, skip) = match prefix {
+    let mut ctx = match prefix {
         Some(p) => {
             p.ready.wait().await.map_err(|e| format!("shared prefix failed: {e}"))?;
             let base = p.context.borrow();
-            (base.as_ref().expect("a ready prefix holds its context").fork_on(queue.clone()), 1)
+            base.as_ref().expect("a ready prefix holds its context").fork_on(queue.clone())
         }
-        None => (Context::new(queue.clone()), 0),
+        None => Context::new(queue.clone()),
     };
     let stop = Stop::new(gen.max_tokens).eos(queue.eos_tokens());
     // The prompt up to the first output is tokenized whole, as a client sending the same
     // text would have it, and the fork keeps the longest run of the prefix's tokens that
     // starts it (a token may straddle where the prefix ends): the outputs are those of the
     // whole prompt, and only the prefix's KV is reused.
-    let mut text = if skip == 1 { template.static_prefix().to_string() } else { String::new() };
+    let mut text = String::new();
     let mut first = true;
     let mut outputs = outputs.iter();
-    for part in &template.parts[skip..] {
+    for part in &template.parts {
         match part {
             Part::Text(t) => text.push_str(t),
             Part::Input(name) => text.push_str(&values[name]),
