@@ -69,6 +69,10 @@ class BackendConfig:
     # current layer's keys and values: a long input's activations stay bounded and results
     # equal the one-shot forward's (PrefillOnly; pie/backend/chunked_forward.py).
     mlp_chunk_tokens: int = 0
+    # Decode items whose contexts begin with at least this many keys on the same pages (a
+    # shared system prompt, forks of one context), 12 or more of them, attend to those pages
+    # together as matrix products (CPU kernel, csrc/shared_prefix.h); 0 = off.
+    shared_prefix_keys: int = 256
     threads: int = 0
     # Replay decode steps from captured CUDA graphs (pie/backend/cuda_graphs.py; 4.7 vs 30.7 ms
     # per batch-1 step on one H200); needs device = "cuda" and attention = "flashinfer".
@@ -94,6 +98,8 @@ class BackendConfig:
             raise ConfigError(f"backend.num_host_kv_pages must be >= 0, got {self.num_host_kv_pages}")
         if self.swap_gbps < 0:
             raise ConfigError(f"backend.swap_gbps must be >= 0, got {self.swap_gbps}")
+        if self.shared_prefix_keys < 0:
+            raise ConfigError(f"backend.shared_prefix_keys must be >= 0 (0: off), got {self.shared_prefix_keys}")
         if self.threads < 0:
             raise ConfigError(f"backend.threads must be >= 0, got {self.threads}")
         if self.mlp_chunk_tokens < 0 or 0 < self.mlp_chunk_tokens < MIN_MLP_CHUNK:

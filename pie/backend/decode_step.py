@@ -52,4 +52,4 @@ class FusedDecode:
         heads, kv_heads, head_dim, eps = self.shape
         return self.kernel.decode_layers(
             x.contiguous(), self.weights, kv.keys, kv.values, cos.contiguous(), sin.contiguous(),
-            write_slots, *attention.kernel_args(plan), heads, kv_heads, head_dim, eps)
+            write_slots, *attention.kernel_args(plan, kv), heads, kv_heads, head_dim, eps)

@@ -166,7 +166,7 @@ class Engine:
             return FlashInferAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.dtype,
                                        self.device)
         if choice == "cpu-kernel":
-            return CpuKernelAttention()
+            return CpuKernelAttention(self.config.shared_prefix_keys)
         return TorchPagedAttention()
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "fast_exp.h"
+#include "shared_prefix.h"
 
 namespace {
 
@@ -178,16 +179,18 @@ inline void accumulate_values(const T* v_pool, const int64_t* slots, const char*
 template <typename T, int PS>
 void attend(const float* q, const T* k_pool, const T* v_pool, float* out, const int64_t* q_indptr,
             const int64_t* kv_indptr, const int64_t* slots, const bool* visible,
-            const int64_t* mask_offsets, const bool* masks, const bool* enabled, int64_t n_items,
-            const Shape s, float scale) {
+            const int64_t* mask_offsets, const bool* masks, const bool* enabled,
+            const shared_prefix::ItemPart* prefix, int64_t n_items, const Shape s, float scale) {
   at::parallel_for(0, n_items * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc(s.group * s.dim), top(s.group), total(s.group);
     std::vector<char> seen;
     for (int64_t work = begin; work < end; ++work) {
       const int64_t b = work / s.kv_heads, h = work % s.kv_heads;
       if (!enabled[b]) continue;
+      // An item in a shared-prefix group attends here to its keys after the prefix only.
+      const shared_prefix::ItemPart& part = prefix[b];
       const int64_t q0 = q_indptr[b], n_q = q_indptr[b + 1] - q0;
-      const int64_t k0 = kv_indptr[b], n_k = kv_indptr[b + 1] - k0;
+      const int64_t k0 = kv_indptr[b] + part.keys, n_k = kv_indptr[b + 1] - k0;
       const bool* mask = mask_offsets[b] >= 0 ? masks + mask_offsets[b] : nullptr;
       scores.resize(s.group * n_k);
       seen.resize(n_k);
@@ -241,8 +244,19 @@ void attend(const float* q, const T* k_pool, const T* v_pool, float* out, const 
         }
         for (int64_t g = 0; g < s.group; ++g) {
           float* o = out + ((q0 + i) * s.heads + h * s.group + g) * s.dim;
-          const float inv = 1.f / total[g];
-          for (int64_t d = 0; d < s.dim; ++d) o[d] = acc[g * s.dim + d] * inv;
+          const float* a = acc.data() + g * s.dim;
+          if (part.keys == 0) {
+            const float inv = 1.f / total[g];
+            for (int64_t d = 0; d < s.dim; ++d) o[d] = a[d] * inv;
+            continue;
+          }
+          // Merge the two softmax parts (both have a visible key, so both maxima are finite).
+          const int64_t row = h * part.rows + part.row + g;
+          const float m = std::max(top[g], part.top[row]);
+          const float own = std::exp(top[g] - m), shared = std::exp(part.top[row] - m);
+          const float inv = 1.f / (total[g] * own + part.total[row] * shared);
+          const float* pa = part.acc + row * s.dim;
+          for (int64_t d = 0; d < s.dim; ++d) o[d] = (a[d] * own + pa[d] * shared) * inv;
         }
       }
     }
@@ -256,7 +270,7 @@ void attend(const float* q, const T* k_pool, const T* v_pool, float* out, const 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
                               torch::Tensor q_indptr, torch::Tensor kv_indptr, torch::Tensor slots,
                               torch::Tensor visible, torch::Tensor mask_offsets, torch::Tensor masks,
-                              torch::Tensor enabled, double scale) {
+                              torch::Tensor enabled, torch::Tensor groups, double scale) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 3);
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.dim() == 4);
   TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type());
@@ -264,13 +278,16 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
   TORCH_CHECK(s.heads % s.kv_heads == 0 && k_pool.size(2) == s.dim && v_pool.size(3) == s.dim);
   auto out = torch::zeros_like(q);
   const int64_t n_items = q_indptr.size(0) - 1;
+  std::vector<shared_prefix::ItemPart> prefix(n_items);
+  const auto parts = shared_prefix::attend_prefixes(q, k_pool, v_pool, q_indptr.data_ptr<int64_t>(),
+                                                    groups, scale, prefix);
   const auto call = [&](auto* k, auto* v, auto page_size) {
     constexpr int PS = decltype(page_size)::value;
     attend<std::remove_const_t<std::remove_pointer_t<decltype(k)>>, PS>(
         q.data_ptr<float>(), k, v, out.data_ptr<float>(), q_indptr.data_ptr<int64_t>(),
         kv_indptr.data_ptr<int64_t>(), slots.data_ptr<int64_t>(), visible.data_ptr<bool>(),
         mask_offsets.data_ptr<int64_t>(), masks.data_ptr<bool>(), enabled.data_ptr<bool>(),
-        n_items, s, static_cast<float>(scale));
+        prefix.data(), n_items, s, static_cast<float>(scale));
   };
   const auto dispatch = [&](auto* k, auto* v) {
     // Page sizes with a vectorised whole-page path; any other size takes the scalar path.
@@ -323,5 +340,6 @@ void write_kv(torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots, t
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over the KV page pools (CPU)");
   m.def("write_kv", &write_kv, "write new keys and values to their slots in the pools (CPU)");
+  m.def("shared_prefixes", &shared_prefix::find_groups, "groups of decode items sharing a prefix of whole pages");
 }
 #endif
