@@ -67,6 +67,7 @@ def test_groups_take_the_common_whole_pages_of_decode_items():
     plan = plan_of(ITEMS, 16)
     _, _, _, _, _, _, _, flat = kernel.kernel_args(plan, random_pool(torch.Generator(), 200, 16, 3, 64, torch.float32))
     assert groups_of(flat.tolist()) == [([0, 1, 2, 3], SYSTEM[:8]), ([5, 6], [60, 61, 62, 63])]
+    assert kernel.grouped_items == 6
 
 
 def test_no_groups_when_off_alone_or_too_few():

@@ -114,6 +114,7 @@ class CpuKernelAttention:
         self.kernel = paged_attention_module()
         self.reference = TorchPagedAttention()
         self.shared_prefix_keys = shared_prefix_keys
+        self.grouped_items = 0  # decode items that attended to a shared prefix, all forwards
         self.prepared_for: AttentionPlan | None = None
 
     def _prepare(self, plan: AttentionPlan, page_size: int) -> None:
@@ -136,6 +137,7 @@ class CpuKernelAttention:
             self.groups = self.kernel.shared_prefixes(
                 self.q_indptr, self.kv_indptr, plan.kv_slots, plan.kv_visible, self.mask_offsets,
                 self.enabled, page_size, self.shared_prefix_keys, self.SHARED_PREFIX_MEMBERS)
+            self.grouped_items += members_of(self.groups.tolist())
         self.prepared_for = plan
 
     def kernel_args(self, plan: AttentionPlan, kv: KvCache) -> tuple[torch.Tensor, ...]:
@@ -156,3 +158,13 @@ class CpuKernelAttention:
             q0, q1 = plan.q_indptr[b], plan.q_indptr[b + 1]
             out[q0:q1] = self.reference.attend_item(q, kv, layer, plan, b)
         return out
+
+
+def members_of(groups: list[int]) -> int:
+    """How many items the shared-prefix groups hold ([n, then per group: n_pages, n_members,
+    members..., pages...], csrc/shared_prefix.h's layout)."""
+    total, at = 0, 1
+    for _ in range(groups[0]):
+        total += groups[at + 1]
+        at += 2 + groups[at + 1] + groups[at]
+    return total

@@ -8,7 +8,7 @@
 //!
 //! Requirements: R1
 //! Host APIs: forward, export-kvpage (persistent), import-kvpage, unexport-kvpage, kvs store-get/set/delete, sample
-//! Arguments: --prefix TEXT (--question TEXT [--max-tokens N (16)] [--no-cache] | --clear)
+//! Arguments: --prefix TEXT (--question TEXT [--max-tokens N (16)] [--ignore-eos] [--no-cache] | --clear)
 //! Output: one JSON object {"answer", "cached" (prefix imported), "exported", "prefix_tokens", "export"}; with --clear, {"cleared", "export"}.
 
 use inferlet::json::json_string;
@@ -18,7 +18,7 @@ use inferlet::{chat, Context, Model, Stop};
 
 inferlet::main!(main);
 
-const USAGE: &str = "usage: --prefix TEXT (--question TEXT [--max-tokens N] [--no-cache] | --clear)";
+const USAGE: &str = "usage: --prefix TEXT (--question TEXT [--max-tokens N] [--ignore-eos] [--no-cache] | --clear)";
 
 /// FNV-1a, 64 bits: a stable name for the prefix's content.
 fn fnv1a(text: &str) -> u64 {
@@ -27,12 +27,14 @@ fn fnv1a(text: &str) -> u64 {
 
 async fn main() -> Result<(), String> {
     let (mut prefix, mut question, mut max_tokens, mut cache, mut clear) = (None, None, 16usize, true, false);
+    let mut ignore_eos = false; // exactly --max-tokens tokens (benchmarks/shared_prompt.py)
     let args = inferlet::args();
     let mut rest = args.iter();
     while let Some(flag) = rest.next() {
         match flag.as_str() {
             "--no-cache" => cache = false,
             "--clear" => clear = true,
+            "--ignore-eos" => ignore_eos = true,
             _ => {
                 let value = rest.next().ok_or(format!("{flag} needs a value; {USAGE}"))?;
                 match flag.as_str() {
@@ -80,7 +82,8 @@ async fn main() -> Result<(), String> {
     let user = queue.apply_chat_template(&[chat("system", &prefix), chat("user", &question)], true)?;
     let user = user.strip_prefix(&system).ok_or("the chat template does not render the system turn as a prefix")?;
     ctx.fill(user);
-    let answer = ctx.generate(&inferlet::Sampler::greedy(), &Stop::new(max_tokens).eos(queue.eos_tokens())).await?;
+    let stop = if ignore_eos { Stop::new(max_tokens) } else { Stop::new(max_tokens).eos(queue.eos_tokens()) };
+    let answer = ctx.generate(&inferlet::Sampler::greedy(), &stop).await?;
     inferlet::send(&format!("{{\"answer\": {}, \"cached\": {cached}, \"exported\": {exported}, \"prefix_tokens\": {}, \"export\": {}}}",
                             json_string(&answer), prefix_tokens.len(), json_string(&name)));
     Ok(())
