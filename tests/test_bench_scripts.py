@@ -383,11 +383,28 @@ def test_semantic_variables_quick(results):
     assert Path(results.out / "semantic_variables.png").stat().st_size > 0
 
 
+def test_shared_prompt_quick(results):
+    """Every side ran each round in rotated order (noshare at full length only); requests/s
+    and the ratios follow from the medians."""
+    data = results("shared_prompt")
+    check_meta(data["meta"], ["shared", "shared_nokernel", "noshare", "v1"])
+    runs, users, tokens = data["runs"], data["workload"]["users"], data["workload"]["max_tokens"]
+    assert len(runs) == 7 * data["meta"]["rounds"] and all(r["seconds"] > 0 for r in runs)
+    assert {r["max_tokens"] for r in runs if r["side"] == "noshare"} == {tokens}
+    for side, rps in data["requests_per_s"].items():
+        assert rps == users / data["makespan_s"][side]
+    s = data["speedup"]
+    assert s["sharing"] == data["requests_per_s"]["shared"] / data["requests_per_s"]["noshare"]
+    assert s["kernel_per_token"] == data["per_token_ms"]["shared_nokernel"] / data["per_token_ms"]["shared"]
+    assert Path(results.out / "shared_prompt.png").stat().st_size > 0
+
+
 def test_every_script_takes_quick_and_out():
     """Each script offers `--quick` and `--out` (without `--out` a test would write over the
     committed benchmarks/results/)."""
     for script in ("overhead", "backend", "quantization", "placement", "frontends", "prefix_cache", "api_serve",
-                   "prefill_only", "max_input", "objectives", "semantic_variables", "soak", "drain"):
+                   "prefill_only", "max_input", "objectives", "semantic_variables", "shared_prompt", "soak",
+                   "drain"):
         done = subprocess.run([sys.executable, f"benchmarks/{script}.py", "--help"], cwd=ROOT,
                               capture_output=True, text=True, timeout=120, check=False)
         assert done.returncode == 0 and "--out" in done.stdout and "--quick" in done.stdout, script

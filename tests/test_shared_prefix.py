@@ -65,16 +65,16 @@ ITEMS = [
 def test_groups_take_the_common_whole_pages_of_decode_items():
     kernel = kernel_of(48)
     plan = plan_of(ITEMS, 16)
-    _, _, _, _, _, _, _, flat = kernel.kernel_args(plan, random_pool(torch.Generator(), 200, 16, 3, 64, torch.float32))
+    flat = kernel.kernel_args(plan, random_pool(torch.Generator(), 200, 16, 3, 64, torch.float32))[7]
     assert groups_of(flat.tolist()) == [([0, 1, 2, 3], SYSTEM[:8]), ([5, 6], [60, 61, 62, 63])]
     assert kernel.grouped_items == 6
 
 
 def test_no_groups_when_off_alone_or_too_few():
     kv = random_pool(torch.Generator(), 200, 16, 3, 64, torch.float32)
-    assert kernel_of(0).kernel_args(plan_of(ITEMS, 16), kv)[-1].tolist() == [0]
-    assert kernel_of(16).kernel_args(plan_of(ITEMS[:1], 16), kv)[-1].tolist() == [0]
-    assert groups_of(kernel_of(48, 3).kernel_args(plan_of(ITEMS, 16), kv)[-1].tolist()) == [([0, 1, 2, 3], SYSTEM[:8])]
+    assert kernel_of(0).kernel_args(plan_of(ITEMS, 16), kv)[7].tolist() == [0]
+    assert kernel_of(16).kernel_args(plan_of(ITEMS[:1], 16), kv)[7].tolist() == [0]
+    assert groups_of(kernel_of(48, 3).kernel_args(plan_of(ITEMS, 16), kv)[7].tolist()) == [([0, 1, 2, 3], SYSTEM[:8])]
 
 
 def test_a_hidden_or_masked_prefix_key_leaves_the_item_out():
@@ -84,7 +84,7 @@ def test_a_hidden_or_masked_prefix_key_leaves_the_item_out():
     plan.kv_visible[plan.kv_indptr[1] + 5] = False  # item 1 hides a key of the prompt
     plan.custom_masks[2] = torch.ones(1, plan.kv_indptr[3] - plan.kv_indptr[2], dtype=torch.bool)
     kv = random_pool(torch.Generator(), 200, 16, 3, 64, torch.float32)
-    flat = kernel_of(48).kernel_args(plan, kv)[-1].tolist()
+    flat = kernel_of(48).kernel_args(plan, kv)[7].tolist()
     assert groups_of(flat) == [([0, 3], SYSTEM[:8])]
 
 

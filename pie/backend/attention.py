@@ -115,6 +115,7 @@ class CpuKernelAttention:
         self.reference = TorchPagedAttention()
         self.shared_prefix_keys = shared_prefix_keys
         self.grouped_items = 0  # decode items that attended to a shared prefix, all forwards
+        self.scratch = torch.empty(0)  # the shared-prefix path's buffers, grown by the kernel
         self.prepared_for: AttentionPlan | None = None
 
     def _prepare(self, plan: AttentionPlan, page_size: int) -> None:
@@ -142,12 +143,12 @@ class CpuKernelAttention:
 
     def kernel_args(self, plan: AttentionPlan, kv: KvCache) -> tuple[torch.Tensor, ...]:
         """The kernel's arguments after the pools: q_indptr, kv_indptr, kv_slots, kv_visible,
-        mask_offsets, masks, enabled, shared-prefix groups (pie/backend/decode_step.py passes
-        them too)."""
+        mask_offsets, masks, enabled, shared-prefix groups, scratch (pie/backend/decode_step.py
+        passes them too)."""
         if self.prepared_for is not plan:
             self._prepare(plan, kv.page_size)
         return (self.q_indptr, self.kv_indptr, plan.kv_slots, plan.kv_visible, self.mask_offsets,
-                self.masks, self.enabled, self.groups)
+                self.masks, self.enabled, self.groups, self.scratch)
 
     def run(self, q: torch.Tensor, kv: KvCache, layer: int, plan: AttentionPlan) -> torch.Tensor:
         out = self.kernel.paged_attention(

@@ -18,7 +18,8 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& l
                             const std::vector<torch::Tensor>& v_pools, torch::Tensor cos,
                             torch::Tensor sin, torch::Tensor write_slots, torch::Tensor q_indptr,
                             torch::Tensor kv_indptr, torch::Tensor kv_slots, torch::Tensor visible,
-                            torch::Tensor mask_offsets, torch::Tensor masks, torch::Tensor enabled, torch::Tensor groups,
+                            torch::Tensor mask_offsets, torch::Tensor masks, torch::Tensor enabled,
+                            torch::Tensor groups, torch::Tensor scratch,
                             int64_t heads, int64_t kv_heads, int64_t head_dim, double eps) {
   const int64_t n_layers = static_cast<int64_t>(k_pools.size());
   TORCH_CHECK(static_cast<int64_t>(layers.size()) == 6 * n_layers && v_pools.size() == k_pools.size(),
@@ -36,7 +37,7 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& l
     const auto v = qkv.slice(1, q_size + kv_size).view({tokens, kv_heads, head_dim});
     write_kv(k_pools[i], v_pools[i], write_slots, k.contiguous(), v.contiguous());
     const auto attn = paged_attention(q.to(at::kFloat).contiguous(), k_pools[i], v_pools[i], q_indptr,
-                                      kv_indptr, kv_slots, visible, mask_offsets, masks, enabled, groups, scale)
+                                      kv_indptr, kv_slots, visible, mask_offsets, masks, enabled, groups, scratch, scale)
                           .to(at::kBFloat16);
     xh = add_rms_norm(x, gemv(attn.reshape({tokens, q_size}), w[2]), w[3], eps);
     x = xh[0];

@@ -202,7 +202,11 @@ void attend(const float* q, const T* k_pool, const T* v_pool, float* out, const 
                      s, scale, scores.data(), n_k);
         for (int64_t g = 0; g < s.group; ++g) {
           float m = -INFINITY;
-          for (int64_t j = 0; j < limit; ++j) m = std::max(m, scores[g * n_k + j]);
+          const float* row = scores.data() + g * n_k;
+          // Not std::max: GCC leaves that reduction scalar, a 4-cycle chain per key (~0.5 ms
+          // of a 2.5 ms layer at 32 items x 2,048 keys); this form it vectorises.
+#pragma omp simd reduction(max : m)
+          for (int64_t j = 0; j < limit; ++j) m = row[j] > m ? row[j] : m;
           float sum = 0.f;
           float* sg = scores.data() + g * n_k;
 #pragma omp simd reduction(+ : sum)
@@ -270,7 +274,8 @@ void attend(const float* q, const T* k_pool, const T* v_pool, float* out, const 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
                               torch::Tensor q_indptr, torch::Tensor kv_indptr, torch::Tensor slots,
                               torch::Tensor visible, torch::Tensor mask_offsets, torch::Tensor masks,
-                              torch::Tensor enabled, torch::Tensor groups, double scale) {
+                              torch::Tensor enabled, torch::Tensor groups, torch::Tensor scratch,
+                              double scale) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 3);
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.dim() == 4);
   TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type());
@@ -280,7 +285,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
   const int64_t n_items = q_indptr.size(0) - 1;
   std::vector<shared_prefix::ItemPart> prefix(n_items);
   const auto parts = shared_prefix::attend_prefixes(q, k_pool, v_pool, q_indptr.data_ptr<int64_t>(),
-                                                    groups, scale, prefix);
+                                                    groups, scratch, scale, prefix);
   const auto call = [&](auto* k, auto* v, auto page_size) {
     constexpr int PS = decltype(page_size)::value;
     attend<std::remove_const_t<std::remove_pointer_t<decltype(k)>>, PS>(
