@@ -23,8 +23,8 @@ rotated order, round by round. Requests/s = users / the batch's makespan. Per ou
         [--rounds 3] [--sides shared,shared_nokernel,noshare,v1] [--no-vllm] [--quick] [--out FILE]
 
 Results: benchmarks/results/shared_prompt.json and .png (issue 19's targets: shared >= 2x
-the requests/s of noshare; >= 1.3x per output token from the kernel). `--quick` (12 users,
-a ~400-token prompt, 4 tokens, 2 rounds, no vLLM) is tests/test_bench_scripts.py's run.
+the requests/s of noshare; >= 1.3x per output token from the kernel). `--quick` (4 users,
+a ~260-token prompt, 4 tokens, 2 rounds, no vLLM) is tests/test_bench_scripts.py's run.
 """
 
 from __future__ import annotations
@@ -240,7 +240,7 @@ def main() -> None:
     if unknown := set(args.sides) - set(SIDES):
         parser.error(f"unknown sides {sorted(unknown)}; choose from {', '.join(SIDES)}")
     if args.quick:
-        args.users, args.prompt_words, args.max_tokens, args.rounds, args.no_vllm = 12, 300, 4, 2, True
+        args.users, args.prompt_words, args.max_tokens, args.rounds, args.no_vllm = 4, 200, 4, 2, True
     data = asyncio.run(main_async(args))
     s = data["speedup"]
     print(", ".join(f"{name} {value:.2f}x" for name, value in s.items() if value is not None))
