@@ -1,5 +1,5 @@
 """RESULTS.md sections for Pie's own benchmark scripts (backend, quantization, placement,
-overhead, frontends, prefix_cache, api_serve, prefill_only, max_input, objectives, semantic_variables, shared_prompt, soak, drain): each writes its JSON in its own shape, so each gets a small table here.
+overhead, frontends, prefix_cache, api_serve, prefill_only, max_input, objectives, semantic_variables, shared_prompt, shared_prefix_attention, soak, drain): each writes its JSON in its own shape, so each gets a small table here.
 
 Why a table per script rather than one generic dump: those files carry every sample; the
 reader of RESULTS.md needs the medians and the ratio that each script exists to measure
@@ -295,6 +295,18 @@ def shared_prompt(data: Json) -> list[str]:
     return lines + ["", "![shared_prompt](results/shared_prompt.png)"]
 
 
+def shared_prefix_attention(data: Json) -> list[str]:
+    meta, rows = data["meta"], data["rows"]
+    where = meta.get("gpu") or meta.get("cpu", "?")
+    lines = [f"One layer's decode attention ({data['shape']['heads']} heads, {data['shape']['kv_heads']} KV heads, "
+             f"bf16, on {where}) for users sharing a prefix: the shared-prefix path off and on "
+             "(medians; every group size taken).", "",
+             "| prefix keys | users | off (ms) | on (ms) | speedup |", "|---|---|---|---|---|"]
+    lines += [f"| {r['prefix']} | {r['users']} | {r['off_ms']:.3f} | {r['on_ms']:.3f} | {r['speedup']:.2f}× |"
+              for r in rows]
+    return lines
+
+
 SCRIPTS: dict[str, tuple[str, Callable[[Json], list[str]]]] = {
     "backend": ("Backend step vs HF transformers", backend),
     "quantization": ("Int8 weights: speed and quality", quantization),
@@ -308,6 +320,7 @@ SCRIPTS: dict[str, tuple[str, Callable[[Json], list[str]]]] = {
     "objectives": ("Objectives: chat beside map-reduce (Parrot)", objectives),
     "semantic_variables": ("Semantic variables: applications as one program (Parrot)", semantic_variables),
     "shared_prompt": ("A system prompt shared by many users: shared pages and the shared-prefix kernel", shared_prompt),
+    "shared_prefix_attention": ("Shared-prefix decode attention, one layer", shared_prefix_attention),
     "soak": ("Soak", soak),
     "drain": ("Graceful drain", drain),
 }
@@ -327,6 +340,7 @@ GPU_FILES: dict[str, tuple[str, Callable[[Json], list[str]]]] = {
     "backend-cuda": ("Backend step on a GPU: FlashInfer and CUDA graphs", backend),
     "backend-cuda-eager": ("Backend step on a GPU: FlashInfer, eager", backend),
     "backend-cuda-torch": ("Backend step on a GPU: torch attention", backend),
+    "shared_prefix_attention-cuda": ("Shared-prefix decode attention on a GPU: FlashInfer's cascade", shared_prefix_attention),
 }
 
 

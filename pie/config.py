@@ -70,7 +70,7 @@ class BackendConfig:
     # equal the one-shot forward's (PrefillOnly; pie/backend/chunked_forward.py).
     mlp_chunk_tokens: int = 0
     # Decode items whose contexts begin with at least this many keys on the same pages (a
-    # shared system prompt, forks of one context), 12 or more of them, attend to those pages
+    # shared system prompt, forks of one context), 8 or more of them, attend to those pages
     # together as matrix products (CPU kernel, csrc/shared_prefix.h); 0 = off.
     shared_prefix_keys: int = 256
     threads: int = 0

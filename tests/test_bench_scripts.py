@@ -399,12 +399,23 @@ def test_shared_prompt_quick(results):
     assert Path(results.out / "shared_prompt.png").stat().st_size > 0
 
 
+def test_shared_prefix_attention_quick(results):
+    """Both sides timed every round, in rotated order; speedups follow from the medians; the
+    shared path's outputs equal the plain path's."""
+    data = results("shared_prefix_attention")
+    check_meta(data["meta"], ["on", "off"])
+    assert [(r["prefix"], r["users"]) for r in data["rows"]] == [(64, 2), (64, 4)]
+    for row in data["rows"]:
+        assert len(row["samples"]["on"]) == len(row["samples"]["off"]) == data["meta"]["rounds"]
+        assert row["speedup"] == row["off_ms"] / row["on_ms"] and row["max_abs_diff"] < 1e-2
+
+
 def test_every_script_takes_quick_and_out():
     """Each script offers `--quick` and `--out` (without `--out` a test would write over the
     committed benchmarks/results/)."""
     for script in ("overhead", "backend", "quantization", "placement", "frontends", "prefix_cache", "api_serve",
-                   "prefill_only", "max_input", "objectives", "semantic_variables", "shared_prompt", "soak",
-                   "drain"):
+                   "prefill_only", "max_input", "objectives", "semantic_variables", "shared_prompt",
+                   "shared_prefix_attention", "soak", "drain"):
         done = subprocess.run([sys.executable, f"benchmarks/{script}.py", "--help"], cwd=ROOT,
                               capture_output=True, text=True, timeout=120, check=False)
         assert done.returncode == 0 and "--out" in done.stdout and "--quick" in done.stdout, script

@@ -89,6 +89,28 @@ def test_slot_lists_that_are_not_page_tables(slots):
     assert PagedIndex.from_plan(plan_of([[0, 1, 2], slots]), 4) is None
 
 
+def shared_prefix_plan(ps: int) -> AttentionPlan:
+    """Decode items: 0-3 begin with pages 10-15 (item 3 with 10-12 only), 4-5 with 30-31,
+    6 alone; each then has pages of its own, the new token on the last."""
+    def item(pages: list[int], extra: int) -> list[int]:
+        return [p * ps + o for p in pages for o in range(ps)] + [(40 + extra) * ps + o for o in range(3)]
+    shared = list(range(10, 16))
+    return plan_of([item(shared, 0), item(shared + [20], 1), item(shared, 2), item(shared[:3] + [21], 3),
+                    item([30, 31], 4), item([30, 31, 22], 5), item([32, 33, 34], 6)])
+
+
+def test_page_table_groups_of_shared_prefixes():
+    index = PagedIndex.from_plan(shared_prefix_plan(4), 4)
+    assert index is not None
+    assert sorted(index.shared_prefixes(2, 2)) == [([0, 1, 2, 3], 3), ([4, 5], 2)]
+    assert index.shared_prefixes(4, 2) == []  # items 0-3 share 3 pages; 4-5 only 2
+    assert index.shared_prefixes(2, 3) == [([0, 1, 2, 3], 3)]
+    rest = index.without_prefixes(index.shared_prefixes(2, 2))
+    assert expand(rest, 4)[0] == expand(index, 4)[0][12:]  # pages 13-15 and its own are left
+    assert expand(rest, 4)[1] == expand(index, 4)[1][12:]
+    assert expand(rest, 4)[6] == expand(index, 4)[6]  # not grouped: unchanged
+
+
 @pytest.mark.parametrize("page_size", [16, 5])
 def test_page_table_names_exactly_the_plan_slots(page_size):
     """Random plans laid out as the engine lays them out (test_attention.random_plan)."""
@@ -264,6 +286,24 @@ def test_flashinfer_matches_the_reference(case, path):
     attention = FlashInferAttention(8, 2, 64, torch.bfloat16, torch.device("cuda"))
     got = attention.run(q, kv, 0, plan)
     assert attention.path == path
+    torch.testing.assert_close(got, TorchPagedAttention().run(q, kv, 0, plan), rtol=2e-2, atol=2e-2)
+
+
+@needs_gpu
+def test_flashinfer_cascade_over_shared_prefixes_matches_the_reference():
+    """Decode items grouped by their shared pages (a cascade: prefix pass, decode pass,
+    merged) give what the reference gives attending to each item's keys one by one."""
+    g = torch.Generator().manual_seed(5)
+    kv = cuda_pool(g, 60, 16)
+    plan = shared_prefix_plan(16)
+    plan = AttentionPlan(plan.q_indptr, plan.kv_indptr, plan.kv_slots.cuda(), plan.kv_visible.cuda(),
+                         plan.custom_masks)
+    q = (torch.randn(plan.q_indptr[-1], 8, 64, generator=g) * 3).to(torch.bfloat16).cuda()
+    attention = FlashInferAttention(8, 2, 64, torch.bfloat16, torch.device("cuda"), shared_prefix_keys=32)
+    attention.SHARED_PREFIX_MIN_READ = 1  # these groups are far smaller than where it pays
+    got = attention.run(q, kv, 0, plan)
+    assert attention.path == "decode" and attention.members is not None
+    assert sorted(attention.members.tolist()) == [0, 1, 2, 3, 4, 5]
     torch.testing.assert_close(got, TorchPagedAttention().run(q, kv, 0, plan), rtol=2e-2, atol=2e-2)
 
 

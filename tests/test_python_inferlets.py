@@ -283,3 +283,57 @@ def test_semantic_variables_equal_the_rust_twin(tmp_path, pie_server, python_com
     assert out[9].startswith("input 'q' failed: ") and "temperature" in out[9]
     resources = pie_server.resources()
     assert resources["kv_pages_free"] == resources["kv_pages_total"]
+
+
+SYSTEM = "You are a careful analyst. Answer in one short sentence.\n"
+WORKFLOW = {"inputs": ["topic"],
+            "nodes": {"pro": {"op": "llm", "template": SYSTEM + "Argue for {{input:t}}.", "bind": {"t": "topic"},
+                              "max_tokens": 10},
+                      "pro_again": {"op": "llm", "template": SYSTEM + "Argue for {{input:t}}.", "bind": {"t": "topic"},
+                                    "max_tokens": 10},
+                      "con": {"op": "llm", "template": SYSTEM + "Argue against {{input:t}}.", "bind": {"t": "topic"},
+                              "max_tokens": 10},
+                      "unused": {"op": "llm", "template": "Say hi to {{input:t}}.", "bind": {"t": "topic"}},
+                      "both": {"op": "fn", "function": "join", "bind": {"a": "pro", "b": "pro_again", "c": "con"}},
+                      "judge": {"op": "llm", "template": SYSTEM + "{{input:d}}\nWhich side wins?", "bind": {"d": "both"},
+                                "max_tokens": 8}},
+            "outputs": {"verdict": "judge", "arguments": "both"}}
+
+
+def test_workflow_optimized_equals_naive_and_reuses_work(pie_server, python_component):
+    """Helium's optimizer as an inferlet: the optimized plan (pruned, merged, shared prefixes
+    prefilled once, results cached) gives the naive plan's greedy outputs exactly, with
+    fewer model calls; run again, every call is a cache hit; pinned prefixes are imported
+    by the next run and removed by --unpin; mistakes are errors before any model call."""
+    component = python_component("workflow")
+
+    def run(*extra: str, spec: dict = WORKFLOW, topic: str | None = "tabs or spaces"):
+        args = ["--spec", json.dumps(spec), *(["--input", f"topic={topic}"] if topic else []), *extra]
+        done = run_inferlet(pie_server, component, args)
+        return done.reason, (json.loads(done.messages[0]) if done.messages else None)
+
+    reason, naive = run("--naive")
+    assert reason == "finished", reason
+    assert naive["stats"]["llm_calls"] == 5 and naive["stats"]["prefixes_prefilled"] == 0
+    reason, optimized = run("--no", "order")
+    assert reason == "finished", reason
+    assert optimized["outputs"] == naive["outputs"]
+    assert optimized["stats"] == {"declared": 6, "kept": 4, "llm_calls": 3, "cache_hits": 0,
+                                  "prefixes_prefilled": 2, "prefixes_imported": 0}
+    _, again = run()
+    assert again["outputs"] == naive["outputs"] and again["stats"]["llm_calls"] == 0
+    assert again["stats"]["cache_hits"] == 3
+    for expected in ({"prefilled": 2, "imported": 0}, {"prefilled": 0, "imported": 2}):
+        _, pinned = run("--no", "cache", "--pin")
+        assert pinned["outputs"] == naive["outputs"]
+        assert {k: pinned["stats"][f"prefixes_{k}"] for k in expected} == expected
+    _, unpinned = run("--unpin")
+    assert unpinned == {"unpinned": 2}
+    reason, _ = run(topic=None)
+    assert "workflow input 'topic' is missing" in reason
+    cyclic = json.loads(json.dumps(WORKFLOW))
+    cyclic["nodes"]["pro"]["bind"]["t"] = "judge"
+    reason, _ = run(spec=cyclic)
+    assert "a cycle (each node reads the next): pro -> judge -> both -> pro" in reason
+    resources = pie_server.resources()
+    assert resources["kv_pages_free"] == resources["kv_pages_total"]

@@ -98,15 +98,15 @@ class CpuKernelAttention:
     Decode items whose contexts begin with the same pages (a shared system prompt, forks of
     one context) of at least `shared_prefix_keys` keys attend to that prefix together, as
     matrix products over one copy of it (csrc/shared_prefix.h); 0 turns that off. It takes
-    groups of at least SHARED_PREFIX_MEMBERS: one layer's attention over a shared 2,048-key
-    prefix (bf16, page 16, 2 vCPUs, 2026-11-27) took 0.48 -> 0.77 ms for 4 items, 1.03 ->
-    1.01 ms for 8, 1.75 -> 0.94 ms for 16 and 3.48 -> 1.35 ms for 32 (/tmp-style ad-hoc
-    timing of `run`; the copy of the prefix is the fixed cost).
+    groups of at least SHARED_PREFIX_MEMBERS, where one layer's attention over a shared prefix
+    turns faster (benchmarks/results/shared_prefix_attention.json, bf16, 2 vCPUs, 2026-11-27:
+    4 users 0.72x on 512 and on 2,048 keys, 8 users 1.19x and 1.05x, 16 users 1.44x and
+    1.52x, 32 users 1.59x and 1.80x; the copy of the prefix is the fixed cost).
     """
 
     PREFILL_TOKENS = 32  # measured crossover between the kernel and gather + SDPA
     NO_GROUPS = torch.zeros(1, dtype=torch.int64)  # shared-prefix groups: none (read only)
-    SHARED_PREFIX_MEMBERS = 12
+    SHARED_PREFIX_MEMBERS = 8
 
     def __init__(self, shared_prefix_keys: int = 0) -> None:
         from pie.backend.kernels import paged_attention_module

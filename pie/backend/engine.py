@@ -164,7 +164,7 @@ class Engine:
             from pie.backend.flashinfer_attention import FlashInferAttention
 
             return FlashInferAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.dtype,
-                                       self.device)
+                                       self.device, self.config.shared_prefix_keys)
         if choice == "cpu-kernel":
             return CpuKernelAttention(self.config.shared_prefix_keys)
         return TorchPagedAttention()

@@ -56,6 +56,46 @@ class PagedIndex:
         last = lengths - (pages_per_item - 1) * page_size
         return cls(indptr.int(), chunk_page.int(), last.int())
 
+    def shared_prefixes(self, min_pages: int, min_members: int) -> list[tuple[list[int], int]]:
+        """Groups of items whose page lists begin with the same `n` >= min_pages pages, each
+        before the item's last page (a decode item's new token is on its last page), as
+        (members, n); groups of fewer than `min_members` are left out. Items are grouped by
+        their first page, then cut to the pages all members share (the CPU kernel's rule,
+        csrc/shared_prefix.h)."""
+        indptr, indices = self.indptr.tolist(), self.indices.tolist()
+        by_first: dict[int, list[int]] = {}
+        for b in range(len(indptr) - 1):
+            if indptr[b + 1] - indptr[b] - 1 >= min_pages:
+                by_first.setdefault(indices[indptr[b]], []).append(b)
+        groups = []
+        for members in by_first.values():
+            if len(members) < max(min_members, 2):
+                continue
+            lead = indices[indptr[members[0]] : indptr[members[0] + 1] - 1]
+            n = len(lead)
+            for b in members[1:]:
+                own = indices[indptr[b] : indptr[b + 1] - 1]
+                n = next((i for i, (x, y) in enumerate(zip(lead[:n], own)) if x != y), min(n, len(own)))
+            if n >= min_pages:
+                groups.append((members, n))
+        return groups
+
+    def without_prefixes(self, groups: list[tuple[list[int], int]]) -> PagedIndex:
+        """The same table with each group member's first `n` pages dropped (what it reads
+        besides its group's shared prefix)."""
+        skip = [0] * len(self.last_page_len)
+        for members, n in groups:
+            for b in members:
+                skip[b] = n
+        indptr, indices = self.indptr.tolist(), self.indices.tolist()
+        kept = [indices[indptr[b] + skip[b] : indptr[b + 1]] for b in range(len(skip))]
+        new_indptr = [0]
+        for pages in kept:
+            new_indptr.append(new_indptr[-1] + len(pages))
+        return PagedIndex(torch.tensor(new_indptr, dtype=torch.int32),
+                          torch.tensor([p for pages in kept for p in pages], dtype=torch.int32),
+                          self.last_page_len.clone())
+
     def padded(self, items: int, pad_page: int) -> PagedIndex:
         """The same table with items appended up to `items`, each one key on `pad_page`
         (CUDA graph padding rows, whose outputs are discarded)."""
