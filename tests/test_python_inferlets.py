@@ -285,22 +285,24 @@ def test_semantic_variables_equal_the_rust_twin(tmp_path, pie_server, python_com
     assert resources["kv_pages_free"] == resources["kv_pages_total"]
 
 
-SYSTEM = "You are a careful analyst. Answer in one short sentence.\n"
+SYSTEM = "Notes on programming style, written for beginners by a senior engineer.\n"
+
+
+def raw_call(template: str, max_tokens: int, **bind: str) -> dict:
+    return {"op": "llm", "template": template, "bind": bind, "max_tokens": max_tokens, "raw": True}
+
+
 WORKFLOW = {"inputs": ["topic"],
-            "nodes": {"pro": {"op": "llm", "template": SYSTEM + "Argue for {{input:t}}.", "bind": {"t": "topic"},
-                              "max_tokens": 10},
-                      "pro_again": {"op": "llm", "template": SYSTEM + "Argue for {{input:t}}.", "bind": {"t": "topic"},
-                                    "max_tokens": 10},
-                      "con": {"op": "llm", "template": SYSTEM + "Argue against {{input:t}}.", "bind": {"t": "topic"},
-                              "max_tokens": 10},
-                      "unused": {"op": "llm", "template": "Say hi to {{input:t}}.", "bind": {"t": "topic"}},
+            "nodes": {"pro": raw_call(SYSTEM + "The best argument for {{input:t}} is that", 10, t="topic"),
+                      "pro_again": raw_call(SYSTEM + "The best argument for {{input:t}} is that", 10, t="topic"),
+                      "con": raw_call(SYSTEM + "The worst problem with {{input:t}} is that", 10, t="topic"),
+                      "unused": raw_call("Say hi to {{input:t}}.", 4, t="topic"),
                       "both": {"op": "fn", "function": "join", "bind": {"a": "pro", "b": "pro_again", "c": "con"}},
-                      "judge": {"op": "llm", "template": SYSTEM + "{{input:d}}\nWhich side wins?", "bind": {"d": "both"},
-                                "max_tokens": 8}},
-            "outputs": {"verdict": "judge", "arguments": "both"}}
+                      "judge": raw_call(SYSTEM + "Arguments:\n{{input:d}}\nThe winner is", 8, d="both")},
+            "outputs": {"verdict": "judge", "arguments": "both", "pro": "pro", "pro_again": "pro_again", "con": "con"}}
 
 
-def test_workflow_optimized_equals_naive_and_reuses_work(pie_server, python_component):
+def test_workflow_optimized_equals_naive_and_reuses_work(pie_server, python_component, hf_model, tokenizer):
     """Helium's optimizer as an inferlet: the optimized plan (pruned, merged, shared prefixes
     prefilled once, results cached) gives the naive plan's greedy outputs exactly, with
     fewer model calls; run again, every call is a cache hit; pinned prefixes are imported
@@ -314,6 +316,12 @@ def test_workflow_optimized_equals_naive_and_reuses_work(pie_server, python_comp
 
     reason, naive = run("--naive")
     assert reason == "finished", reason
+    out = naive["outputs"]
+    assert out["pro"] == out["pro_again"] != out["con"]  # greedy: the duplicate agrees; the other differs
+    prompt = WORKFLOW["nodes"]["con"]["template"].replace("{{input:t}}", "tabs or spaces")
+    ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+    eos = tokenizer.token_to_id("<|im_end|>")
+    assert out["con"] == tokenizer.decode(hf_greedy(hf_model, ids, 10, stop_at=eos))
     assert naive["stats"]["llm_calls"] == 5 and naive["stats"]["prefixes_prefilled"] == 0
     reason, optimized = run("--no", "order")
     assert reason == "finished", reason

@@ -15,7 +15,8 @@ Build it with `pie build my_inferlet.py` (componentize-py; the component embeds 
 Same concepts as the Rust SDK (sdk/rust/inferlet), over the same WIT (sdk/wit): `Model` and
 `Queue`, `Context` (fill / flush / generate / fork), samplers and stop conditions, futures
 with `wait_any` / `wait_all`, messaging, HTTP, KV export/import, and semantic variables
-(`inferlet.semvar`: an application's calls as prompt templates run inside the inferlet). Host calls that fail raise
+(`inferlet.semvar`: an application's calls as prompt templates run inside the inferlet), and
+workflows (`inferlet.workflow`: a graph of operators checked and optimized before it runs). Host calls that fail raise
 `inferlet.Error`; an exception escaping `main` ends the instance with its message.
 """
 

@@ -85,15 +85,11 @@ class Plan:
     stats: dict[str, int] = field(default_factory=dict)
 
     def run(self, model, inputs: dict[str, str], functions: dict | None = None) -> dict[str, str]:
-        from inferlet.workflow_run import Runner
-
-        return Runner(self, model, functions or {}).run(inputs)
+        return _runner().Runner(self, model, functions or {}).run(inputs)
 
     def unpin(self, model) -> int:
         """Removes the persistent exports `Options.pin` made for this plan's prefixes."""
-        from inferlet.workflow_run import Runner
-
-        return Runner(self, model, {}).unpin()
+        return _runner().Runner(self, model, {}).unpin()
 
 
 def compile_workflow(spec: dict, options: Options = Options(), functions: tuple[str, ...] | None = None) -> Plan:
@@ -256,3 +252,19 @@ def _common(a: str, b: str) -> str:
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return a[:n]
+
+
+# The runner needs the SDK's host bindings. It is imported here, when this module is, because
+# an inferlet's imports are resolved when it is built (componentize-py snapshots them): an
+# import inside a function would look for the standard library at run time, which a
+# component cannot read (the instance traps). The host tests load this file alone.
+try:
+    from inferlet import workflow_run as _workflow_run
+except ImportError:
+    _workflow_run = None
+
+
+def _runner():
+    if _workflow_run is None:
+        raise RuntimeError("inferlet.workflow runs plans inside an inferlet only (no SDK bindings here)")
+    return _workflow_run

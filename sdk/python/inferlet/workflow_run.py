@@ -145,8 +145,10 @@ class Runner:
         name = _export_name(text)
         tokens = self.queue.tokenize(text)
         if self.plan.options.pin:
+            # flush runs all but the last token, so an export holds tokens[:-1]
             ctx = Context.imported(self.queue, name)
-            if ctx is not None and ctx.tokens == tokens:
+            if ctx is not None and ctx.tokens == tokens[:-1]:
+                ctx.fill_tokens(tokens[-1:])
                 self.stats["prefixes_imported"] += 1
                 return ctx
         ctx = Context(self.queue)
