@@ -16,16 +16,9 @@ import json
 from dataclasses import replace
 
 import inferlet
-from inferlet.workflow import Options, compile_workflow
+from inferlet.workflow import FUNCTIONS, Options, compile_workflow
 
 USAGE = "usage: --spec JSON [--input NAME=VALUE ...] [--naive | --no OPT[,OPT...]] [--pin | --unpin]"
-FUNCTIONS = {
-    "first_line": lambda text: text.strip().splitlines()[0] if text.strip() else "",
-    "strip": lambda text: text.strip(),
-    "upper": lambda text: text.upper(),
-    "lower": lambda text: text.lower(),
-    "join": lambda **parts: "\n".join(parts[k] for k in sorted(parts)),
-}
 OPTIMIZATIONS = ("prune", "merge", "cache", "prefixes", "order")
 
 

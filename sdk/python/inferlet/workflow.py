@@ -45,6 +45,15 @@ import string
 from dataclasses import dataclass, field
 
 _SLOT = re.compile(r"\{\{\s*input\s*:\s*(\w+)\s*\}\}")
+# Functions `fn` operators may name when `run` is given these (the workflow inferlet does):
+# strings in (`text`, or every binding for `join`, one per line in binding-name order).
+FUNCTIONS = {
+    "first_line": lambda text: text.strip().splitlines()[0] if text.strip() else "",
+    "strip": lambda text: text.strip(),
+    "upper": lambda text: text.upper(),
+    "lower": lambda text: text.lower(),
+    "join": lambda **parts: "\n".join(parts[k] for k in sorted(parts)),
+}
 OPS = ("llm", "format", "fn")
 MIN_PREFIX_CHARS = 32  # a shared template prefix shorter than this is not worth a context
 
