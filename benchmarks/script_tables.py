@@ -1,5 +1,5 @@
 """RESULTS.md sections for Pie's own benchmark scripts (backend, quantization, placement,
-overhead, frontends, prefix_cache, api_serve, prefill_only, max_input, objectives, semantic_variables, shared_prompt, shared_prefix_attention, soak, drain): each writes its JSON in its own shape, so each gets a small table here.
+overhead, frontends, prefix_cache, api_serve, prefill_only, max_input, objectives, semantic_variables, shared_prompt, shared_prefix_attention, workflows, soak, drain): each writes its JSON in its own shape, so each gets a small table here.
 
 Why a table per script rather than one generic dump: those files carry every sample; the
 reader of RESULTS.md needs the medians and the ratio that each script exists to measure
@@ -307,6 +307,19 @@ def shared_prefix_attention(data: Json) -> list[str]:
     return lines
 
 
+def workflows(data: Json) -> list[str]:
+    w, median, ratio = data["workload"], data["median_s"], data["ratio_to_helium"]
+    lines = [f"Helium's trading workflow over {len(w['tickers'])} tickers ({w['llm_calls']} LLM calls declared, "
+             f"{w['llm_calls_optimized']} after pruning and merging), {w['max_tokens']} tokens a call, greedy, "
+             f"{_dtype(data)}: seconds per measured query (a warm-up question first, on the same data; medians). "
+             f"Ratio = side / helium; the best baseline ({data['best_baseline']}) is "
+             f"{data['speedup_vs_best']:.2f}× helium's time (target ≥ 1.34×). Helium's outputs equal the naive "
+             f"plan's: {data['outputs_equal_naive']}.", "",
+             "| side | seconds | ratio |", "|---|---|---|"]
+    lines += [f"| {side} | {_f(seconds)} | {ratio[side]:.2f}× |" for side, seconds in median.items()]
+    return lines + ["", "![workflows](results/workflows.png)"]
+
+
 SCRIPTS: dict[str, tuple[str, Callable[[Json], list[str]]]] = {
     "backend": ("Backend step vs HF transformers", backend),
     "quantization": ("Int8 weights: speed and quality", quantization),
@@ -321,6 +334,7 @@ SCRIPTS: dict[str, tuple[str, Callable[[Json], list[str]]]] = {
     "semantic_variables": ("Semantic variables: applications as one program (Parrot)", semantic_variables),
     "shared_prompt": ("A system prompt shared by many users: shared pages and the shared-prefix kernel", shared_prompt),
     "shared_prefix_attention": ("Shared-prefix decode attention, one layer", shared_prefix_attention),
+    "workflows": ("Agentic workflows: Helium's optimizer as an inferlet", workflows),
     "soak": ("Soak", soak),
     "drain": ("Graceful drain", drain),
 }

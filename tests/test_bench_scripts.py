@@ -410,12 +410,26 @@ def test_shared_prefix_attention_quick(results):
         assert row["speedup"] == row["off_ms"] / row["on_ms"] and row["max_abs_diff"] < 1e-2
 
 
+def test_workflows_quick(results):
+    """Every side ran each round in rotated order; helium's outputs equal the naive plan's;
+    the ratios follow from the medians; helium ran fewer calls than it declared."""
+    data = results("workflows")
+    check_meta(data["meta"], ["helium", "parrot", "concurrent", "client"])
+    assert data["outputs_equal_naive"] is True
+    assert len(data["runs"]) == 4 * data["meta"]["rounds"] and all(r["seconds"] > 0 for r in data["runs"])
+    median = data["median_s"]
+    assert data["speedup_vs_best"] == median[data["best_baseline"]] / median["helium"]
+    helium = [r["stats"] for r in data["runs"] if r["side"] == "helium"]
+    assert all(s["kept"] < s["declared"] and s["llm_calls"] + s["cache_hits"] <= s["kept"] for s in helium)
+    assert Path(results.out / "workflows.png").stat().st_size > 0
+
+
 def test_every_script_takes_quick_and_out():
     """Each script offers `--quick` and `--out` (without `--out` a test would write over the
     committed benchmarks/results/)."""
     for script in ("overhead", "backend", "quantization", "placement", "frontends", "prefix_cache", "api_serve",
                    "prefill_only", "max_input", "objectives", "semantic_variables", "shared_prompt",
-                   "shared_prefix_attention", "soak", "drain"):
+                   "shared_prefix_attention", "workflows", "soak", "drain"):
         done = subprocess.run([sys.executable, f"benchmarks/{script}.py", "--help"], cwd=ROOT,
                               capture_output=True, text=True, timeout=120, check=False)
         assert done.returncode == 0 and "--out" in done.stdout and "--quick" in done.stdout, script

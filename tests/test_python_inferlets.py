@@ -285,7 +285,11 @@ def test_semantic_variables_equal_the_rust_twin(tmp_path, pie_server, python_com
     assert resources["kv_pages_free"] == resources["kv_pages_total"]
 
 
-SYSTEM = "Notes on programming style, written for beginners by a senior engineer.\n"
+SYSTEM = ("Notes on programming style, written for beginners by a senior engineer. These notes cover "
+          "how to name things, how to lay out a file, how to format code so that others can read it, "
+          "and which arguments about style are worth having in a team at all. Each note states one "
+          "question, the common answers, and the reasons people give for each of them, briefly and "
+          "without taking sides where the answer is only a matter of habit.\n")  # > 400 characters
 
 
 def raw_call(template: str, max_tokens: int, **bind: str) -> dict:

@@ -20,6 +20,7 @@ sys.modules[spec.name] = wf  # dataclasses look their module up there
 spec.loader.exec_module(wf)
 
 SYSTEM = "You are a careful analyst of markets. Answer in one short sentence.\n"
+SHORT = wf.Options(min_prefix_chars=32)  # this file's templates are short
 
 
 def llm(template: str, max_tokens: int = 16, **bind: str) -> dict:
@@ -75,7 +76,7 @@ def test_naive_keeps_every_node_in_declaration_order():
 
 
 def test_pruning_merging_and_the_critical_path():
-    plan = wf.compile_workflow(debate())
+    plan = wf.compile_workflow(debate(), SHORT)
     assert list(plan.nodes) == ["pro", "con", "both", "judge"]  # unused pruned, pro_again merged
     assert plan.nodes["both"].bind == {"a": "pro", "b": "pro", "c": "con"}
     assert plan.outputs == {"verdict": "judge", "arguments": "both"}
@@ -96,15 +97,16 @@ def test_merging_follows_merged_inputs_down_a_chain():
 
 
 def test_shared_template_prefixes_form_a_radix_tree():
-    plan = wf.compile_workflow(debate())
+    assert wf.compile_workflow(debate()).anchors == []  # shorter than the default 400 characters
+    plan = wf.compile_workflow(debate(), SHORT)
     # the system text all three kept templates begin with, and the longer one two share
     assert plan.anchors == [SYSTEM + "Argue ", SYSTEM]
     node = plan.nodes["judge"]
     assert wf.static_prefix(node) == SYSTEM
     assert next(a for a in plan.anchors if wf.static_prefix(node).startswith(a)) == SYSTEM
     short = wf.compile_workflow({"inputs": ["x"], "nodes": {"p": llm("Hi {{input:v}}", v="x"), "q": llm("Hi {{input:v}}!", v="x")},
-                                 "outputs": {"p": "p", "q": "q"}})
-    assert short.anchors == []  # "Hi " is shorter than MIN_PREFIX_CHARS
+                                 "outputs": {"p": "p", "q": "q"}}, SHORT)
+    assert short.anchors == []  # "Hi " is shorter than 32 characters
 
 
 def test_cache_keys_cover_model_limit_and_prompt():

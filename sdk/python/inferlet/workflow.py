@@ -55,7 +55,6 @@ FUNCTIONS = {
     "join": lambda **parts: "\n".join(parts[k] for k in sorted(parts)),
 }
 OPS = ("llm", "format", "fn")
-MIN_PREFIX_CHARS = 32  # a shared template prefix shorter than this is not worth a context
 
 
 @dataclass(frozen=True)
@@ -66,6 +65,11 @@ class Options:
     prefixes: bool = True
     pin: bool = False
     order: bool = True
+    # A shared prefix shorter than this is not prefilled on its own: its pass and the wait
+    # for it before the forks read it cost more than the prompt tokens it saves (a trading
+    # workflow's ~90-character role prompts made every query ~2x slower, ad-hoc runs of
+    # benchmarks/workflows.py).
+    min_prefix_chars: int = 400
 
     @staticmethod
     def naive() -> Options:
@@ -129,7 +133,8 @@ def compile_workflow(spec: dict, options: Options = Options(), functions: tuple[
         nodes, outputs = _merge(nodes, outputs)
     stats["kept"] = len(nodes)
     priority = _priority(nodes) if options.order else {n: 0 for n in nodes}
-    anchors = _anchors([n for n in nodes.values() if n.op == "llm"]) if options.prefixes else []
+    calls = [n for n in nodes.values() if n.op == "llm"]
+    anchors = _anchors(calls, options.min_prefix_chars) if options.prefixes else []
     return Plan(inputs, nodes, outputs, options, priority, anchors, stats)
 
 
@@ -240,9 +245,9 @@ def _priority(nodes: dict[str, Node]) -> dict[str, int]:
     return priority
 
 
-def _anchors(calls: list[Node]) -> list[str]:
+def _anchors(calls: list[Node], min_chars: int) -> list[str]:
     """The radix tree's shared nodes: every static prefix two or more calls begin with (a
-    template's own, or the common part of two templates'), at least MIN_PREFIX_CHARS long;
+    template's own, or the common part of two templates'), at least `min_chars` long;
     longest first, so a call forks the deepest one it begins with."""
     prefixes = [static_prefix(c) for c in calls]
     counts: dict[str, int] = {}
@@ -253,7 +258,7 @@ def _anchors(calls: list[Node]) -> list[str]:
     for a, b in zip(distinct, distinct[1:]):  # sorted: a common prefix is shared by neighbours
         common = _common(a, b)
         anchors.add(common)
-    return sorted((a for a in anchors if len(a) >= MIN_PREFIX_CHARS), key=len, reverse=True)
+    return sorted((a for a in anchors if len(a) >= min_chars), key=len, reverse=True)
 
 
 def _common(a: str, b: str) -> str:

@@ -81,7 +81,7 @@ class Runner:
         return text if node.raw else self.opening + text + self.closing
 
     def _llm_wave(self, nodes: list[Node], values: dict[str, str], errors: dict[str, str]) -> None:
-        started = []
+        to_start = []
         for node in nodes:
             if (cause := self._failed_input(node, errors)) is not None:
                 errors[node.name] = cause
@@ -92,6 +92,15 @@ class Runner:
                 values[node.name] = hit
                 self.stats["cache_hits"] += 1
                 continue
+            to_start.append((node, prompt, key))
+        try:
+            self._prefill([t for node, _, _ in to_start if (t := self._anchor_text(node)) is not None])
+        except Error as e:
+            for node, _, _ in to_start:
+                errors[node.name] = f"prefilling its prefix failed: {e.message}"
+            return
+        started = []
+        for node, prompt, key in to_start:
             try:
                 started.append((node, key, self._start(node, prompt)))
             except Error as e:
@@ -117,16 +126,18 @@ class Runner:
         ctx.fill_tokens(tokens[keep:])
         return ctx.start_generate(Sampler.greedy(), Stop(node.max_tokens, eos=queue.eos_tokens()))
 
-    def _anchor(self, node: Node) -> Context | None:
-        """The prefilled context of the deepest shared template prefix `node` begins with."""
+    def _anchor_text(self, node: Node) -> str | None:
+        """The deepest shared template prefix `node` begins with, as the text its context
+        holds (after the chat format's opening), or None."""
         prefix = static_prefix(node)
         anchor = next((a for a in self.plan.anchors if prefix.startswith(a)), None)
         if anchor is None:
             return None
-        text = anchor if node.raw else self.opening + anchor
-        if text not in self.contexts:
-            self.contexts[text] = self._prefill(text)
-        return self.contexts[text]
+        return anchor if node.raw else self.opening + anchor
+
+    def _anchor(self, node: Node) -> Context | None:
+        text = self._anchor_text(node)
+        return None if text is None else self.contexts[text]
 
     def unpin(self) -> int:
         """Removes the persistent exports `pin` made for this plan's prefixes; how many."""
@@ -141,24 +152,31 @@ class Runner:
                     pass  # not pinned, or removed already (another node of the same prefix)
         return removed
 
-    def _prefill(self, text: str) -> Context:
-        name = _export_name(text)
-        tokens = self.queue.tokenize(text)
-        if self.plan.options.pin:
-            # flush runs all but the last token, so an export holds tokens[:-1]
-            ctx = Context.imported(self.queue, name)
-            if ctx is not None and ctx.tokens == tokens[:-1]:
-                ctx.fill_tokens(tokens[-1:])
-                self.stats["prefixes_imported"] += 1
-                return ctx
-        ctx = Context(self.queue)
-        ctx.fill_tokens(tokens)
-        ctx.flush()
-        self.queue.synchronize()  # forks run on other queues: the prefix must be written
-        self.stats["prefixes_prefilled"] += 1
-        if self.plan.options.pin:
-            ctx.export(name, persistent=True)
-        return ctx
+    def _prefill(self, texts: list[str]) -> None:
+        """Contexts for the prefixes in `texts` not held yet: imported where pinned, else
+        prefilled together (each on a queue of its own, so their passes batch), then waited
+        for once (forks run on other queues: a prefix must be written before they read it)."""
+        fresh = []
+        for text in dict.fromkeys(t for t in texts if t not in self.contexts):
+            tokens = self.queue.tokenize(text)
+            if self.plan.options.pin:
+                # flush runs all but the last token, so an export holds tokens[:-1]
+                ctx = Context.imported(self.queue, _export_name(text))
+                if ctx is not None and ctx.tokens == tokens[:-1]:
+                    ctx.fill_tokens(tokens[-1:])
+                    self.stats["prefixes_imported"] += 1
+                    self.contexts[text] = ctx
+                    continue
+            ctx = Context(self.model.create_queue())
+            ctx.fill_tokens(tokens)
+            ctx.flush()
+            fresh.append((text, ctx))
+        for text, ctx in fresh:
+            ctx.queue.synchronize()
+            self.stats["prefixes_prefilled"] += 1
+            if self.plan.options.pin:
+                ctx.export(_export_name(text), persistent=True)
+            self.contexts[text] = ctx
 
 
 def _export_name(text: str) -> str:
