@@ -67,3 +67,14 @@ def served_model(url: str) -> str | None:
     """The model a running server serves (its /health), None if it does not say."""
     with urllib.request.urlopen(f"{http_url(url)}/health", timeout=10) as response:
         return json.loads(response.read()).get("model")
+
+
+def served_model_files() -> tuple[Path, str]:
+    """The default model's directory (as `pie serve` resolves it) and its chat template:
+    what the client-side application scripts render their prompts with."""
+    from pie.backend.weights import resolve_model_dir
+    from pie.config import load_config
+
+    config = load_config()
+    model_dir = resolve_model_dir(config.model.path, config.paths.cache)
+    return model_dir, json.loads((model_dir / "tokenizer_config.json").read_text())["chat_template"]

@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: the `benchmarks` package is in the repository root
 
 from benchmarks.objectives import chunk_text
-from benchmarks.run_info import command_line, machine_settings, rotated, write_results
+from benchmarks.run_info import command_line, machine_settings, rotated, served_model_files, write_results
 from pie.backend.dtype import resolve_dtype
 
 RESULTS = Path(__file__).parent / "results"
@@ -174,12 +174,7 @@ def plot(data: dict, out: Path) -> None:
 
 
 async def main_async(args: argparse.Namespace) -> dict:
-    from pie.backend.weights import resolve_model_dir
-    from pie.config import load_config
-
-    config = load_config()
-    model_dir = resolve_model_dir(config.model.path, config.paths.cache)
-    chat_template = json.loads((model_dir / "tokenizer_config.json").read_text())["chat_template"]
+    model_dir, chat_template = served_model_files()
     dtype = resolve_dtype(args.dtype, "cpu")
     tmp = Path(tempfile.mkdtemp(prefix="pie-semvar-"))
     runs = await run_pie(args, dtype, chat_template, tmp)
