@@ -265,7 +265,7 @@ def objectives(data: Json) -> list[str]:
 
 
 def semantic_variables(data: Json) -> list[str]:
-    w, median, speedup = data["workload"], data["median"], data["speedup"]
+    w, median = data["workload"], data["median"]
     lines = [f"Parrot's applications with semantic variables: the `semantic_variables` inferlet vs the same "
              f"calls client-side over `/v1` with a {1000 * w['rtt_s']:.0f} ms emulated round trip per call; "
              f"{w['chunks']} chunks of ~{w['chunk_words']} words, {w['max_tokens']} tokens a call, greedy, "

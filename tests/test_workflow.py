@@ -1,23 +1,18 @@
 """The workflow compiler of the Python SDK (sdk/python/inferlet/workflow.py) on the host:
 every mistake a precise error before any model call, and the optimizations' graphs. The
-module imports nothing of the SDK at load, so it is loaded here by path (the package's
-__init__ needs the WIT bindings of a built inferlet); the runs are in
-tests/test_python_inferlets.py."""
+module imports nothing of the SDK at load, so it is loaded by path, as
+benchmarks/workflows.py loads it (the package's __init__ needs the WIT bindings of a built
+inferlet); the runs are in tests/test_python_inferlets.py."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
-from pathlib import Path
 
 import pytest
 
-PATH = Path(__file__).resolve().parents[1] / "sdk" / "python" / "inferlet" / "workflow.py"
-spec = importlib.util.spec_from_file_location("workflow_compiler", PATH)
-wf = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = wf  # dataclasses look their module up there
-spec.loader.exec_module(wf)
+from benchmarks.workflows import load_compiler
+
+wf = load_compiler()
 
 SYSTEM = "You are a careful analyst of markets. Answer in one short sentence.\n"
 SHORT = wf.Options(min_prefix_chars=32)  # this file's templates are short
@@ -112,3 +107,9 @@ def test_shared_template_prefixes_form_a_radix_tree():
 def test_cache_keys_cover_model_limit_and_prompt():
     keys = {wf.cache_key(m, p, n) for m in ("a", "b") for p in ("x", "y") for n in (1, 2)}
     assert len(keys) == 8 and all(k.startswith("workflow.llm.") for k in keys)
+
+
+def test_slots_are_filled_in_one_pass_as_the_checks_read_them():
+    """A slot written with spaces is filled (the checks accept it), and a value that reads
+    like a slot stays text."""
+    assert wf.fill("A {{ input : a }} B {{input:b}}", {"a": "{{input:b}}", "b": "x"}) == "A {{input:b}} B x"

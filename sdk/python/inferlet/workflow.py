@@ -144,6 +144,12 @@ def static_prefix(node: Node) -> str:
     return node.text if match is None else node.text[: match.start()]
 
 
+def fill(template: str, values: dict[str, str]) -> str:
+    """`template` with each `{{input:NAME}}` slot (spaces allowed, as the checks allow them)
+    replaced by values[NAME], in one pass: a value that itself reads like a slot stays text."""
+    return _SLOT.sub(lambda match: values[match.group(1)], template)
+
+
 def cache_key(model: str, prompt: str, max_tokens: int) -> str:
     """Where a greedy call's reply is kept: the model, the limit and the whole prompt."""
     return "workflow.llm." + hashlib.sha256(f"{model}\0{max_tokens}\0{prompt}".encode()).hexdigest()

@@ -9,7 +9,7 @@ from inferlet.context import Context
 from inferlet.errors import Error
 from inferlet.io import chat, store_get, store_set
 from inferlet.sampling import Sampler, Stop
-from inferlet.workflow import Node, Plan, cache_key, static_prefix
+from inferlet.workflow import Node, Plan, cache_key, fill, static_prefix
 
 _MARK = "\ue000PIE-WORKFLOW\ue000"  # where the user's text goes in the chat format
 
@@ -75,9 +75,7 @@ class Runner:
             errors[node.name] = f"{type(e).__name__}: {e}"
 
     def _prompt(self, node: Node, values: dict[str, str]) -> str:
-        text = node.text
-        for slot, source in node.bind.items():
-            text = text.replace("{{input:" + slot + "}}", values[source])
+        text = fill(node.text, {slot: values[source] for slot, source in node.bind.items()})
         return text if node.raw else self.opening + text + self.closing
 
     def _llm_wave(self, nodes: list[Node], values: dict[str, str], errors: dict[str, str]) -> None:
