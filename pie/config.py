@@ -197,7 +197,7 @@ class HeldQuota:
 
     kv_pages: int = 0  # KV pages held, persistent exports included
     embeds: int = 0
-    queues: int = 0  # queues created (they live until the instance ends)
+    queues: int = 0  # queues held at once (dropping one gives it back)
     exports: int = 0  # exports created and not yet removed (persistent ones count too)
     latency_queues: int = 0  # queues marked latency at once (scheduling.set-queue-objective)
     messages_per_s: float = 0.0  # messages sent to the client or broadcast; faster senders wait

@@ -183,6 +183,62 @@ def test_close_instance_fails_pending_calls_but_still_releases(setup):
         f.result()
 
 
+def test_stragglers_are_open_queues_that_read_their_last_forward(setup):
+    """The adaptive policy waits briefly for queues that ran the model lately (a decoder
+    computing its next step). A forward that only wrote KV (a prefix filled on a queue of
+    its own) and a dropped queue are not waited for: both made the semantic-variables
+    chain's next decode step wait half a prefill (~0.25 s a call)."""
+    scheduler, _ = setup
+    reader, writer, dropped, waiting = (scheduler.create_queue(f"i{n}") for n in range(4))
+    reads, also_reads = forward(reader), forward(dropped)
+    reads.item["out_embeds"], also_reads.item["out_embeds"] = [3], [4]
+    futures = [scheduler.submit(reads), scheduler.submit(forward(writer)), scheduler.submit(also_reads)]
+    busy_until_queued(scheduler)
+    assert all(_wait(f) for f in futures)
+    scheduler.release_queue(dropped)
+    with scheduler.lock:
+        scheduler.last_forward_s = 60.0  # every forward above is "lately"
+        waiting.pending.append(forward(waiting))
+        heads = scheduler._eligible_heads()
+        assert scheduler._view(heads).stragglers == {"forward"}  # the reader only
+        assert dropped not in scheduler.queues  # nothing left to run: it has left
+        scheduler.recent_forwards.pop(id(reader))
+        assert scheduler._view(heads).stragglers == frozenset()
+        waiting.pending.clear()
+
+
+def test_a_dropped_queue_runs_its_calls_and_gives_its_quota_back(tmp_path, model_dir):
+    """WIT: dropping a queue lets its pending commands finish; quota.instance.queues counts
+    the queues held at once, so a program that makes a queue per call (a pipeline of
+    semantic variables) is not stopped at 64 calls."""
+    from pie.config import PieConfig
+
+    config = PieConfig(quota=QuotaConfig(instance=InstanceQuota(queues=2)))
+    controller, backend = controller_on_fake_backend(config, tmp_path, model_dir)
+    try:
+        a = controller.session("a", [])
+        q1, q2 = a.create_queue("m"), a.create_queue("m")
+        with pytest.raises(HostError, match="quota.instance.queues = 2"):
+            a.create_queue("m")
+        backend.hold.clear()  # the backend takes the call but does not answer yet
+        (embed,) = a.alloc_emb(q1, 1)
+        a.embed_text(q1, [1], [0], [embed])
+        pending = a.synchronize(q1)  # completes once the embed has run
+        a.drop_queue(q1)
+        a.drop_queue(q1)  # twice: refunded once
+        q3 = a.create_queue("m")
+        with pytest.raises(HostError, match="quota.instance.queues = 2"):
+            a.create_queue("m")
+        backend.hold.set()
+        assert _wait(pending) and q1.error is None  # it ran
+        assert _wait(a.synchronize(q3))
+        assert q1 not in controller.scheduler.queues and q2 in controller.scheduler.queues
+        a.close()
+    finally:
+        controller.shutdown()
+        backend.close()
+
+
 def test_a_failed_backend_still_releases_deferred_frees(setup):
     """After fail_all (backend gone) a pending or later dealloc marker still releases its
     pages: an inferlet ending on the error must not leak them."""

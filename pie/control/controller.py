@@ -149,8 +149,20 @@ class InstanceSession:
         self._check_model(model)
         self.charges.charge("queues")
         queue = self.c.scheduler.create_queue(self.instance_id)
-        self.queues.append(queue)
+        # Dropped queues stay listed while calls of theirs wait: they count toward
+        # runtime.max_pending_calls until they have run.
+        self.queues = [q for q in self.queues if not (q.released and not q.pending)] + [queue]
         return queue
+
+    def drop_queue(self, q: CommandQueue) -> None:
+        """The guest dropped the queue: its quota comes back, and the scheduler stops
+        counting it as a decoder about to send its next step."""
+        if q.released:
+            return
+        self.charges.refund("queues")
+        if q.objective is Objective.LATENCY:
+            self.charges.refund("latency_queues")
+        self.c.scheduler.release_queue(q)
 
     def synchronize(self, q: CommandQueue) -> HostFuture:
         return self._submit(Command(MARKER, q, HostFuture()))

@@ -52,6 +52,9 @@ class CommandQueue:
     job_left: int = 0
     pending: deque["Command"] = field(default_factory=deque)
     closed: bool = False
+    # The guest dropped it: its pending commands still run, it sends no new ones, and it
+    # leaves the scheduler once they have (`Scheduler.release_queue`).
+    released: bool = False
     # First failure of a call whose result nobody awaits (forward, embed, copy, mask):
     # reported by the next synchronize.
     error: HostError | None = None
@@ -83,6 +86,17 @@ def conflicts(later: Command, earlier: list[Command]) -> bool:
     reads nor writes what they write (read-after-write, write-after-write)."""
     written = frozenset().union(*(c.writes for c in earlier))
     return bool(written & (later.reads | later.writes))
+
+
+def reads_result(command: Command) -> bool:
+    """Whether the caller reads what this forward computes (a drawn token, a distribution,
+    an output embed): then it is likely computing its next call from it, a straggler worth
+    waiting for (`Scheduler._view`). A forward that only writes KV (a shared prefix filled
+    on a queue of its own) says nothing of a next call: waiting for its queue held the
+    semantic-variables chain's first decode step ~0.25 s, half the prefill before it."""
+    if command.kind == P.Kind.PASS:
+        return bool(command.outputs)  # type: ignore[attr-defined]
+    return bool(command.item.get("out_embeds"))
 
 
 @dataclass
@@ -200,6 +214,16 @@ class Scheduler:
                 _abandon(command, HostError(ErrorKind.INVALID_HANDLE, "instance terminated"))
             queue.pending.clear()
 
+    def release_queue(self, queue: CommandQueue) -> None:
+        """The guest dropped `queue`. It is no longer a straggler (one that ran the model
+        lately is waited for, `_view`): a finished call's queue kept open made the next call's
+        first decode step wait half a forward after its prefill (~0.25 s a call in the
+        semantic-variables chain, benchmarks/semantic_variables.py). Its pending commands
+        still run (the WIT); then it leaves `self.queues` (`_eligible_heads`)."""
+        with self.lock:
+            queue.released = True
+            self.recent_forwards.pop(id(queue), None)
+
     def idle(self, instance_id: str) -> bool:
         """No call of the instance waits or is in flight: nothing the backend will run
         names its pages, so the reclaimer may move them."""
@@ -304,7 +328,11 @@ class Scheduler:
                 request_id = next(self.request_ids)
                 if kind in HEAVY:
                     sent = time.monotonic()
-                    self.recent_forwards.update((id(c.queue), sent) for c in batch)
+                    for c in batch:
+                        if reads_result(c) and not c.queue.released:
+                            self.recent_forwards[id(c.queue)] = sent
+                        else:
+                            self.recent_forwards.pop(id(c.queue), None)
                 self.in_flight[request_id] = batch
                 self.backend_idle = False
                 now = time.monotonic()
@@ -365,8 +393,11 @@ class Scheduler:
         return done
 
     def _eligible_heads(self) -> list[Command]:
-        """Head commands of queues with nothing in flight (a queue's calls run in order)."""
+        """Head commands of queues with nothing in flight (a queue's calls run in order).
+        Released queues with nothing left to run leave here."""
         busy = self._busy_queues()
+        if done := {id(q) for q in self.queues if q.released and not q.pending and id(q) not in busy}:
+            self.queues = [q for q in self.queues if id(q) not in done]
         return [q.pending[0] for q in self.queues
                 if q.pending and q.pending[0].kind != MARKER and id(q) not in busy]
 

@@ -174,6 +174,8 @@ class HostState:
             self.session.unsubscribe(obj)
         elif kind == Kind.MATCHER:  # passes can no longer name it by id
             self.session.forget_matcher(obj[1])
+        elif kind == Kind.QUEUE:  # its pending calls still run; its quota comes back
+            self.session.drop_queue(obj)
 
     @contextmanager
     def paused(self) -> Iterator[None]:
