@@ -308,16 +308,26 @@ def shared_prefix_attention(data: Json) -> list[str]:
 
 
 def workflows(data: Json) -> list[str]:
-    w, median, ratio = data["workload"], data["median_s"], data["ratio_to_helium"]
-    lines = [f"Helium's trading workflow over {len(w['tickers'])} tickers ({w['llm_calls']} LLM calls declared, "
-             f"{w['llm_calls_optimized']} after pruning and merging), {w['max_tokens']} tokens a call, greedy, "
-             f"{_dtype(data)}: seconds per measured query (a warm-up question first, on the same data; medians). "
-             f"Ratio = side / helium; the best baseline ({data['best_baseline']}) is "
-             f"{data['speedup_vs_best']:.2f}× helium's time (target ≥ 1.34×). Helium's outputs equal the naive "
-             f"plan's here: {data['outputs_equal_naive']} (in {_dtype(data)} batching moves roundings; the fp32 "
-             "test holds them equal).", "",
-             "| side | seconds | ratio |", "|---|---|---|"]
-    lines += [f"| {side} | {_f(seconds)} | {ratio[side]:.2f}× |" for side, seconds in median.items()]
+    blocks, w = data["workflows"], data["workload"]
+    sides = list(dict.fromkeys(s for b in blocks.values() for s in b["median_s"] if "-no-" not in s))
+    lines = [f"Helium's workflows, {w['max_tokens']} tokens a call, greedy, {_dtype(data)}: seconds per measured "
+             "query (a warm-up question first, on the same data; medians). Best = the fastest side that is "
+             "not helium, as a multiple of helium's time (target ≥ 1.34× on trading). Calls: declared → "
+             "after pruning and merging.", "",
+             "| workflow | calls | " + " | ".join(sides) + " | best / helium |",
+             "|---|---|" + "---|" * len(sides) + "---|"]
+    for name, b in blocks.items():
+        cells = [_f(b["median_s"][s]) if s in b["median_s"] else "—" for s in sides]
+        lines.append(f"| {name} | {b['llm_calls']} → {b['llm_calls_optimized']} | " + " | ".join(cells)
+                     + f" | {b['speedup_vs_best']:.2f}× ({b['best_baseline']}) |")
+    if (trading := blocks.get("trading")) and any("-no-" in s for s in trading["median_s"]):
+        lines += ["", "Ablation on trading (seconds, and the ratio to helium with every optimization on):", "",
+                  "| side | seconds | ratio |", "|---|---|---|"]
+        lines += [f"| {s} | {_f(v)} | {trading['ratio_to_helium'][s]:.2f}× |"
+                  for s, v in trading["median_s"].items() if s.startswith("helium")]
+    equal = ", ".join(f"{n} {b['outputs_equal_naive']}" for n, b in blocks.items())
+    lines += ["", f"Helium's outputs equal the naive plan's ({_dtype(data)}; batching moves roundings, the fp32 "
+              f"test holds them equal): {equal}."]
     return lines + ["", "![workflows](results/workflows.png)"]
 
 

