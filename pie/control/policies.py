@@ -31,10 +31,10 @@ GATHER_WAIT_S = 0.03
 @dataclass(frozen=True)
 class ReadyView:
     """What a policy decides on: per kind, how many heads could go and when the oldest was
-    enqueued; the backend's state; and, per heavy kind, whether queues that ran the model
-    within the last three forwards are about to submit again (`stragglers`), and whether only
-    prompts wait (nothing decodes) while launched instances have yet to submit theirs
-    (`gathering`)."""
+    enqueued; the backend's state; and, per heavy kind, whether open queues that ran the model
+    within the last three forwards, and read what it computed, are about to submit again
+    (`stragglers`), and whether only prompts wait (nothing decodes) while launched instances
+    have yet to submit theirs (`gathering`)."""
 
     count: dict[str, int]
     oldest: dict[str, float]

@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from pie.control.errors import HostError
 from pie.server.session import authenticate
 
 if TYPE_CHECKING:
@@ -33,6 +35,7 @@ MAX_STOPS = 4
 # of the model's context after the prompt)
 DEFAULT_MAX_TOKENS = {False: 16, True: 256}
 MAX_TOKENS = 2**31 - 1  # beyond any context; keeps error messages short
+COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 DISCONNECT_POLL_S = 0.25  # how often a whole (non-streaming) response checks for its client
 
 log = logging.getLogger(__name__)
@@ -65,6 +68,7 @@ class Completion:
     max_tokens: int | None = None  # None: the default, fitted to the context
     prompt: str = ""  # completions
     messages: list[dict[str, str]] = field(default_factory=list)  # chat
+    schema: str | None = None  # response_format's JSON schema (text), checked by `fit`
 
 
 @dataclass
@@ -291,12 +295,56 @@ def parse(body: dict[str, Any], chat: bool, served_model: str) -> Completion:
     include_usage = bool(options and options.get("include_usage"))
     if not stream:
         args.append("--whole")  # the inferlet may then report its text once, at the end
+    schema = response_schema(body.get("response_format"))
+    if schema is not None:
+        if ignore_eos:
+            raise ApiError(400, "ignore_eos cannot be combined with a JSON response_format (the schema "
+                           "decides where the output ends)", "ignore_eos")
+        args += ["--json-schema", schema]
     for arg in args:
         try:
             arg.encode("utf-8")
         except UnicodeEncodeError:  # JSON's "\ud800" escapes can make them
             raise ApiError(400, "text must not contain unpaired UTF-16 surrogates") from None
-    return Completion(chat, args, n, stream, logprobs, include_usage, max_tokens, prompt, chat_messages)
+    return Completion(chat, args, n, stream, logprobs, include_usage, max_tokens, prompt, chat_messages, schema)
+
+
+def response_schema(fmt: Any) -> str | None:
+    """`response_format` as the JSON schema the output is decoded under (text), or None for
+    free text. `json_object` is any JSON object; `json_schema` is its `schema`, enforced
+    whether `strict` is set or not (decoding under the grammar cannot stray from it).
+
+    Unless the schema says otherwise (llguidance's `x-guidance` key), the JSON is laid out
+    on one line with `, ` and `: ` between items: llguidance allows any whitespace by
+    default, and a small model under a mask can then emit newlines until max_tokens."""
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise ApiError(400, "response_format must be an object with a type", "response_format")
+    kind = fmt["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json.dumps({"type": "object", "x-guidance": COMPACT_JSON})
+    if kind != "json_schema":
+        raise ApiError(400, f"response_format.type must be text, json_object or json_schema, got {_short(kind)}",
+                       "response_format.type")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise ApiError(400, "response_format.json_schema must be an object with a name and a schema",
+                       "response_format.json_schema")
+    name = spec.get("name")
+    if not (isinstance(name, str) and re.fullmatch(r"[A-Za-z0-9_-]{1,64}", name)):
+        raise ApiError(400, "response_format.json_schema.name must be 1-64 letters, digits, _ or -",
+                       "response_format.json_schema.name")
+    if not isinstance(spec.get("strict", False), bool):
+        raise ApiError(400, "response_format.json_schema.strict must be a boolean",
+                       "response_format.json_schema.strict")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        raise ApiError(400, "response_format.json_schema.schema must be a JSON schema object",
+                       "response_format.json_schema.schema")
+    return json.dumps(schema if "x-guidance" in schema else {**schema, "x-guidance": COMPACT_JSON})
 
 
 async def fit(state: ServerState, completion: Completion) -> None:
@@ -347,6 +395,13 @@ async def fit(state: ServerState, completion: Completion) -> None:
                        code="context_length_exceeded")
     completion.max_tokens = max_tokens
     completion.arguments += ["--max-tokens", str(max_tokens)]
+    if completion.schema is not None:  # the grammar engine's verdict now, not the inferlet's failure later
+        try:
+            await asyncio.to_thread(controller.grammars.compile, "json-schema", completion.schema)
+        except HostError as e:
+            raise ApiError(400, f"response_format: the JSON schema cannot be enforced: "
+                           f"{_short(e.message.removeprefix('json-schema grammar: '), 400)}",
+                           "response_format.json_schema.schema") from None
 
 
 def kv_pages_needed(prompt_tokens: int, max_tokens: int, n: int, page_size: int) -> int:

@@ -13,12 +13,16 @@
 //! itself, with no separate prefill pass and no fork. A one-token completion with
 //! log-probabilities (a scoring request) is one pass that writes no KV (`Context::peek_next`).
 //!
+//! With `--json-schema` (the endpoints' `response_format`) every draw of every choice is
+//! masked by that schema's grammar (each choice a parse state of its own), so the text is
+//! JSON valid against it unless `max_tokens` cuts it (`finish_reason: "length"`).
+//!
 //! Requirements: R2
-//! Host APIs: apply-chat-template, tokenize, inference (execute, run, take, cancel), forward, sample, get-next-dist (log-probabilities), copy-kvpage (fork)
-//! Arguments: (--prompt TEXT | --message ROLE CONTENT ...) --max-tokens N [--temperature T] [--top-p P] [--seed S] [--stop TEXT ...] [--n N] [--logprobs K] [--ignore-eos] [--whole]
+//! Host APIs: apply-chat-template, tokenize, inference (execute, run, take, cancel), forward, sample, get-next-dist (log-probabilities), copy-kvpage (fork), grammar (compile, matcher sample and accept)
+//! Arguments: (--prompt TEXT | --message ROLE CONTENT ...) --max-tokens N [--temperature T] [--top-p P] [--seed S] [--stop TEXT ...] [--n N] [--logprobs K] [--ignore-eos] [--whole] [--json-schema SCHEMA]
 //! Output: JSON lines: {"prompt_tokens": n}, then per choice {"index", "text", "logprobs"?} deltas and a final {"index", "finish_reason", "completion_tokens"}.
 
-use inferlet::{chat, join_all, ChatMessage, Context, Model, Sampler};
+use inferlet::{chat, join_all, ChatMessage, Context, Grammar, Model, Sampler};
 use inferlet::json::json_string;
 
 inferlet::main!(main);
@@ -33,11 +37,13 @@ struct Request {
     logprobs: Option<u32>,
     ignore_eos: bool,
     whole: bool,
+    schema: Option<String>,
 }
 
 fn parse(args: &[String]) -> Result<Request, String> {
     let mut r = Request { prompt: None, messages: Vec::new(), max_tokens: 16, sampler: Sampler::greedy(),
-                          stops: Vec::new(), n: 1, logprobs: None, ignore_eos: false, whole: false };
+                          stops: Vec::new(), n: 1, logprobs: None, ignore_eos: false, whole: false,
+                          schema: None };
     let mut rest = args.iter().cloned();
     while let Some(flag) = rest.next() {
         match flag.as_str() {
@@ -59,11 +65,15 @@ fn parse(args: &[String]) -> Result<Request, String> {
             "--stop" => r.stops.push(value()?),
             "--n" => r.n = number(&flag, value()?)?,
             "--logprobs" => r.logprobs = Some(number(&flag, value()?)?),
+            "--json-schema" => r.schema = Some(value()?),
             _ => return Err(format!("unknown argument {flag:?}")),
         }
     }
     if r.prompt.is_none() && r.messages.is_empty() {
         return Err("--prompt or --message is required".into());
+    }
+    if r.schema.is_some() && r.ignore_eos {
+        return Err("--json-schema and --ignore-eos exclude each other (the grammar ends the output)".into());
     }
     Ok(r)
 }
@@ -94,15 +104,21 @@ async fn choice(index: usize, mut ctx: Context, r: &Request, eos: &[u32]) -> Res
     if let Some(seed) = sampler.seed.as_mut() {
         *seed = seed.wrapping_add(1_000_003 * index as u64);
     }
+    // A response format: each choice's own parse state, on its queue (the host masks every
+    // draw with it; once the JSON is complete only EOS is allowed).
+    let grammar = match &r.schema {
+        Some(schema) => Some(Grammar::json_schema(&queue, schema)?),
+        None => None,
+    };
     if r.logprobs.is_none() {
-        return streamed(index, ctx, r, eos, sampler).await;
+        return streamed(index, ctx, r, eos, sampler, grammar.as_ref()).await;
     }
     // `generated`: the tokens whose text is the completion (an EOS passed over with
     // --ignore-eos counts as a completion token but has no text, as in vLLM).
     let (mut generated, mut count, mut sent, mut finish) = (Vec::new(), 0usize, 0usize, "length");
     while count < r.max_tokens {
         let k = r.logprobs.map(|k| k.clamp(1, 256).max(20));
-        let (token, dist) = if let (1, Some(k)) = (r.max_tokens, k) {
+        let (token, dist) = if let (1, Some(k), None) = (r.max_tokens, k, &grammar) {
             // PrefillOnly's path: one pass that writes no KV draws the token with its
             // distribution (scoring requests: max_tokens 1 with logprobs).
             let (token, ids, probs) = ctx.peek_next(&sampler, k).await?;
@@ -114,7 +130,17 @@ async fn choice(index: usize, mut ctx: Context, r: &Request, eos: &[u32]) -> Res
                 Some(k) => Some(queue.next_dist(output, k).await?),
                 None => None,
             };
-            (queue.sample(output, &sampler).await?, dist)
+            let token = match &grammar {
+                Some(g) => {
+                    let token = g.matcher().sample(output, sampler.clone())?.await?;
+                    if !eos.contains(&token) {
+                        g.matcher().accept(&[token])?;
+                    }
+                    token
+                }
+                None => queue.sample(output, &sampler).await?,
+            };
+            (token, dist)
         };
         sampler.seed = sampler.seed.map(|s| s.wrapping_add(1));
         let is_eos = eos.contains(&token);
@@ -157,7 +183,8 @@ async fn choice(index: usize, mut ctx: Context, r: &Request, eos: &[u32]) -> Res
 
 /// A choice without log-probabilities: one host-side run (`Context::run`), streamed — the
 /// host queues each step on the reply to the last, without waiting for this inferlet.
-async fn streamed(index: usize, mut ctx: Context, r: &Request, eos: &[u32], sampler: Sampler) -> Result<(), String> {
+async fn streamed(index: usize, mut ctx: Context, r: &Request, eos: &[u32], sampler: Sampler,
+                  grammar: Option<&Grammar>) -> Result<(), String> {
     let queue = ctx.queue().clone();
     let (mut generated, mut count, mut sent, mut finish) = (Vec::new(), 0usize, 0usize, "length");
     if r.max_tokens > 0 {
@@ -165,7 +192,10 @@ async fn streamed(index: usize, mut ctx: Context, r: &Request, eos: &[u32], samp
         // Text goes out as it is drawn when the client streams or a stop string must be
         // watched for; otherwise the run reports its tokens once, when it ends.
         let live = !r.whole || !r.stops.is_empty();
-        let mut run = ctx.run(&sampler, r.max_tokens as u32, stop_tokens, live)?;
+        let mut run = match grammar {
+            Some(g) => ctx.run_constrained(g, &sampler, r.max_tokens as u32, stop_tokens, live)?,
+            None => ctx.run(&sampler, r.max_tokens as u32, stop_tokens, live)?,
+        };
         let mut ended = false;
         while let Some(tokens) = run.next().await? {
             for token in tokens {

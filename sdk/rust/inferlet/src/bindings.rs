@@ -2180,7 +2180,8 @@ pub mod inference {
         /// `matcher.id` of a matcher compiled on the same queue.
         pub matcher: u32,
         /// The host accepts the drawn token into the matcher (a run: at every step), so
-        /// the guest does not call `accept`.
+        /// the guest does not call `accept`; a token of the pass's stop tokens, which ends
+        /// a run, is not accepted.
         pub advance: bool,
     }
 

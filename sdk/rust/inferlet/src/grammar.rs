@@ -8,6 +8,7 @@ use crate::bindings::grammar::{self, GrammarKind, Matcher};
 use crate::bindings::inference::{GrammarMask, Output};
 use crate::bindings::types::Error;
 use crate::context::{output, pass_sampler};
+use crate::context::Run;
 use crate::{Context, Queue, Sampler};
 
 /// A compiled grammar and its parse state over the output so far.
@@ -52,6 +53,17 @@ impl Grammar {
 }
 
 impl Context {
+    /// A host-side decode run (`Context::run`) whose every draw the grammar masks: the host
+    /// advances the matcher over each drawn token, so the inferlet is not woken per token.
+    /// Put the EOS tokens in `stop_tokens`: once the grammar is complete only they are
+    /// allowed, and the run ends on one. The grammar must be compiled on this context's
+    /// queue; tokens it forces are drawn one a step like any other.
+    pub fn run_constrained(&mut self, grammar: &Grammar, sampler: &Sampler, steps: u32, stop_tokens: &[u32],
+                           streaming: bool) -> Result<Run<'_>, Error> {
+        let mask = GrammarMask { matcher: grammar.matcher.id(), advance: true };
+        self.start_run(sampler, steps, stop_tokens, streaming, Some(mask))
+    }
+
     /// Decodes at most `max_tokens` tokens that the grammar allows, until the grammar is
     /// complete and the model ends (EOS) or nothing else may follow. Returns the output
     /// text; `grammar.is_accepting()` says whether it is complete.
