@@ -67,7 +67,7 @@ def test_unknown_functions_are_named():
 def test_naive_keeps_every_node_in_declaration_order():
     plan = wf.compile_workflow(debate(), wf.Options.naive())
     assert list(plan.nodes) == ["pro", "pro_again", "con", "both", "unused", "judge"]
-    assert plan.anchors({}) == [] and set(plan.priority.values()) == {0}
+    assert plan.anchors == [] and set(plan.priority.values()) == {0}
 
 
 def test_pruning_merging_and_the_critical_path():
@@ -92,34 +92,16 @@ def test_merging_follows_merged_inputs_down_a_chain():
 
 
 def test_shared_template_prefixes_form_a_radix_tree():
-    assert wf.compile_workflow(debate()).anchors({}) == []  # shorter than the default 400 characters
+    assert wf.compile_workflow(debate()).anchors == []  # shorter than the default 400 characters
     plan = wf.compile_workflow(debate(), SHORT)
     # the system text all three kept templates begin with, and the longer one two share
-    assert plan.anchors({}) == [SYSTEM + "Argue ", SYSTEM]
+    assert plan.anchors == [SYSTEM + "Argue ", SYSTEM]
     node = plan.nodes["judge"]
-    assert wf.known_prefix(node, {}) == SYSTEM
-    assert next(a for a in plan.anchors({}) if wf.known_prefix(node, {}).startswith(a)) == SYSTEM
+    assert wf.static_prefix(node) == SYSTEM
+    assert next(a for a in plan.anchors if wf.static_prefix(node).startswith(a)) == SYSTEM
     short = wf.compile_workflow({"inputs": ["x"], "nodes": {"p": llm("Hi {{input:v}}", v="x"), "q": llm("Hi {{input:v}}!", v="x")},
                                  "outputs": {"p": "p", "q": "q"}}, SHORT)
-    assert short.anchors({}) == []  # "Hi " is shorter than 32 characters
-    assert wf.compile_workflow(debate(), wf.Options(prefixes=False, min_prefix_chars=32)).anchors({}) == []
-
-
-def test_the_workflows_inputs_extend_the_shared_prefixes():
-    """Templates that begin with different static text before the same input share nothing
-    as templates; once the run's inputs are in, calls with the same persona share the
-    persona and the briefing. A slot another operator fills ends the known prefix."""
-    brief = "The briefing: rates rise, earnings fall. " * 2
-    nodes = {f"{who}{r}": llm(f"You are {who}.\n{{{{input:b}}}}\nRound {r}: {{{{input:p}}}}", b="briefing",
-                             p="question" if r == 1 else f"{who}{r - 1}")
-             for who in ("Ann", "Bob") for r in (1, 2)}
-    plan = wf.compile_workflow({"inputs": ["briefing", "question"], "nodes": nodes,
-                                "outputs": {w: f"{w}2" for w in ("Ann", "Bob")}}, SHORT)
-    assert plan.anchors({}) == []  # "You are Ann.\n" and "You are Bob.\n": different, short
-    inputs = {"briefing": brief, "question": "Buy?"}
-    assert wf.known_prefix(plan.nodes["Ann2"], inputs) == f"You are Ann.\n{brief}\nRound 2: "
-    assert wf.known_prefix(plan.nodes["Ann1"], inputs) == f"You are Ann.\n{brief}\nRound 1: Buy?"
-    assert plan.anchors(inputs) == [f"You are Ann.\n{brief}\nRound ", f"You are Bob.\n{brief}\nRound "]
+    assert short.anchors == []  # "Hi " is shorter than 32 characters
 
 
 def test_cache_keys_cover_model_limit_and_prompt():

@@ -5,7 +5,7 @@ Arguments: `--spec JSON [--input NAME=VALUE ...] [--naive | --no OPT[,OPT]] [--p
 spec is `inferlet.workflow`'s (inputs, nodes of op llm / format / fn, outputs) and OPT one of
 prune, merge, cache, prefixes, order; `--naive` turns them all off (every operator as
 declared, nothing reused); `--pin` keeps the shared prefixes as persistent exports for later
-runs, `--unpin` removes them (and runs nothing; give the same inputs: a prefix may hold them). Functions for `fn` nodes: `first_line`,
+runs, `--unpin` removes them (and runs nothing). Functions for `fn` nodes: `first_line`,
 `strip`, `upper`, `lower` (one binding, `text`) and `join` (every bound string, one per line,
 in binding-name order).
 Output: one JSON message {"outputs": {name: text}, "stats": {declared, kept, llm_calls,
@@ -57,7 +57,7 @@ def main(args: list[str]) -> None:
         raise ValueError(f"--spec is required; {USAGE}")
     plan = compile_workflow(spec, options, tuple(FUNCTIONS))
     if unpin:
-        inferlet.send(json.dumps({"unpinned": plan.unpin(inferlet.Model.default(), inputs)}))
+        inferlet.send(json.dumps({"unpinned": plan.unpin(inferlet.Model.default())}))
         return
     outputs = plan.run(inferlet.Model.default(), inputs, FUNCTIONS)
     inferlet.send(json.dumps({"outputs": outputs, "stats": plan.stats}))

@@ -94,27 +94,15 @@ class Plan:
     outputs: dict[str, str]
     options: Options
     priority: dict[str, int]
+    anchors: list[str] = field(default_factory=list)  # shared template prefixes, longest first
     stats: dict[str, int] = field(default_factory=dict)
 
     def run(self, model, inputs: dict[str, str], functions: dict | None = None) -> dict[str, str]:
         return _runner().Runner(self, model, functions or {}).run(inputs)
 
-    def unpin(self, model, inputs: dict[str, str] | None = None) -> int:
-        """Removes the persistent exports `Options.pin` made for this plan's prefixes (run
-        with `inputs`: the prefixes that held them)."""
-        return _runner().Runner(self, model, {}).unpin(inputs or {})
-
-    def anchors(self, inputs: dict[str, str]) -> list[str]:
-        """The radix tree's shared nodes for a run on `inputs`: every prefix two or more
-        LLM calls begin with once the workflow's inputs are in their templates (`known_prefix`:
-        text up to the first slot another operator fills), at least
-        `Options.min_prefix_chars` long, longest first; none without `Options.prefixes`.
-        Filling the inputs in first finds what a template alone hides: six debaters whose
-        persona comes before a shared briefing each run four rounds on one prefix."""
-        if not self.options.prefixes:
-            return []
-        calls = [n for n in self.nodes.values() if n.op == "llm"]
-        return _anchors([known_prefix(n, inputs) for n in calls], self.options.min_prefix_chars)
+    def unpin(self, model) -> int:
+        """Removes the persistent exports `Options.pin` made for this plan's prefixes."""
+        return _runner().Runner(self, model, {}).unpin()
 
 
 def compile_workflow(spec: dict, options: Options = Options(), functions: tuple[str, ...] | None = None) -> Plan:
@@ -145,21 +133,15 @@ def compile_workflow(spec: dict, options: Options = Options(), functions: tuple[
         nodes, outputs = _merge(nodes, outputs)
     stats["kept"] = len(nodes)
     priority = _priority(nodes) if options.order else {n: 0 for n in nodes}
-    return Plan(inputs, nodes, outputs, options, priority, stats)
+    calls = [n for n in nodes.values() if n.op == "llm"]
+    anchors = _anchors(calls, options.min_prefix_chars) if options.prefixes else []
+    return Plan(inputs, nodes, outputs, options, priority, anchors, stats)
 
 
-def known_prefix(node: Node, known: dict[str, str]) -> str:
-    """An LLM call's prompt as far as `known` (values by node or input name) gives it: the
-    template up to its first slot bound to something else, the slots before that filled."""
-    parts, at = [], 0
-    for match in _SLOT.finditer(node.text):
-        parts.append(node.text[at:match.start()])
-        source = node.bind[match.group(1)]
-        if source not in known:
-            return "".join(parts)
-        parts.append(known[source])
-        at = match.end()
-    return "".join(parts) + node.text[at:]
+def static_prefix(node: Node) -> str:
+    """An LLM call's template text before its first slot."""
+    match = _SLOT.search(node.text)
+    return node.text if match is None else node.text[: match.start()]
 
 
 def fill(template: str, values: dict[str, str]) -> str:
@@ -269,10 +251,11 @@ def _priority(nodes: dict[str, Node]) -> dict[str, int]:
     return priority
 
 
-def _anchors(prefixes: list[str], min_chars: int) -> list[str]:
-    """The radix tree's shared nodes: every prefix two or more calls begin with (a call's
-    own, or the common part of two calls'), at least `min_chars` long; longest first, so a
-    call forks the deepest one it begins with."""
+def _anchors(calls: list[Node], min_chars: int) -> list[str]:
+    """The radix tree's shared nodes: every static prefix two or more calls begin with (a
+    template's own, or the common part of two templates'), at least `min_chars` long;
+    longest first, so a call forks the deepest one it begins with."""
+    prefixes = [static_prefix(c) for c in calls]
     counts: dict[str, int] = {}
     for p in prefixes:
         counts[p] = counts.get(p, 0) + 1
@@ -281,7 +264,7 @@ def _anchors(prefixes: list[str], min_chars: int) -> list[str]:
     for a, b in zip(distinct, distinct[1:]):  # sorted: a common prefix is shared by neighbours
         common = _common(a, b)
         anchors.add(common)
-    return sorted((a for a in anchors if len(a) >= min_chars), key=lambda a: (-len(a), a))
+    return sorted((a for a in anchors if len(a) >= min_chars), key=len, reverse=True)
 
 
 def _common(a: str, b: str) -> str:

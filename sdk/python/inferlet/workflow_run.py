@@ -9,7 +9,7 @@ from inferlet.context import Context
 from inferlet.errors import Error
 from inferlet.io import chat, store_get, store_set
 from inferlet.sampling import Sampler, Stop
-from inferlet.workflow import Node, Plan, cache_key, fill, known_prefix
+from inferlet.workflow import Node, Plan, cache_key, fill, static_prefix
 
 _MARK = "\ue000PIE-WORKFLOW\ue000"  # where the user's text goes in the chat format
 
@@ -23,8 +23,6 @@ class Runner:
             rendered = self.queue.apply_chat_template([chat("user", _MARK)], True)
             self.opening, _, self.closing = rendered.partition(_MARK)
         self.contexts: dict[str, Context] = {}  # prefilled anchors, by their text
-        self.inputs: dict[str, str] = {}
-        self.anchors: list[str] = []  # plan.anchors(inputs)
         self.stats = plan.stats
         for key in ("llm_calls", "cache_hits", "prefixes_prefilled", "prefixes_imported"):
             self.stats[key] = 0
@@ -42,7 +40,6 @@ class Runner:
                 raise Error("invalid-argument", f"node {node.name!r}: function {node.text!r} was not given to run")
         values: dict[str, str] = dict(inputs)
         errors: dict[str, str] = {}
-        self.inputs, self.anchors = dict(inputs), plan.anchors(inputs)
         pending = list(plan.nodes)
         while pending:
             ready = [n for n in pending if all(s in values or s in errors for s in plan.nodes[n].bind.values())]
@@ -128,10 +125,10 @@ class Runner:
         return ctx.start_generate(Sampler.greedy(), Stop(node.max_tokens, eos=queue.eos_tokens()))
 
     def _anchor_text(self, node: Node) -> str | None:
-        """The deepest shared prefix `node` begins with (its template with the workflow's
-        inputs in), as the text its context holds (after the chat format's opening), or None."""
-        prefix = known_prefix(node, self.inputs)
-        anchor = next((a for a in self.anchors if prefix.startswith(a)), None)
+        """The deepest shared template prefix `node` begins with, as the text its context
+        holds (after the chat format's opening), or None."""
+        prefix = static_prefix(node)
+        anchor = next((a for a in self.plan.anchors if prefix.startswith(a)), None)
         if anchor is None:
             return None
         return anchor if node.raw else self.opening + anchor
@@ -140,14 +137,12 @@ class Runner:
         text = self._anchor_text(node)
         return None if text is None else self.contexts[text]
 
-    def unpin(self, inputs: dict[str, str]) -> int:
-        """Removes the persistent exports `pin` made for this plan's prefixes on `inputs`;
-        how many."""
+    def unpin(self) -> int:
+        """Removes the persistent exports `pin` made for this plan's prefixes; how many."""
         removed = 0
-        anchors = self.plan.anchors(inputs)
         for node in self.plan.nodes.values():
-            prefix = known_prefix(node, inputs) if node.op == "llm" else ""
-            for anchor in (a for a in anchors if prefix.startswith(a)):
+            prefix = static_prefix(node) if node.op == "llm" else ""
+            for anchor in (a for a in self.plan.anchors if prefix.startswith(a)):
                 try:
                     Context.unexport(_export_name(anchor if node.raw else self.opening + anchor))
                     removed += 1
