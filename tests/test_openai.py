@@ -137,12 +137,21 @@ def test_bad_requests_get_openai_errors(client, pie_server):
         "negative max_tokens": (dict(model=MODEL, prompt="x", max_tokens=-1), 400, "max_tokens"),
         "temperature out of range": (dict(model=MODEL, prompt="x", temperature=7), 400, "temperature"),
         "too many stops": (dict(model=MODEL, prompt="x", stop=["a", "b", "c", "d", "e"]), 400, "stop"),
+        "a penalty": (dict(model=MODEL, prompt="x", presence_penalty=0.5), 400, "presence_penalty"),
+        "a logit bias": (dict(model=MODEL, prompt="x", logit_bias={"42": 5}), 400, "logit_bias"),
     }
     for name, (kwargs, status, param) in cases.items():
         with pytest.raises(openai.APIStatusError) as e:
             client.completions.create(**kwargs)
         assert (e.value.status_code, e.value.body["param"]) == (status, param), name
         assert e.value.body["type"] == "invalid_request_error" and e.value.body["message"]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError, match="tool calling is not supported yet") as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], tools=[tool])
+    assert e.value.body["param"] == "tools"
+    neutral = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1,
+                                             tools=[tool], tool_choice="none", frequency_penalty=0, logit_bias={})
+    assert neutral.choices[0].finish_reason in ("stop", "length")  # the neutral values are accepted
     url = f"http://{pie_server.address}/v1/chat/completions"
     malformed = httpx.post(url, content=b"{not json", headers={"Authorization": f"Bearer {TOKEN}"})
     assert malformed.status_code == 400 and malformed.json()["error"]["type"] == "invalid_request_error"

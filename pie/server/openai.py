@@ -275,6 +275,7 @@ def parse(body: dict[str, Any], chat: bool, served_model: str) -> Completion:
                         ("--n", n), ("--logprobs", logprobs)):
         if value is not None:
             args += [flag, str(value)]
+    _refuse_unsupported(body, chat)
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
     if not (isinstance(stops, list) and len(stops) <= MAX_STOPS and all(isinstance(s, str) and s for s in stops)):
@@ -307,6 +308,24 @@ def parse(body: dict[str, Any], chat: bool, served_model: str) -> Completion:
         except UnicodeEncodeError:  # JSON's "\ud800" escapes can make them
             raise ApiError(400, "text must not contain unpaired UTF-16 surrogates") from None
     return Completion(chat, args, n, stream, logprobs, include_usage, max_tokens, prompt, chat_messages, schema)
+
+
+def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
+    """Parameters that would change the output and that we cannot honour yet: a 400 naming
+    them, not a 200 with text that ignored them. Their neutral values (0, {}, no tools or
+    tool_choice "none") pass, as clients send them by default."""
+    for name in ("frequency_penalty", "presence_penalty"):
+        if _number(body, name, float, -2.0, 2.0):
+            raise ApiError(400, f"{name} is not supported yet (only 0)", name)
+    bias = body.get("logit_bias")
+    if bias is not None and not isinstance(bias, dict):
+        raise ApiError(400, "logit_bias must be an object of token ids to biases", "logit_bias")
+    if bias:
+        raise ApiError(400, "logit_bias is not supported yet", "logit_bias")
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if chat and tools and choice != "none":
+        raise ApiError(400, "tool calling is not supported yet: send no tools, or tool_choice \"none\"",
+                       "tool_choice" if choice is not None else "tools")
 
 
 def response_schema(fmt: Any) -> str | None:
