@@ -125,9 +125,8 @@ class Paths:
         self.max_tokens = max_tokens
 
     async def run(self, path: str) -> tuple[float, str, int]:
-        call: Callable[[], Awaitable[tuple[str, int]]] = (
-            self.openai if path == "openai" else (lambda: self.openai(STORY_SCHEMA)) if path == "openai-json"
-            else (lambda: self.native(self.programs[path])))
+        endpoint = {"openai": self.openai, "openai-json": lambda: self.openai(STORY_SCHEMA)}
+        call: Callable[[], Awaitable[tuple[str, int]]] = endpoint.get(path) or (lambda: self.native(self.programs[path]))
         start = time.perf_counter()
         text, generated = await call()
         return time.perf_counter() - start, text, generated
@@ -145,8 +144,8 @@ class Paths:
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": "story", "schema": schema}}
         response = await self.http.post(f"{self.base}/v1/chat/completions", timeout=600, json=body)
         response.raise_for_status()
-        body = response.json()
-        return body["choices"][0]["message"]["content"], body["usage"]["completion_tokens"]
+        reply = response.json()
+        return reply["choices"][0]["message"]["content"], reply["usage"]["completion_tokens"]
 
 
 async def run(args: argparse.Namespace) -> dict:

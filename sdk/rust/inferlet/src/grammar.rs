@@ -7,8 +7,7 @@
 use crate::bindings::grammar::{self, GrammarKind, Matcher};
 use crate::bindings::inference::{GrammarMask, Output};
 use crate::bindings::types::Error;
-use crate::context::{output, pass_sampler};
-use crate::context::Run;
+use crate::context::{output, pass_sampler, Run};
 use crate::{Context, Queue, Sampler};
 
 /// A compiled grammar and its parse state over the output so far.
