@@ -62,6 +62,33 @@ def hf_greedy(hf_model, prompt_ids: list[int], n: int, stop_at: int | None = Non
 
 
 @pytest.fixture(scope="session")
+def grammar_greedy(hf_model, tokenizer, model_dir):
+    """HF greedy with llguidance's mask for a grammar applied to every step's logits, until
+    EOS or `max_tokens`: the text. `kind` is llguidance's name (json_schema, lark, regex)."""
+    import llguidance
+
+    ll_tokenizer = llguidance.LLTokenizer((model_dir / "tokenizer.json").read_text(),
+                                          n_vocab=hf_model.config.vocab_size, eos_token=[hf_model.config.eos_token_id])
+
+    def run(prompt_ids: list[int], kind: str, source: str, max_tokens: int) -> str:
+        matcher = llguidance.LLMatcher(ll_tokenizer, llguidance.grammar_from(kind, source))
+        out: list[int] = []
+        with torch.inference_mode():
+            for _ in range(max_tokens):
+                logits = hf_model(torch.tensor([prompt_ids + out])).logits[0, -1]
+                bits = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.uint8)
+                allowed = ((bits[:, None] >> torch.arange(8)) & 1).flatten()[: logits.shape[0]].bool()
+                token = int(logits.masked_fill(~allowed, float("-inf")).argmax())
+                if token == hf_model.config.eos_token_id:
+                    break
+                assert matcher.consume_tokens([token])
+                out.append(token)
+        return tokenizer.decode(out, skip_special_tokens=False)
+
+    return run
+
+
+@pytest.fixture(scope="session")
 def chat_template(model_dir) -> str:
     return json.loads((model_dir / "tokenizer_config.json").read_text())["chat_template"]
 

@@ -146,8 +146,8 @@ def test_bad_requests_get_openai_errors(client, pie_server):
         assert (e.value.status_code, e.value.body["param"]) == (status, param), name
         assert e.value.body["type"] == "invalid_request_error" and e.value.body["message"]
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    with pytest.raises(openai.BadRequestError, match="tool calling is not supported yet") as e:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], tools=[tool])
+    with pytest.raises(openai.BadRequestError, match="chat parameter") as e:  # tools: tests/test_openai_tools.py
+        client.completions.create(model=MODEL, prompt="x", extra_body={"tools": [tool]})
     assert e.value.body["param"] == "tools"
     neutral = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1,
                                              tools=[tool], tool_choice="none", frequency_penalty=0, logit_bias={})

@@ -9,10 +9,8 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-import llguidance
 import openai
 import pytest
-import torch
 from pydantic import BaseModel, Field
 
 from openai.lib._pydantic import to_strict_json_schema
@@ -40,27 +38,10 @@ def client(pie_server) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def constrained_greedy(hf_model, tokenizer, model_dir):
-    """HF greedy under llguidance's mask for `response_format` `fmt`, until EOS or
-    `max_tokens`: the text."""
-    hs_tokenizer = llguidance.LLTokenizer((model_dir / "tokenizer.json").read_text(),
-                                          n_vocab=hf_model.config.vocab_size, eos_token=[hf_model.config.eos_token_id])
-
+def constrained_greedy(grammar_greedy):
+    """HF greedy under llguidance's mask for `response_format` `fmt`: the text."""
     def run(prompt_ids: list[int], fmt: dict, max_tokens: int) -> str:
-        schema = response_schema(fmt)  # as the endpoint hands it to the inferlet
-        matcher = llguidance.LLMatcher(hs_tokenizer, llguidance.grammar_from("json_schema", schema))
-        out: list[int] = []
-        with torch.inference_mode():
-            for _ in range(max_tokens):
-                logits = hf_model(torch.tensor([prompt_ids + out])).logits[0, -1]
-                bits = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.uint8)
-                allowed = ((bits[:, None] >> torch.arange(8)) & 1).flatten()[: logits.shape[0]].bool()
-                token = int(logits.masked_fill(~allowed, float("-inf")).argmax())
-                if token == hf_model.config.eos_token_id:
-                    break
-                assert matcher.consume_tokens([token])
-                out.append(token)
-        return tokenizer.decode(out, skip_special_tokens=False)
+        return grammar_greedy(prompt_ids, "json_schema", response_schema(fmt), max_tokens)  # as the endpoint sends it
 
     return run
 

@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pie.control.errors import HostError
+from pie.server.openai_tools import ToolCallParser, ToolError, Tools, parse_tools, render_messages
 from pie.server.session import authenticate
 
 if TYPE_CHECKING:
@@ -68,7 +69,8 @@ class Completion:
     max_tokens: int | None = None  # None: the default, fitted to the context
     prompt: str = ""  # completions
     messages: list[dict[str, str]] = field(default_factory=list)  # chat
-    schema: str | None = None  # response_format's JSON schema (text), checked by `fit`
+    grammar: tuple[str, str] | None = None  # (kind, source) the output is decoded under, checked by `fit`
+    tools: Tools | None = None  # tools the model may call
 
 
 @dataclass
@@ -227,11 +229,12 @@ def parse(body: dict[str, Any], chat: bool, served_model: str) -> Completion:
         raise ApiError(404, f"the model {_short(model)!r} does not exist; this server serves {served_model!r}",
                        "model", code="model_not_found")
     args: list[str] = []
-    prompt, chat_messages = "", []
+    prompt, chat_messages, tools = "", [], None
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, "messages must be a non-empty array", "messages")
+        turns = []
         for i, m in enumerate(messages):
             if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
                 raise ApiError(400, f"messages[{i}] must be an object with a role", f"messages[{i}]")
@@ -242,10 +245,16 @@ def parse(body: dict[str, Any], chat: bool, served_model: str) -> Completion:
                     raise ApiError(400, "only text content parts ({\"type\": \"text\", \"text\": string}) "
                                    "are supported", f"messages[{i}].content")
                 content = "".join(p.get("text", "") for p in content)
-            if not isinstance(content, str):
+            if not (isinstance(content, str) or (content is None and m.get("tool_calls") is not None)):
                 raise ApiError(400, f"messages[{i}].content must be a string", f"messages[{i}].content")
-            args += ["--message", m["role"], content]
-            chat_messages.append({"role": m["role"], "content": content})
+            turns.append({**m, "content": content})
+        try:
+            tools = parse_tools(body)
+            chat_messages = render_messages(turns, tools)
+        except ToolError as e:
+            raise ApiError(400, str(e), e.param) from None
+        for m in chat_messages:
+            args += ["--message", m["role"], m["content"]]
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         logprobs = _top_logprobs(body)
     else:
@@ -297,23 +306,30 @@ def parse(body: dict[str, Any], chat: bool, served_model: str) -> Completion:
     if not stream:
         args.append("--whole")  # the inferlet may then report its text once, at the end
     schema = response_schema(body.get("response_format"))
-    if schema is not None:
+    grammar = None if schema is None else ("json-schema", schema)
+    if tools is not None:
+        if schema is not None:
+            raise ApiError(400, "tools (unless tool_choice is \"none\") cannot be combined with a JSON "
+                           "response_format", "response_format")
+        grammar = ("lark", tools.grammar())
+    if grammar is not None:
         if ignore_eos:
-            raise ApiError(400, "ignore_eos cannot be combined with a JSON response_format (the schema "
-                           "decides where the output ends)", "ignore_eos")
-        args += ["--json-schema", schema]
+            raise ApiError(400, "ignore_eos cannot be combined with a JSON response_format or tools (the "
+                           "grammar decides where the output ends)", "ignore_eos")
+        args += ["--grammar", *grammar]
     for arg in args:
         try:
             arg.encode("utf-8")
         except UnicodeEncodeError:  # JSON's "\ud800" escapes can make them
             raise ApiError(400, "text must not contain unpaired UTF-16 surrogates") from None
-    return Completion(chat, args, n, stream, logprobs, include_usage, max_tokens, prompt, chat_messages, schema)
+    return Completion(chat, args, n, stream, logprobs, include_usage, max_tokens, prompt, chat_messages, grammar,
+                      tools)
 
 
 def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
     """Parameters that would change the output and that we cannot honour yet: a 400 naming
-    them, not a 200 with text that ignored them. Their neutral values (0, {}, no tools or
-    tool_choice "none") pass, as clients send them by default."""
+    them, not a 200 with text that ignored them. Their neutral values (0, {}) pass, as
+    clients send them by default."""
     for name in ("frequency_penalty", "presence_penalty"):
         if _number(body, name, float, -2.0, 2.0):
             raise ApiError(400, f"{name} is not supported yet (only 0)", name)
@@ -322,10 +338,8 @@ def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
         raise ApiError(400, "logit_bias must be an object of token ids to biases", "logit_bias")
     if bias:
         raise ApiError(400, "logit_bias is not supported yet", "logit_bias")
-    tools, choice = body.get("tools"), body.get("tool_choice")
-    if chat and tools and choice != "none":
-        raise ApiError(400, "tool calling is not supported yet: send no tools, or tool_choice \"none\"",
-                       "tool_choice" if choice is not None else "tools")
+    if not chat and (body.get("tools") or body.get("tool_choice") is not None):
+        raise ApiError(400, "tools are a chat parameter; /v1/completions takes none", "tools")
 
 
 def response_schema(fmt: Any) -> str | None:
@@ -414,13 +428,30 @@ async def fit(state: ServerState, completion: Completion) -> None:
                        code="context_length_exceeded")
     completion.max_tokens = max_tokens
     completion.arguments += ["--max-tokens", str(max_tokens)]
-    if completion.schema is not None:  # the grammar engine's verdict now, not the inferlet's failure later
+    if completion.grammar is not None:  # the grammar engine's verdict now, not the inferlet's failure later
+        await asyncio.to_thread(_check_grammar, controller.grammars, completion)
+
+
+def _check_grammar(grammars: Any, completion: Completion) -> None:
+    """A grammar llguidance refuses is a 400 naming what made it: the response format's
+    schema, or the tool whose parameters it cannot enforce."""
+    kind, source = completion.grammar
+    try:
+        grammars.compile(kind, source)
+        return
+    except HostError as e:
+        reason = e.message.removeprefix(f"{kind} grammar: ")
+    if completion.tools is None:
+        raise ApiError(400, f"response_format: the JSON schema cannot be enforced: {_short(reason, 400)}",
+                       "response_format.json_schema.schema")
+    for i, name in enumerate(completion.tools.functions):
         try:
-            await asyncio.to_thread(controller.grammars.compile, "json-schema", completion.schema)
+            grammars.compile("json-schema", completion.tools.schema_of(name))
         except HostError as e:
-            raise ApiError(400, f"response_format: the JSON schema cannot be enforced: "
+            raise ApiError(400, f"tools[{i}] ({name}): its parameters cannot be enforced: "
                            f"{_short(e.message.removeprefix('json-schema grammar: '), 400)}",
-                           "response_format.json_schema.schema") from None
+                           f"tools[{i}].function.parameters") from None
+    raise ApiError(400, f"the tools cannot be enforced together: {_short(reason, 400)}", "tools")
 
 
 def kv_pages_needed(prompt_tokens: int, max_tokens: int, n: int, page_size: int) -> int:
@@ -531,7 +562,12 @@ def _whole(completion: Completion, meta: dict[str, Any], prompt_tokens: int,
     for i, c in enumerate(choices):
         body: dict[str, Any] = {"index": i, "finish_reason": c.finish_reason,
                                 "logprobs": _logprobs(completion, c.tokens)}
-        if completion.chat:
+        if completion.tools is not None:
+            parser = ToolCallParser(completion.tools)
+            parser.feed(c.text)
+            parser.finish()
+            body["message"], body["finish_reason"] = parser.message(), parser.finish_reason(c.finish_reason)
+        elif completion.chat:
             body["message"] = {"role": "assistant", "content": c.text}
         else:
             body["text"] = c.text
@@ -558,17 +594,28 @@ async def _sse(completion: Completion, meta: dict[str, Any], prompt_tokens: int,
     if completion.chat:
         for i in range(completion.n):
             yield chunk(i, {"role": "assistant", "content": ""}, None)
+    parsers = [ToolCallParser(completion.tools) for _ in range(completion.n)] if completion.tools else None
     try:
         async for line in events:
             i = line["index"]
             _apply(choices, line)
             if "finish_reason" in line:
-                yield chunk(i, {}, line["finish_reason"])
-            else:
-                text = line.get("text", "")
-                logprobs = _logprobs(completion, [line], positions[i]) if "logprob" in line else None
-                positions[i] += len(text)
+                finish = line["finish_reason"]
+                if parsers:
+                    for delta in parsers[i].finish():
+                        yield chunk(i, delta, None)
+                    finish = parsers[i].finish_reason(finish)
+                yield chunk(i, {}, finish)
+                continue
+            text = line.get("text", "")
+            logprobs = _logprobs(completion, [line], positions[i]) if "logprob" in line else None
+            positions[i] += len(text)
+            if parsers is None:
                 yield chunk(i, {"content": text}, None, logprobs)
+                continue
+            deltas = parsers[i].feed(text) or ([{}] if logprobs else [])
+            for k, delta in enumerate(deltas):  # the token's log-probabilities go with its first delta
+                yield chunk(i, delta, None, logprobs if k == 0 else None)
     except ApiError as e:
         yield "data: " + json.dumps({"error": {"message": e.message, "type": e.kind}}) + "\n\n"
         return

@@ -13,16 +13,18 @@
 //! itself, with no separate prefill pass and no fork. A one-token completion with
 //! log-probabilities (a scoring request) is one pass that writes no KV (`Context::peek_next`).
 //!
-//! With `--json-schema` (the endpoints' `response_format`) every draw of every choice is
-//! masked by that schema's grammar (each choice a parse state of its own), so the text is
-//! JSON valid against it unless `max_tokens` cuts it (`finish_reason: "length"`).
+//! With `--grammar KIND SOURCE` every draw of every choice is masked by that grammar (each
+//! choice a parse state of its own), so the text is in its language unless `max_tokens`
+//! cuts it (`finish_reason: "length"`). The endpoints pass a `json-schema` for
+//! `response_format` and a `lark` grammar for `tools` (a call's arguments valid against its
+//! tool's parameters); the kinds are the host's: json-schema, regex, lark, ebnf.
 //!
 //! Requirements: R2
 //! Host APIs: apply-chat-template, tokenize, inference (execute, run, take, cancel), forward, sample, get-next-dist (log-probabilities), copy-kvpage (fork), grammar (compile, matcher sample and accept)
-//! Arguments: (--prompt TEXT | --message ROLE CONTENT ...) --max-tokens N [--temperature T] [--top-p P] [--seed S] [--stop TEXT ...] [--n N] [--logprobs K] [--ignore-eos] [--whole] [--json-schema SCHEMA]
+//! Arguments: (--prompt TEXT | --message ROLE CONTENT ...) --max-tokens N [--temperature T] [--top-p P] [--seed S] [--stop TEXT ...] [--n N] [--logprobs K] [--ignore-eos] [--whole] [--grammar KIND SOURCE]
 //! Output: JSON lines: {"prompt_tokens": n}, then per choice {"index", "text", "logprobs"?} deltas and a final {"index", "finish_reason", "completion_tokens"}.
 
-use inferlet::{chat, join_all, ChatMessage, Context, Grammar, Model, Sampler};
+use inferlet::{chat, join_all, ChatMessage, Context, Grammar, GrammarKind, Model, Sampler};
 use inferlet::json::json_string;
 
 inferlet::main!(main);
@@ -37,13 +39,13 @@ struct Request {
     logprobs: Option<u32>,
     ignore_eos: bool,
     whole: bool,
-    schema: Option<String>,
+    grammar: Option<(GrammarKind, String)>,
 }
 
 fn parse(args: &[String]) -> Result<Request, String> {
     let mut r = Request { prompt: None, messages: Vec::new(), max_tokens: 16, sampler: Sampler::greedy(),
                           stops: Vec::new(), n: 1, logprobs: None, ignore_eos: false, whole: false,
-                          schema: None };
+                          grammar: None };
     let mut rest = args.iter().cloned();
     while let Some(flag) = rest.next() {
         match flag.as_str() {
@@ -65,15 +67,24 @@ fn parse(args: &[String]) -> Result<Request, String> {
             "--stop" => r.stops.push(value()?),
             "--n" => r.n = number(&flag, value()?)?,
             "--logprobs" => r.logprobs = Some(number(&flag, value()?)?),
-            "--json-schema" => r.schema = Some(value()?),
+            "--grammar" => {
+                let kind = match value()?.as_str() {
+                    "json-schema" => GrammarKind::JsonSchema,
+                    "regex" => GrammarKind::Regex,
+                    "lark" => GrammarKind::Lark,
+                    "ebnf" => GrammarKind::Ebnf,
+                    other => return Err(format!("unknown grammar kind {other:?} (json-schema, regex, lark, ebnf)")),
+                };
+                r.grammar = Some((kind, value()?));
+            }
             _ => return Err(format!("unknown argument {flag:?}")),
         }
     }
     if r.prompt.is_none() && r.messages.is_empty() {
         return Err("--prompt or --message is required".into());
     }
-    if r.schema.is_some() && r.ignore_eos {
-        return Err("--json-schema and --ignore-eos exclude each other (the grammar ends the output)".into());
+    if r.grammar.is_some() && r.ignore_eos {
+        return Err("--grammar and --ignore-eos exclude each other (the grammar ends the output)".into());
     }
     Ok(r)
 }
@@ -104,10 +115,10 @@ async fn choice(index: usize, mut ctx: Context, r: &Request, eos: &[u32]) -> Res
     if let Some(seed) = sampler.seed.as_mut() {
         *seed = seed.wrapping_add(1_000_003 * index as u64);
     }
-    // A response format: each choice's own parse state, on its queue (the host masks every
-    // draw with it; once the JSON is complete only EOS is allowed).
-    let grammar = match &r.schema {
-        Some(schema) => Some(Grammar::json_schema(&queue, schema)?),
+    // A response format or tools: each choice's own parse state, on its queue (the host
+    // masks every draw with it; once the grammar is complete only EOS is allowed).
+    let grammar = match &r.grammar {
+        Some((kind, source)) => Some(Grammar::compile(&queue, *kind, source)?),
         None => None,
     };
     if r.logprobs.is_none() {

@@ -43,6 +43,7 @@ pub use bindings::types::{Embed, Error, ErrorKind, KvPage};
 pub use branch::{generate_branches, Branch};
 pub use context::{Context, Run};
 pub use executor::{block_on, join_all, spawn, HostFuture, HostResult, JoinHandle};
+pub use bindings::grammar::GrammarKind;
 pub use grammar::Grammar;
 pub use lines::Line;
 pub use model::{Model, Queue};
