@@ -309,6 +309,9 @@ class ServerConfig:
     max_total_upload_bytes: int = 512 * 2**20  # uploads in progress on the server
     max_message_bytes: int = 2**20
     max_request_bytes: int = 8 * 2**20  # an HTTP request body (/v1); larger ones get 413
+    # /v1/responses kept per user for previous_response_id and GET (least recently used go
+    # first); each holds its conversation's text, at most a context's worth.
+    max_stored_responses: int = 256
     # Client messages an instance has not read yet; a send beyond is refused (inbox_full).
     # Also: held messages of a detached instance, unread broadcasts of a subscription.
     max_pending_messages: int = 1024

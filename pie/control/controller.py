@@ -104,6 +104,7 @@ class InstanceSession:
         self.forward_calls = 0
         self.forward_tokens = 0
         self.sampled_tokens = 0  # tokens drawn on the host (sample calls, passes, runs)
+        self.cached_tokens = 0  # tokens of settled passes whose KV the prefix cache supplied
         self.queues: list[CommandQueue] = []
         self.subscriptions: set[Inbox] = set()
         self.matchers: dict[int, tuple[CommandQueue, Matcher]] = {}  # matcher.id -> (its queue, it)
@@ -117,7 +118,7 @@ class InstanceSession:
     def usage(self) -> dict[str, int]:
         """What the instance consumed, reported to its client when it ends."""
         return {"forward_calls": self.forward_calls, "forward_tokens": self.forward_tokens,
-                "sampled_tokens": self.sampled_tokens,
+                "sampled_tokens": self.sampled_tokens, "cached_tokens": self.cached_tokens,
                 "kv_pages_peak": self.resources.pages.peak, "embeds_peak": self.resources.embeds.peak}
 
     # --- runtime --------------------------------------------------------------------------
@@ -457,6 +458,7 @@ class InstanceSession:
                 self.forward_calls += steps
             p.taken += len(tokens)
             if status != "running":
+                self.cached_tokens += p.cached_tokens
                 del self.passes[pass_id]
         return taken
 

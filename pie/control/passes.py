@@ -130,6 +130,7 @@ class Pass:
     stamp: int = 0
     written_from: int = 0
     deferred: bool = False  # held back once for a page another pass was computing
+    cached_tokens: int = 0  # tokens whose KV the prefix cache copied in instead of computing
     dropped: bool = False  # failed before or while it ran: nothing more is planned for it
 
     @property

@@ -216,6 +216,7 @@ class PrefixCache:
         own = p.slot_pages()[first:first + len(hits)]
         p.split((first + len(hits)) * ps - context)
         p.copy_in = list(zip(hits, own))
+        p.owner.cached_tokens += (first + len(hits)) * ps - context
         self.hit_tokens += (first + len(hits)) * ps - context
         return False
 

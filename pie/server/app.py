@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Header, WebSocket, WebSocketDisconnect
@@ -26,6 +26,7 @@ from pie.config import ServerConfig
 from pie.server import rpc
 from pie.server.attachments import Attachments, Close, Outbox
 from pie.server.openai import add_openai_routes
+from pie.server.openai_responses import ResponseStore, add_responses_routes
 from pie.server.session import Session, UploadBudget, authenticate, is_admin
 
 if TYPE_CHECKING:
@@ -39,6 +40,10 @@ class ServerState:
     model: str | None = None
     failure: str | None = None  # set if the backend dies: /health reports it
     draining: bool = False  # shutting down: running instances finish, no new launches
+    responses: ResponseStore = field(init=False)  # /v1/responses kept for previous_response_id
+
+    def __post_init__(self) -> None:
+        self.responses = ResponseStore(self.config.max_stored_responses)
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -46,6 +51,7 @@ def create_app(state: ServerState) -> FastAPI:
     attachments = Attachments(state.config.max_pending_messages, state.config.max_pending_bytes)
     budget = UploadBudget(state.config)  # uploads in progress, over every connection
     add_openai_routes(app, state)
+    add_responses_routes(app, state)
 
     @app.get("/health")
     def health() -> JSONResponse:

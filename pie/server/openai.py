@@ -15,7 +15,7 @@ import math
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -81,11 +81,38 @@ class Choice:
     tokens: list[dict[str, Any]] = field(default_factory=list)  # per token, when logprobs
 
 
+@dataclass
+class Reply:
+    """What the inferlet has sent so far: its choices, and (once it ends) how many prompt
+    tokens the automatic prefix cache held (its KV copied, not computed)."""
+
+    choices: list[Choice]
+    cached_tokens: int = 0
+
+    def apply(self, line: dict[str, Any]) -> None:
+        if "usage" in line:  # the instance's usage, when it ended (see `launch`)
+            self.cached_tokens = line["usage"].get("cached_tokens", 0)
+            return
+        choice = self.choices[line["index"]]
+        choice.text += line.get("text", "")
+        if "finish_reason" in line:
+            choice.finish_reason = line["finish_reason"]
+            choice.completion_tokens = line["completion_tokens"]
+        if "logprob" in line:
+            choice.tokens.append(line)
+
+    def usage(self, prompt_tokens: int) -> dict[str, Any]:
+        completion_tokens = sum(c.completion_tokens for c in self.choices)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
 def add_openai_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         try:
-            _check(state, request)
+            check_user(state, request)
         except ApiError as e:
             return e.response()
         return JSONResponse({"object": "list", "data": [
@@ -102,33 +129,17 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
 async def _serve(state: ServerState, request: Request, chat: bool):
     try:
-        user = _check(state, request)
-        try:
-            body = _decode(await _read_body(request, state.config.max_request_bytes))
-            if not isinstance(body, dict):
-                raise ApiError(400, "the request body must be a JSON object")
-            completion = parse(body, chat, state.model or "")
-            await fit(state, completion)
-        except ApiError:
-            raise
-        except Exception as e:  # a bug in validation must still answer in OpenAI's shape
-            log.exception("validating a /v1 request failed")
-            raise ApiError(400, f"the request could not be validated ({type(e).__name__})") from None
-        events = _launch(state, completion, user)
-        try:
-            first = await anext(events)  # {"prompt_tokens": n}, or the launch's failure
-            prompt_tokens = first["prompt_tokens"]
-        except BaseException:
-            await events.aclose()  # terminates the inferlet if it runs
-            raise
+        user, body = await read_request(state, request)
+        completion = await validated(state, lambda: parse(body, chat, state.model or ""))
+        events, prompt_tokens = await start(state, completion, user)
         meta = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], "created": int(time.time()),
                 "model": state.model}
         if completion.stream:
             return StreamingResponse(_sse(completion, meta, prompt_tokens, events), media_type="text/event-stream")
-        choices = [Choice() for _ in range(completion.n)]
-        if not await _collect(request, events, choices):  # the client is gone: nobody reads this
+        reply = Reply([Choice() for _ in range(completion.n)])
+        if not await collect(request, events, reply.apply):  # the client is gone: nobody reads this
             return ApiError(499, "the client closed the connection", kind="server_error").response()
-        return JSONResponse(_whole(completion, meta, prompt_tokens, choices))
+        return JSONResponse(_whole(completion, meta, prompt_tokens, reply))
     except ApiError as e:
         return e.response()
     except Exception as e:
@@ -137,7 +148,41 @@ async def _serve(state: ServerState, request: Request, chat: bool):
                         kind="server_error").response()
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def read_request(state: ServerState, request: Request) -> tuple[str, dict[str, Any]]:
+    """The caller's user and the request's JSON object body, or ApiError."""
+    user = check_user(state, request)
+    body = decode_json(await read_body(request, state.config.max_request_bytes))
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return user, body
+
+
+async def validated(state: ServerState, parse_body: Callable[[], Completion]) -> Completion:
+    """`parse_body()`'s request, fitted to the model (`fit`). A bug in validation still
+    answers in OpenAI's shape, as a 400."""
+    try:
+        completion = parse_body()
+        await fit(state, completion)
+        return completion
+    except ApiError:
+        raise
+    except Exception as e:
+        log.exception("validating a /v1 request failed")
+        raise ApiError(400, f"the request could not be validated ({type(e).__name__})") from None
+
+
+async def start(state: ServerState, completion: Completion, user: str) -> tuple[AsyncIterator[dict[str, Any]], int]:
+    """Launches the inferlet: its lines after the first, and the prompt's token count."""
+    events = launch(state, completion, user)
+    try:
+        first = await anext(events)  # {"prompt_tokens": n}, or the launch's failure
+        return events, first["prompt_tokens"]
+    except BaseException:
+        await events.aclose()  # terminates the inferlet if it runs
+        raise
+
+
+async def read_body(request: Request, limit: int) -> bytes:
     """The body, read in pieces up to `limit` bytes (server.max_request_bytes), never more:
     uvicorn itself sets no bound, so a client could make the server hold any amount."""
     declared = request.headers.get("content-length", "")
@@ -151,7 +196,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
-def _decode(raw: bytes) -> Any:
+def decode_json(raw: bytes) -> Any:
     """The body as JSON, or ApiError: empty, not UTF-8, not JSON, NaN/Infinity, too deep."""
     if not raw.strip():
         raise ApiError(400, "the request body is empty; send a JSON object")
@@ -164,14 +209,14 @@ def _decode(raw: bytes) -> Any:
     except RecursionError:
         raise ApiError(400, "the request body is nested too deeply") from None
     except ValueError as e:  # JSONDecodeError, NaN/Infinity, an integer of > 4300 digits
-        raise ApiError(400, f"the request body is not valid JSON: {_short(str(e))}") from None
+        raise ApiError(400, f"the request body is not valid JSON: {short(str(e))}") from None
 
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def _short(value: Any, limit: int = 80) -> str:
+def short(value: Any, limit: int = 80) -> str:
     """`value` for an error message: repr'd, and cut to `limit` characters."""
     try:
         text = value if isinstance(value, str) else repr(value)
@@ -180,12 +225,13 @@ def _short(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-async def _collect(request: Request, events: AsyncIterator[dict[str, Any]], choices: list[Choice]) -> bool:
-    """Collects the inferlet's lines into `choices`; False if the client went away first
-    (its inferlet is terminated then, as for a stream)."""
+async def collect(request: Request, events: AsyncIterator[dict[str, Any]],
+                  apply: Callable[[dict[str, Any]], None]) -> bool:
+    """Hands the inferlet's lines to `apply`; False if the client went away first (its
+    inferlet is terminated then, as for a stream)."""
     async def collect() -> None:
         async for line in events:
-            _apply(choices, line)
+            apply(line)
 
     task = asyncio.ensure_future(collect())
     try:
@@ -203,7 +249,7 @@ async def _collect(request: Request, events: AsyncIterator[dict[str, Any]], choi
         await events.aclose()
 
 
-def _check(state: ServerState, request: Request) -> str:
+def check_user(state: ServerState, request: Request) -> str:
     """The caller's user (see session.authenticate), if it may be served now."""
     given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
     user = authenticate(state.config.tokens, given)
@@ -226,7 +272,7 @@ def parse(body: dict[str, Any], chat: bool, served_model: str) -> Completion:
     if not isinstance(model, str):
         raise ApiError(400, "you must provide a model parameter", "model")
     if model != served_model:
-        raise ApiError(404, f"the model {_short(model)!r} does not exist; this server serves {served_model!r}",
+        raise ApiError(404, f"the model {short(model)!r} does not exist; this server serves {served_model!r}",
                        "model", code="model_not_found")
     args: list[str] = []
     prompt, chat_messages, tools = "", [], None
@@ -270,7 +316,7 @@ def parse(body: dict[str, Any], chat: bool, served_model: str) -> Completion:
         logprobs = _number(body, "logprobs", int, 0, 5)
     if max_tokens is not None:
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise ApiError(400, f"max_tokens must be a positive integer, got {_short(max_tokens)}", "max_tokens")
+            raise ApiError(400, f"max_tokens must be a positive integer, got {short(max_tokens)}", "max_tokens")
         if max_tokens > MAX_TOKENS:
             raise ApiError(400, f"max_tokens must be at most {MAX_TOKENS}", "max_tokens")
     temperature = _number(body, "temperature", float, 0.0, 2.0)
@@ -360,7 +406,7 @@ def response_schema(fmt: Any) -> str | None:
     if kind == "json_object":
         return json.dumps({"type": "object", "x-guidance": COMPACT_JSON})
     if kind != "json_schema":
-        raise ApiError(400, f"response_format.type must be text, json_object or json_schema, got {_short(kind)}",
+        raise ApiError(400, f"response_format.type must be text, json_object or json_schema, got {short(kind)}",
                        "response_format.type")
     spec = fmt.get("json_schema")
     if not isinstance(spec, dict):
@@ -397,7 +443,7 @@ async def fit(state: ServerState, completion: Completion) -> None:
             try:
                 text = tokenizer.apply_chat_template(completion.messages, True)
             except Exception as e:  # the template's own checks (roles, order) are the caller's input
-                raise ApiError(400, f"the chat template rejected the messages: {_short(str(e), 200)}",
+                raise ApiError(400, f"the chat template rejected the messages: {short(str(e), 200)}",
                                "messages") from None
         else:
             text = completion.prompt
@@ -442,16 +488,16 @@ def _check_grammar(grammars: Any, completion: Completion) -> None:
     except HostError as e:
         reason = e.message.removeprefix(f"{kind} grammar: ")
     if completion.tools is None:
-        raise ApiError(400, f"response_format: the JSON schema cannot be enforced: {_short(reason, 400)}",
+        raise ApiError(400, f"response_format: the JSON schema cannot be enforced: {short(reason, 400)}",
                        "response_format.json_schema.schema")
     for i, name in enumerate(completion.tools.functions):
         try:
             grammars.compile("json-schema", completion.tools.schema_of(name))
         except HostError as e:
             raise ApiError(400, f"tools[{i}] ({name}): its parameters cannot be enforced: "
-                           f"{_short(e.message.removeprefix('json-schema grammar: '), 400)}",
+                           f"{short(e.message.removeprefix('json-schema grammar: '), 400)}",
                            f"tools[{i}].function.parameters") from None
-    raise ApiError(400, f"the tools cannot be enforced together: {_short(reason, 400)}", "tools")
+    raise ApiError(400, f"the tools cannot be enforced together: {short(reason, 400)}", "tools")
 
 
 def kv_pages_needed(prompt_tokens: int, max_tokens: int, n: int, page_size: int) -> int:
@@ -470,10 +516,10 @@ def _number(body: dict[str, Any], name: str, kind: type, low: float, high: float
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-        raise ApiError(400, f"{name} must be {'an integer' if kind is int else 'a number'}, got {_short(value)}",
+        raise ApiError(400, f"{name} must be {'an integer' if kind is int else 'a number'}, got {short(value)}",
                        name)
     if not low <= value <= high:
-        raise ApiError(400, f"{name} must be between {low:g} and {high:g}, got {_short(value)}", name)
+        raise ApiError(400, f"{name} must be between {low:g} and {high:g}, got {short(value)}", name)
     return kind(value)
 
 
@@ -490,13 +536,13 @@ def _top_logprobs(body: dict[str, Any]) -> int | None:
 # --- running the inferlet ------------------------------------------------------------------
 
 
-async def _launch(state: ServerState, completion: Completion, user: str) -> AsyncIterator[dict[str, Any]]:
+async def launch(state: ServerState, completion: Completion, user: str) -> AsyncIterator[dict[str, Any]]:
     """The inferlet's JSON lines; raises ApiError if it cannot start or fails."""
     loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[str, str, dict | None]] = asyncio.Queue()
 
     def on_event(instance_id: str, kind: str, data: str, usage: dict | None = None) -> None:
-        loop.call_soon_threadsafe(queue.put_nowait, (kind, data))
+        loop.call_soon_threadsafe(queue.put_nowait, (kind, data, usage))
 
     runtime = state.runtime
     try:
@@ -509,11 +555,12 @@ async def _launch(state: ServerState, completion: Completion, user: str) -> Asyn
     finished = False
     try:
         while True:
-            kind, data = await queue.get()
+            kind, data, usage = await queue.get()
             if kind == "terminated":
                 finished = True
                 if data != "finished":
                     raise ApiError(500, f"the completion failed: {data}", kind="server_error")
+                yield {"usage": usage or {}}  # what the instance consumed (Reply.apply)
                 return
             yield json.loads(data)
     finally:
@@ -522,22 +569,6 @@ async def _launch(state: ServerState, completion: Completion, user: str) -> Asyn
                 runtime.terminate(info.id, "the HTTP client disconnected")
             except LookupError:
                 pass
-
-
-def _apply(choices: list[Choice], line: dict[str, Any]) -> None:
-    choice = choices[line["index"]]
-    choice.text += line.get("text", "")
-    if "finish_reason" in line:
-        choice.finish_reason = line["finish_reason"]
-        choice.completion_tokens = line["completion_tokens"]
-    if "logprob" in line:
-        choice.tokens.append(line)
-
-
-def _usage(prompt_tokens: int, choices: list[Choice]) -> dict[str, int]:
-    completion_tokens = sum(c.completion_tokens for c in choices)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def _logprobs(completion: Completion, tokens: list[dict[str, Any]], offset: int = 0) -> Any:
@@ -556,10 +587,9 @@ def _logprobs(completion: Completion, tokens: list[dict[str, Any]], offset: int 
             "top_logprobs": [dict(t["top"]) for t in tokens], "text_offset": offsets}
 
 
-def _whole(completion: Completion, meta: dict[str, Any], prompt_tokens: int,
-           choices: list[Choice]) -> dict[str, Any]:
+def _whole(completion: Completion, meta: dict[str, Any], prompt_tokens: int, reply: Reply) -> dict[str, Any]:
     out = []
-    for i, c in enumerate(choices):
+    for i, c in enumerate(reply.choices):
         body: dict[str, Any] = {"index": i, "finish_reason": c.finish_reason,
                                 "logprobs": _logprobs(completion, c.tokens)}
         if completion.tools is not None:
@@ -573,14 +603,14 @@ def _whole(completion: Completion, meta: dict[str, Any], prompt_tokens: int,
             body["text"] = c.text
         out.append(body)
     return {**meta, "object": "chat.completion" if completion.chat else "text_completion",
-            "choices": out, "usage": _usage(prompt_tokens, choices)}
+            "choices": out, "usage": reply.usage(prompt_tokens)}
 
 
 async def _sse(completion: Completion, meta: dict[str, Any], prompt_tokens: int,
                events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
     """Server-sent events: one chunk per delta, then `[DONE]`."""
     kind = "chat.completion.chunk" if completion.chat else "text_completion"
-    choices = [Choice() for _ in range(completion.n)]
+    reply = Reply([Choice() for _ in range(completion.n)])
     positions = [0] * completion.n
 
     def chunk(index: int, delta: dict[str, Any], finish: str | None, logprobs: Any = None) -> str:
@@ -597,8 +627,10 @@ async def _sse(completion: Completion, meta: dict[str, Any], prompt_tokens: int,
     parsers = [ToolCallParser(completion.tools) for _ in range(completion.n)] if completion.tools else None
     try:
         async for line in events:
+            reply.apply(line)
+            if "usage" in line:
+                continue
             i = line["index"]
-            _apply(choices, line)
             if "finish_reason" in line:
                 finish = line["finish_reason"]
                 if parsers:
@@ -623,5 +655,5 @@ async def _sse(completion: Completion, meta: dict[str, Any], prompt_tokens: int,
         await events.aclose()  # a client that went away: its inferlet is terminated now
     if completion.include_usage:
         yield "data: " + json.dumps({**meta, "object": kind, "choices": [],
-                                     "usage": _usage(prompt_tokens, choices)}) + "\n\n"
+                                     "usage": reply.usage(prompt_tokens)}) + "\n\n"
     yield "data: [DONE]\n\n"

@@ -209,7 +209,8 @@ class InstanceTerminated(Message):
     type: ClassVar[str] = "instance_terminated"
     instance_id: str
     reason: str
-    # What the instance consumed: forward_calls, forward_tokens, kv_pages_peak, embeds_peak,
+    # What the instance consumed: forward_calls, forward_tokens, sampled_tokens, cached_tokens
+    # (prompt tokens the prefix cache supplied), kv_pages_peak, embeds_peak,
     # host_calls (empty when the server does not know).
     usage: dict[str, int] = field(default_factory=dict)
 

@@ -1,0 +1,406 @@
+"""OpenAI's Responses API: `POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}`.
+
+A Responses request is a chat completion in other clothes, so it is served the same way:
+translated into a chat-completions body (`to_chat`), checked by the same `parse` and `fit`,
+run by the same built-in `openai_completion` inferlet, its output read by the same
+tool-call parser — and shaped as Responses' output items and streaming events here.
+
+`previous_response_id` continues a stored conversation: the server keeps each stored
+response's conversation (its input, earlier turns and its output, in chat form) per user,
+and a request naming it gets that conversation before its own input. The model's KV is not
+kept by this module: the re-sent conversation starts with the same tokens as the earlier
+prompt and output, so the automatic prefix cache (`control.prefix_cache`) copies their KV
+pages instead of prefilling them again (`usage.input_tokens_details.cached_tokens` says how
+many tokens it supplied). As in OpenAI's API, `instructions` are not carried over.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pie.server.openai import (ApiError, Choice, Completion, Reply, check_user, collect, parse, read_request, short,
+                               start, validated)
+from pie.server.openai_tools import ToolCallParser
+
+log = logging.getLogger(__name__)
+# Parameters of Responses we do not serve: a 400 naming them unless neutral.
+UNSUPPORTED = {"background": (None, False), "reasoning": (None,), "include": (None, []),
+               "truncation": (None, "disabled"), "conversation": (None,), "prompt": (None,)}
+# A chat-completions parameter in an error, as the Responses request names it.
+PARAMS = [("response_format.json_schema.", "text.format."), ("response_format", "text.format"),
+          ("max_tokens", "max_output_tokens"), ("messages", "input"), (".function.", ".")]
+
+
+@dataclass
+class Stored:
+    """A stored response: its object (for GET) and the conversation it ended (chat form,
+    without instructions) for a request that continues it."""
+
+    response: dict[str, Any]
+    conversation: list[dict[str, Any]]
+
+
+class ResponseStore:
+    """Stored responses, per user, the least recently used first to go beyond `per_user`
+    (server.max_stored_responses). One user's ids are invisible to another's."""
+
+    def __init__(self, per_user: int):
+        self.per_user = per_user
+        self.users: dict[str, OrderedDict[str, Stored]] = {}
+
+    def get(self, user: str, response_id: str) -> Stored | None:
+        entries = self.users.get(user)
+        if entries is None or response_id not in entries:
+            return None
+        entries.move_to_end(response_id)
+        return entries[response_id]
+
+    def put(self, user: str, response_id: str, stored: Stored) -> None:
+        entries = self.users.setdefault(user, OrderedDict())
+        entries[response_id] = stored
+        while len(entries) > self.per_user:
+            entries.popitem(last=False)
+
+    def delete(self, user: str, response_id: str) -> bool:
+        return self.users.get(user, {}).pop(response_id, None) is not None
+
+
+@dataclass
+class ResponseRequest:
+    """A Responses request: the chat-completions body that serves it, the conversation to
+    store, and what the response object echoes."""
+
+    chat: dict[str, Any]
+    conversation: list[dict[str, Any]]
+    echo: dict[str, Any]
+    store: bool
+    stream: bool
+
+
+def add_responses_routes(app: FastAPI, state: Any) -> None:
+    @app.post("/v1/responses")
+    async def create(request: Request):
+        return await _serve(state, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve(response_id: str, request: Request):
+        try:
+            stored = state.responses.get(check_user(state, request), response_id)
+        except ApiError as e:
+            return e.response()
+        if stored is None:
+            return _not_found(response_id, 404).response()
+        return JSONResponse(stored.response)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str, request: Request):
+        try:
+            deleted = state.responses.delete(check_user(state, request), response_id)
+        except ApiError as e:
+            return e.response()
+        if not deleted:
+            return _not_found(response_id, 404).response()
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+def _not_found(response_id: str, status: int) -> ApiError:
+    return ApiError(status, f"Response with id {short(response_id)!r} not found.", "previous_response_id"
+                    if status == 400 else None, code="response_not_found" if status == 404 else None)
+
+
+async def _serve(state: Any, request: Request):
+    try:
+        user, body = await read_request(state, request)
+        spec = to_chat(body, state.responses, user)
+        try:
+            completion = await validated(state, lambda: parse(spec.chat, True, state.model or ""))
+        except ApiError as e:
+            raise _renamed(e) from None
+        events, prompt_tokens = await start(state, completion, user)
+        output = Output(spec, completion, prompt_tokens, state.model)
+        if spec.stream:
+            return StreamingResponse(_stream(output, events, state.responses, user), media_type="text/event-stream")
+        reply = Reply([Choice()])
+        if not await collect(request, events, reply.apply):
+            return ApiError(499, "the client closed the connection", kind="server_error").response()
+        output.feed(reply.choices[0].text)
+        response = output.finish(reply)
+        output.save(state.responses, user)
+        return JSONResponse(response)
+    except ApiError as e:
+        return e.response()
+    except Exception as e:
+        log.exception("serving /v1/responses failed")
+        return ApiError(500, f"internal error ({type(e).__name__}); see the server log",
+                        kind="server_error").response()
+
+
+def _renamed(e: ApiError) -> ApiError:
+    """A chat-completions error with its parameter named as the Responses request names it."""
+    param = e.param
+    for old, new in PARAMS:
+        param = param.replace(old, new) if param else param
+    e.param = param
+    return e
+
+
+def to_chat(body: dict[str, Any], store: ResponseStore, user: str) -> ResponseRequest:
+    """The Responses request as a chat-completions body (checked later by `parse`)."""
+    for name, neutral in UNSUPPORTED.items():
+        if body.get(name) not in neutral:
+            raise ApiError(400, f"{name} is not supported", name)
+    history: list[dict[str, Any]] = []
+    previous = body.get("previous_response_id")
+    if previous is not None:
+        stored = store.get(user, previous) if isinstance(previous, str) else None
+        if stored is None:
+            raise ApiError(400, f"Previous response with id {short(previous)!r} not found.", "previous_response_id")
+        history = [dict(m) for m in stored.conversation]
+    conversation = history + _input_messages(body.get("input"))
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise ApiError(400, "instructions must be a string", "instructions")
+    chat: dict[str, Any] = {"model": body.get("model"),
+                            "messages": ([{"role": "system", "content": instructions}] if instructions else [])
+                            + conversation}
+    for name in ("temperature", "top_p", "parallel_tool_calls", "stream"):
+        if name in body:
+            chat[name] = body[name]
+    if body.get("max_output_tokens") is not None:
+        chat["max_tokens"] = body["max_output_tokens"]
+    if body.get("tools") is not None:
+        chat["tools"] = _tools(body["tools"])
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    if choice is not None:
+        chat["tool_choice"] = choice
+    text = body.get("text")
+    if text is not None:
+        fmt = text.get("format") if isinstance(text, dict) else None
+        if not isinstance(fmt, dict):
+            raise ApiError(400, 'text must be {"format": {"type": ...}}', "text")
+        if fmt.get("type") == "json_schema":
+            fmt = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+        chat["response_format"] = fmt
+    store_it = body.get("store", True)
+    metadata = body.get("metadata") or {}
+    if not isinstance(store_it, bool):
+        raise ApiError(400, "store must be a boolean", "store")
+    if not (isinstance(metadata, dict) and len(metadata) <= 16
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
+        raise ApiError(400, "metadata must be an object of at most 16 string values", "metadata")
+    echo = {"instructions": instructions, "metadata": metadata, "previous_response_id": previous,
+            "max_output_tokens": body.get("max_output_tokens"), "temperature": body.get("temperature", 1.0),
+            "top_p": body.get("top_p", 1.0), "tools": body.get("tools") or [],
+            "tool_choice": body.get("tool_choice", "auto"), "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "text": text or {"format": {"type": "text"}}, "store": store_it}
+    return ResponseRequest(chat, conversation, echo, store_it, body.get("stream") is True)
+
+
+def _input_messages(items: Any) -> list[dict[str, Any]]:
+    """`input` (a string, or message, function_call and function_call_output items) as
+    chat messages; consecutive function calls become one assistant message's tool_calls."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise ApiError(400, "input must be a string or a non-empty array of input items", "input")
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise ApiError(400, f"input[{i}].role must be user, assistant, system or developer", f"input[{i}].role")
+            out.append({"role": "system" if role == "developer" else role, "content": _text(item.get("content"), i)})
+        elif kind == "function_call":
+            if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
+                raise ApiError(400, f"input[{i}] must have string call_id, name and arguments", f"input[{i}]")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") is not None:
+                out[-1]["tool_calls"].append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if not (isinstance(item.get("call_id"), str) and isinstance(item.get("output"), str)):
+                raise ApiError(400, f"input[{i}] must have a string call_id and output", f"input[{i}]")
+            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+        else:
+            raise ApiError(400, f"input[{i}].type must be message, function_call or function_call_output",
+                           f"input[{i}].type")
+    return out
+
+
+def _text(content: Any, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in ("input_text", "output_text")
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise ApiError(400, f"input[{i}].content must be a string or input_text / output_text parts",
+                   f"input[{i}].content")
+
+
+def _tools(tools: Any) -> Any:
+    """Responses' flat function tools as chat's nested ones (checked by parse_tools)."""
+    if not isinstance(tools, list):
+        return tools
+    out = []
+    for i, tool in enumerate(tools):
+        if not (isinstance(tool, dict) and tool.get("type") == "function"):
+            raise ApiError(400, f"tools[{i}]: only function tools are supported", f"tools[{i}].type")
+        out.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
+    return out
+
+
+@dataclass
+class Output:
+    """One response's output items, built from the inferlet's text as it grows; each step
+    also yields the Responses streaming events it makes."""
+
+    spec: ResponseRequest
+    completion: Completion
+    prompt_tokens: int
+    model: str | None
+    id: str = field(default_factory=lambda: "resp_" + uuid.uuid4().hex[:24])
+    created: int = field(default_factory=lambda: int(time.time()))
+    items: list[dict[str, Any]] = field(default_factory=list)
+    parser: ToolCallParser | None = None
+    response: dict[str, Any] = field(default_factory=dict)
+    final_events: list[dict[str, Any]] = field(default_factory=list)  # `finish`'s
+
+    def __post_init__(self) -> None:
+        if self.completion.tools is not None:
+            self.parser = ToolCallParser(self.completion.tools)
+
+    def object(self, status: str) -> dict[str, Any]:
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+                "model": self.model, "output": self.items, "error": None, "incomplete_details": None,
+                "usage": None, "user": None, **self.spec.echo}
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        deltas = self.parser.feed(text) if self.parser else ([{"content": text}] if text else [])
+        return [event for delta in deltas for event in self._delta(delta)]
+
+    def _delta(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
+        events = []
+        if "content" in delta:
+            item = self.items[-1] if self.items and self.items[-1]["type"] == "message" else None
+            if item is None:
+                events += self._close()
+                item = {"type": "message", "id": "msg_" + uuid.uuid4().hex[:24], "status": "in_progress",
+                        "role": "assistant", "content": []}
+                self.items.append(item)
+                part = {"type": "output_text", "text": "", "annotations": []}
+                events += [self._event("response.output_item.added", item=dict(item, content=[])),
+                           self._event("response.content_part.added", item_id=item["id"], content_index=0,
+                                       part=dict(part))]
+                item["content"].append(part)
+            item["content"][0]["text"] += delta["content"]
+            events.append(self._event("response.output_text.delta", item_id=item["id"], content_index=0,
+                                      delta=delta["content"], logprobs=[]))
+        for call in delta.get("tool_calls", []):
+            if "id" in call:
+                events += self._close()
+                item = {"type": "function_call", "id": "fc_" + uuid.uuid4().hex[:24], "call_id": call["id"],
+                        "name": call["function"]["name"], "arguments": "", "status": "in_progress"}
+                self.items.append(item)
+                events.append(self._event("response.output_item.added", item=dict(item)))
+            elif call["function"]["arguments"]:
+                item = self.items[-1]
+                item["arguments"] += call["function"]["arguments"]
+                events.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                          delta=call["function"]["arguments"]))
+        return events
+
+    def _close(self) -> list[dict[str, Any]]:
+        """The done events of the last item, if it is still open."""
+        if not self.items or self.items[-1]["status"] != "in_progress":
+            return []
+        item = self.items[-1]
+        item["status"] = "completed"
+        if item["type"] == "message":
+            part = item["content"][0]
+            events = [self._event("response.output_text.done", item_id=item["id"], content_index=0,
+                                  text=part["text"], logprobs=[]),
+                      self._event("response.content_part.done", item_id=item["id"], content_index=0, part=part)]
+        else:
+            events = [self._event("response.function_call_arguments.done", item_id=item["id"],
+                                  arguments=item["arguments"])]
+        return events + [self._event("response.output_item.done", item=item)]
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        index = {} if kind.startswith("response.") and kind.count(".") == 1 else {"output_index": len(self.items) - 1}
+        return {"type": kind, **index, **fields}
+
+    def finish(self, reply: Reply) -> dict[str, Any]:
+        """The last events' response object, complete (or incomplete at max_output_tokens)."""
+        choice = reply.choices[0]
+        events = [event for delta in (self.parser.finish() if self.parser else []) for event in self._delta(delta)]
+        events += self._close()
+        complete = choice.finish_reason != "length"
+        self.response = self.object("completed" if complete else "incomplete")
+        if not complete:
+            self.response["incomplete_details"] = {"reason": "max_output_tokens"}
+        self.response["usage"] = {
+            "input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": reply.cached_tokens},
+            "output_tokens": choice.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": self.prompt_tokens + choice.completion_tokens}
+        self.final_events = events
+        return self.response
+
+    def save(self, store: ResponseStore, user: str) -> None:
+        """Stores the response and the conversation it ends (if `store`)."""
+        if not self.spec.store:
+            return
+        calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
+                 for i in self.items if i["type"] == "function_call"]
+        text = "".join(i["content"][0]["text"] for i in self.items if i["type"] == "message")
+        said = ({"role": "assistant", "content": text or None, "tool_calls": calls} if calls
+                else {"role": "assistant", "content": text})
+        store.put(user, self.id, Stored(json.loads(json.dumps(self.response)), self.spec.conversation + [said]))
+
+
+async def _stream(output: Output, events: AsyncIterator[dict[str, Any]], store: ResponseStore,
+                  user: str) -> AsyncIterator[str]:
+    """Responses' server-sent events: created, in_progress, the items' events, completed."""
+    sequence = 0
+
+    def sse(event: dict[str, Any]) -> str:
+        nonlocal sequence
+        sequence += 1
+        return f"event: {event['type']}\ndata: {json.dumps({**event, 'sequence_number': sequence - 1})}\n\n"
+
+    yield sse({"type": "response.created", "response": output.object("in_progress")})
+    yield sse({"type": "response.in_progress", "response": output.object("in_progress")})
+    reply = Reply([Choice()])
+    try:
+        async for line in events:
+            reply.apply(line)
+            if "text" in line:
+                for event in output.feed(line["text"]):
+                    yield sse(event)
+    except ApiError as e:
+        failed = output.object("failed")
+        failed["error"] = {"code": "server_error", "message": e.message}
+        yield sse({"type": "response.failed", "response": failed})
+        return
+    finally:
+        await events.aclose()
+    response = output.finish(reply)
+    for event in output.final_events:
+        yield sse(event)
+    output.save(store, user)
+    yield sse({"type": "response.completed" if response["status"] == "completed" else "response.incomplete",
+               "response": response})
