@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 IDLE_REQUEST_ID = 0
 
 
@@ -230,8 +230,11 @@ class Passes(Message):
     filters; `seed` -1 = the backend's generator); bit 1: the entropy. `dist_k[j]` > 0: the
     k most likely tokens. `logprob_ids[logprob_indptr[j]:logprob_indptr[j+1]]`: ids whose
     log-probability to return. Probabilities, log-probabilities and entropy are at
-    temperature 1 after the allowed mask. `keep_embed[j]` != -1: the hidden state also goes
-    to that embed. `allowed[j]` (an empty list: none) restricts row j as `Sample.allowed`.
+    temperature 1 after the bias and the allowed mask. `keep_embed[j]` != -1: the hidden
+    state also goes to that embed. `allowed[j]` (an empty list: none) restricts row j as
+    `Sample.allowed`. `bias_values[bias_indptr[j]:bias_indptr[j+1]]` are added to row j's
+    logits at `bias_ids` (the same slice) before anything else; -inf bans a token
+    (`bias_indptr` empty: no row has a bias; pie/control/logit_rules.py).
     """
 
     kind: ClassVar[Kind] = Kind.PASS
@@ -259,6 +262,9 @@ class Passes(Message):
     logprob_ids: bytes  # [i32]
     logprob_indptr: bytes  # [i32] R + 1
     allowed: list[bytes | None] = field(default_factory=list)  # R, or empty
+    bias_ids: bytes = b""  # [i32]
+    bias_values: bytes = b""  # [f32], finite or -inf
+    bias_indptr: bytes = b""  # [i32] R + 1, or empty
     # Whole KV pages copied before the forward and after it: [i32] pairs (src, dst), the
     # prefix cache's hits and the pages it keeps (pie/control/prefix_cache.py).
     copy_before: bytes = b""

@@ -137,8 +137,8 @@ def test_bad_requests_get_openai_errors(client, pie_server):
         "negative max_tokens": (dict(model=MODEL, prompt="x", max_tokens=-1), 400, "max_tokens"),
         "temperature out of range": (dict(model=MODEL, prompt="x", temperature=7), 400, "temperature"),
         "too many stops": (dict(model=MODEL, prompt="x", stop=["a", "b", "c", "d", "e"]), 400, "stop"),
-        "a penalty": (dict(model=MODEL, prompt="x", presence_penalty=0.5), 400, "presence_penalty"),
-        "a logit bias": (dict(model=MODEL, prompt="x", logit_bias={"42": 5}), 400, "logit_bias"),
+        "a penalty out of range": (dict(model=MODEL, prompt="x", presence_penalty=2.5), 400, "presence_penalty"),
+        "a logit bias out of range": (dict(model=MODEL, prompt="x", logit_bias={"42": 500}), 400, "logit_bias"),
     }
     for name, (kwargs, status, param) in cases.items():
         with pytest.raises(openai.APIStatusError) as e:

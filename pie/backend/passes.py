@@ -26,6 +26,7 @@ _TYPES = {
     "out_indptr": "<i4", "out_index": "<i4", "flags": "u1", "temperature": "<f4", "top_k": "<i4",
     "top_p": "<f4", "min_p": "<f4", "seed": "<i8", "dist_k": "<i4", "keep_embed": "<i4",
     "logprob_ids": "<i4", "logprob_indptr": "<i4", "copy_before": "<i4", "copy_after": "<i4",
+    "bias_ids": "<i4", "bias_values": "<f4", "bias_indptr": "<i4",
 }
 
 
@@ -51,9 +52,12 @@ def _columns(msg: P.Passes) -> dict[str, np.ndarray]:
     for name in ("flags", "temperature", "top_k", "top_p", "min_p", "seed", "dist_k", "keep_embed"):
         if len(cols[name]) != rows:
             raise P.ProtocolError(f"pass.{name} must have {rows} entries (one per output row)")
+    if len(cols["bias_values"]) != len(cols["bias_ids"]):
+        raise P.ProtocolError("pass.bias_values must be as long as bias_ids")
+    biases = [("bias_indptr", "bias_ids", rows)] if len(cols["bias_indptr"]) or len(cols["bias_ids"]) else []
     for ptr, data, items in (("token_indptr", "token_ids", n), ("kv_page_indptr", "kv_page_ids", n),
                              ("out_kv_page_indptr", "out_kv_page_ids", n), ("out_indptr", "out_index", n),
-                             ("logprob_indptr", "logprob_ids", rows)):
+                             ("logprob_indptr", "logprob_ids", rows), *biases):
         indptr = cols[ptr]
         if len(indptr) != items + 1 or indptr[0] != 0 or indptr[-1] != len(cols[data]) \
                 or np.any(np.diff(indptr) < 0):
@@ -124,6 +128,12 @@ def _check_values(engine: Engine, c: dict[str, np.ndarray], msg: P.Passes) -> di
     lp_rows = np.searchsorted(lptr, bad_lp, side="right") - 1
     first = dict(zip(lp_rows[::-1].tolist(), lp[bad_lp][::-1].tolist()))  # row: its first bad id
     report(lp_rows, optr, lambda j, j0: f"output {j - j0}: logprob id {first[j]} out of range [0, {vocab})")
+    if len(c["bias_indptr"]):
+        ids, values, bptr = c["bias_ids"], c["bias_values"], c["bias_indptr"]
+        bad_bias = np.flatnonzero((ids < 0) | (ids >= vocab) | np.isnan(values) | (values == np.inf))
+        bias_rows = np.searchsorted(bptr, bad_bias, side="right") - 1
+        report(bias_rows, optr, lambda j, j0: f"output {j - j0}: a bias id out of range [0, {vocab}) "
+               "or a bias that is NaN or +inf")
     size = sampling.mask_bytes(vocab)
     bad_mask = [j for j, m in enumerate(msg.allowed) if m is not None and (not isinstance(m, bytes) or len(m) != size)]
     report(np.asarray(bad_mask, dtype=np.int64), optr, lambda j, j0: (
@@ -217,12 +227,36 @@ def _forward(engine: Engine, items: list, c: dict[str, np.ndarray], t: np.ndarra
     return hidden, positions[rows]
 
 
+def _bias(engine: Engine, c: dict[str, np.ndarray], rows: np.ndarray, logits: torch.Tensor,
+          errors: dict[int, str], row_items: list[tuple[int, np.ndarray]]) -> None:
+    """logits[i, bias_ids] += bias_values for each row's slice (repeated ids add up); a row
+    whose every token is then banned (-inf) fails its item."""
+    bptr = c["bias_indptr"]
+    counts = np.diff(bptr)[rows]
+    biased = np.flatnonzero(counts)
+    if not len(biased):
+        return
+    entries = np.concatenate([np.arange(bptr[r], bptr[r + 1]) for r in rows[biased]])
+    at = np.repeat(biased, counts[biased])
+    logits.index_put_((engine._tensor(at), engine._tensor(c["bias_ids"][entries])),
+                      torch.from_numpy(c["bias_values"][entries].copy()).to(logits.device, logits.dtype),
+                      accumulate=True)
+    dead = np.flatnonzero(torch.isneginf(logits[engine._tensor(biased)]).all(dim=1).cpu().numpy())
+    for j in dead.tolist():
+        r = int(rows[biased[j]])
+        item = next(b for b, its in row_items if r in its)
+        errors.setdefault(item, "the logit rules ban every token")
+        logits[int(biased[j])] = 0.0  # drawn from, then discarded with the item
+
+
 def _outputs(engine: Engine, msg: P.Passes, c: dict[str, np.ndarray], rows: np.ndarray,
              logits: torch.Tensor, errors: dict[int, str], row_items: list[tuple[int, np.ndarray]],
              tokens: np.ndarray, entropy: np.ndarray, logprobs: np.ndarray,
              dist_counts: np.ndarray, dist_ids: list, dist_probs: list) -> None:
-    """Masks, draws and scores of the admitted rows (`rows[i]` is logits row i)."""
+    """Biases, masks, draws and scores of the admitted rows (`rows[i]` is logits row i)."""
     vocab = engine.model.config.vocab_size
+    if len(c["bias_indptr"]):
+        _bias(engine, c, rows, logits, errors, row_items)
     masked = [i for i, r in enumerate(rows.tolist()) if msg.allowed and msg.allowed[r] is not None]
     if masked:
         allowed = sampling.allowed_masks([msg.allowed[rows[i]] for i in masked], vocab).to(logits.device)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from pie import protocol as P
 from pie.control.errors import ErrorKind, HostError
 from pie.control.grammar import Matcher
+from pie.control.logit_rules import LogitRules
 
 if TYPE_CHECKING:
     from pie.control.scheduler import CommandQueue
@@ -56,6 +57,7 @@ class Output:
     advance: bool = False  # accept the drawn token into `matcher` on the reply
     matcher_id: int = 0  # as the guest named it (`matcher.id`); the session resolves it
     keep: int = -1  # physical embed that also receives the hidden state
+    rules: LogitRules | None = None  # bias, penalties, bans (a run's draws update it)
 
 
 @dataclass(frozen=True)
@@ -198,6 +200,8 @@ class Pass:
             if o.allowed is not None and len(o.allowed) != 4 * words:
                 raise _invalid(f"allowed must be {words} words (ceil(vocab / 32)), "
                                f"got {len(o.allowed) // 4}")
+            if o.rules is not None:
+                o.rules.validate(vocab, limits.context_length or 1 << 20)
         if run_steps is not None:
             self._validate_run(ps, run_steps)
 
@@ -312,6 +316,8 @@ class Pass:
         if self.prefix is not None:
             self.prefix.append(token)
         out = self.outputs[0]
+        if out.rules is not None:
+            out.rules.see(token)
         out.index, self.index_base = 0, 0
         if out.seed >= 0:
             out.seed = (out.seed + 1) % (1 << 63)
@@ -405,6 +411,9 @@ def encode(batch: list[Pass]) -> P.Passes:
     kv, kvptr, lens, out, outptr, offs, masks = [], [0], [], [], [0], [], []
     oidx, flags, temp, topk, topp, minp, seed, distk, keep, lp, lpptr = ([] for _ in range(11))
     allowed: list[bytes | None] = []
+    bias_ids: list[int] = []
+    bias_values: list[float] = []
+    bias_ptr = [0]
     lpptr.append(0)
     oindptr = [0]
     for p in batch:
@@ -432,6 +441,11 @@ def encode(batch: list[Pass]) -> P.Passes:
             lp += o.logprob_ids
             lpptr.append(len(lp))
             allowed.append(o.matcher.allowed_mask() if o.matcher is not None else o.allowed)
+            if o.rules is not None:
+                ids, values = o.rules.entries()
+                bias_ids += ids
+                bias_values += values
+            bias_ptr.append(len(bias_ids))
         oindptr.append(len(oidx))
     copy_before = [page for p in batch for pair in p.copy_in for page in pair]
     copy_after = [page for p in batch for _, own, cached in p.saves for page in (own, cached)]
@@ -445,6 +459,8 @@ def encode(batch: list[Pass]) -> P.Passes:
         top_k=_i32(topk), top_p=_f32(topp), min_p=_f32(minp), seed=array("q", seed).tobytes(),
         dist_k=_i32(distk), keep_embed=_i32(keep), logprob_ids=_i32(lp), logprob_indptr=_i32(lpptr),
         allowed=allowed if any(a is not None for a in allowed) else [],
+        **({"bias_ids": _i32(bias_ids), "bias_values": _f32(bias_values), "bias_indptr": _i32(bias_ptr)}
+           if bias_ids else {}),
     )
 
 

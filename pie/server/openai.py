@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 INFERLET = "openai_completion"
 MAX_N = 16
 MAX_STOPS = 4
+MAX_LOGIT_BIAS = 1024
 # max_tokens when the request gives none (OpenAI's defaults; either is capped at what is left
 # of the model's context after the prompt)
 DEFAULT_MAX_TOKENS = {False: 16, True: 256}
@@ -71,6 +72,9 @@ class Completion:
     messages: list[dict[str, str]] = field(default_factory=list)  # chat
     grammar: tuple[str, str] | None = None  # (kind, source) the output is decoded under, checked by `fit`
     tools: Tools | None = None  # tools the model may call
+    token_ids: list[tuple[str, int]] = field(default_factory=list)  # (parameter, id) for `fit` to check
+    min_tokens: int = 0
+    echo: bool = False  # completions: the prompt starts the text (scored too, with logprobs)
 
 
 @dataclass
@@ -275,7 +279,7 @@ def parse(body: dict[str, Any], chat: bool, served_model: str) -> Completion:
         raise ApiError(404, f"the model {short(model)!r} does not exist; this server serves {served_model!r}",
                        "model", code="model_not_found")
     args: list[str] = []
-    prompt, chat_messages, tools = "", [], None
+    prompt, chat_messages, tools, echo = "", [], None, False
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -309,8 +313,13 @@ def parse(body: dict[str, Any], chat: bool, served_model: str) -> Completion:
             prompt = prompt[0]
         if not isinstance(prompt, str):
             raise ApiError(400, "prompt must be a string (or an array of one string)", "prompt")
-        if body.get("echo"):
-            raise ApiError(400, "echo is not supported", "echo")
+        echo = body.get("echo", False)
+        if not isinstance(echo, bool):
+            raise ApiError(400, "echo must be a boolean", "echo")
+        if echo:
+            args.append("--echo")
+        if body.get("tools") or body.get("tool_choice") is not None:
+            raise ApiError(400, "tools are a chat parameter; /v1/completions takes none", "tools")
         args += ["--prompt", prompt]
         max_tokens = body.get("max_tokens")
         logprobs = _number(body, "logprobs", int, 0, 5)
@@ -330,7 +339,8 @@ def parse(body: dict[str, Any], chat: bool, served_model: str) -> Completion:
                         ("--n", n), ("--logprobs", logprobs)):
         if value is not None:
             args += [flag, str(value)]
-    _refuse_unsupported(body, chat)
+    token_ids = _logit_rules(body, args)
+    min_tokens = body.get("min_tokens") or 0
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
     if not (isinstance(stops, list) and len(stops) <= MAX_STOPS and all(isinstance(s, str) and s for s in stops)):
@@ -369,23 +379,45 @@ def parse(body: dict[str, Any], chat: bool, served_model: str) -> Completion:
         except UnicodeEncodeError:  # JSON's "\ud800" escapes can make them
             raise ApiError(400, "text must not contain unpaired UTF-16 surrogates") from None
     return Completion(chat, args, n, stream, logprobs, include_usage, max_tokens, prompt, chat_messages, grammar,
-                      tools)
+                      tools, token_ids, min_tokens, echo)
 
 
-def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
-    """Parameters that would change the output and that we cannot honour yet: a 400 naming
-    them, not a 200 with text that ignored them. Their neutral values (0, {}) pass, as
-    clients send them by default."""
-    for name in ("frequency_penalty", "presence_penalty"):
-        if _number(body, name, float, -2.0, 2.0):
-            raise ApiError(400, f"{name} is not supported yet (only 0)", name)
+def _logit_rules(body: dict[str, Any], args: list[str]) -> list[tuple[str, int]]:
+    """OpenAI's `logit_bias` and penalties, vLLM's `min_tokens` and `stop_token_ids`, as
+    the inferlet's flags (logit rules the host applies before every draw). Returns the
+    token ids named, with the parameter naming each, for `fit` to check against the
+    vocabulary."""
+    named: list[tuple[str, int]] = []
+    for name, flag in (("presence_penalty", "--presence-penalty"), ("frequency_penalty", "--frequency-penalty")):
+        value = _number(body, name, float, -2.0, 2.0)
+        if value:
+            args += [flag, repr(value)]
     bias = body.get("logit_bias")
-    if bias is not None and not isinstance(bias, dict):
-        raise ApiError(400, "logit_bias must be an object of token ids to biases", "logit_bias")
-    if bias:
-        raise ApiError(400, "logit_bias is not supported yet", "logit_bias")
-    if not chat and (body.get("tools") or body.get("tool_choice") is not None):
-        raise ApiError(400, "tools are a chat parameter; /v1/completions takes none", "tools")
+    if bias is not None:
+        if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+            raise ApiError(400, f"logit_bias must be an object of at most {MAX_LOGIT_BIAS} token ids to biases",
+                           "logit_bias")
+        for key, value in bias.items():
+            if not re.fullmatch(r"[0-9]{1,9}", key):
+                raise ApiError(400, f"logit_bias keys must be token ids, got {short(key)}", "logit_bias")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                raise ApiError(400, f"logit_bias values must be numbers between -100 and 100, got {short(value)}",
+                               "logit_bias")
+            named.append(("logit_bias", int(key)))
+            args += ["--logit-bias", str(int(key)), repr(float(value))]
+    min_tokens = _number(body, "min_tokens", int, 0, MAX_TOKENS)
+    if min_tokens:
+        args += ["--min-tokens", str(min_tokens)]
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None:
+        if not (isinstance(stop_ids, list) and len(stop_ids) <= MAX_STOPS * 4
+                and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_ids)):
+            raise ApiError(400, f"stop_token_ids must be an array of at most {MAX_STOPS * 4} token ids",
+                           "stop_token_ids")
+        for token in stop_ids:
+            named.append(("stop_token_ids", token))
+            args += ["--stop-token", str(token)]
+    return named
 
 
 def response_schema(fmt: Any) -> str | None:
@@ -472,6 +504,15 @@ async def fit(state: ServerState, completion: Completion) -> None:
                        f"more than the server's whole KV pool (backend.num_kv_pages = {hs.num_kv_pages}). "
                        f"Please reduce max_tokens, n or the length of the {what}.", "max_tokens",
                        code="context_length_exceeded")
+    if completion.echo and completion.logprobs is not None and prompt_tokens > hs.max_batch_tokens:
+        raise ApiError(400, f"echo with logprobs scores the prompt in one pass: at most {hs.max_batch_tokens} "
+                       f"tokens (backend.max_batch_tokens), the prompt has {prompt_tokens}", "echo")
+    for param, token in completion.token_ids:
+        if token >= hs.vocab_size:
+            raise ApiError(400, f"{param}: token id {token} is not below the vocabulary size {hs.vocab_size}", param)
+    if completion.min_tokens > max_tokens:
+        raise ApiError(400, f"min_tokens ({completion.min_tokens}) must be at most max_tokens ({max_tokens})",
+                       "min_tokens")
     completion.max_tokens = max_tokens
     completion.arguments += ["--max-tokens", str(max_tokens)]
     if completion.grammar is not None:  # the grammar engine's verdict now, not the inferlet's failure later
@@ -584,7 +625,7 @@ def _logprobs(completion: Completion, tokens: list[dict[str, Any]], offset: int 
         offsets.append(position)
         position += len(t["token"])
     return {"tokens": [t["token"] for t in tokens], "token_logprobs": [t["logprob"] for t in tokens],
-            "top_logprobs": [dict(t["top"]) for t in tokens], "text_offset": offsets}
+            "top_logprobs": [None if t["top"] is None else dict(t["top"]) for t in tokens], "text_offset": offsets}
 
 
 def _whole(completion: Completion, meta: dict[str, Any], prompt_tokens: int, reply: Reply) -> dict[str, Any]:

@@ -19,12 +19,18 @@
 //! `response_format` and a `lark` grammar for `tools` (a call's arguments valid against its
 //! tool's parameters); the kinds are the host's: json-schema, regex, lark, ebnf.
 //!
+//! `--logit-bias`, `--presence-penalty`, `--frequency-penalty` and `--min-tokens` are logit
+//! rules the host applies before every draw (in a run it counts the drawn tokens itself);
+//! `--stop-token` ids end a choice like EOS. `--echo` starts every choice's text with the
+//! prompt (with `--logprobs`, each prompt token's log-probability, from one pass that
+//! writes no KV).
+//!
 //! Requirements: R2
 //! Host APIs: apply-chat-template, tokenize, inference (execute, run, take, cancel), forward, sample, get-next-dist (log-probabilities), copy-kvpage (fork), grammar (compile, matcher sample and accept)
-//! Arguments: (--prompt TEXT | --message ROLE CONTENT ...) --max-tokens N [--temperature T] [--top-p P] [--seed S] [--stop TEXT ...] [--n N] [--logprobs K] [--ignore-eos] [--whole] [--grammar KIND SOURCE]
+//! Arguments: (--prompt TEXT | --message ROLE CONTENT ...) --max-tokens N [--temperature T] [--top-p P] [--seed S] [--stop TEXT ...] [--n N] [--logprobs K] [--ignore-eos] [--whole] [--grammar KIND SOURCE] [--logit-bias ID BIAS ...] [--presence-penalty P] [--frequency-penalty F] [--min-tokens N] [--stop-token ID ...] [--echo]
 //! Output: JSON lines: {"prompt_tokens": n}, then per choice {"index", "text", "logprobs"?} deltas and a final {"index", "finish_reason", "completion_tokens"}.
 
-use inferlet::{chat, join_all, ChatMessage, Context, Grammar, GrammarKind, Model, Sampler};
+use inferlet::{chat, join_all, ChatMessage, Context, Grammar, GrammarKind, LogitRules, Model, Sampler};
 use inferlet::json::json_string;
 
 inferlet::main!(main);
@@ -40,17 +46,25 @@ struct Request {
     ignore_eos: bool,
     whole: bool,
     grammar: Option<(GrammarKind, String)>,
+    bias: Vec<(u32, f32)>,
+    presence: f32,
+    frequency: f32,
+    min_tokens: u32,
+    stop_ids: Vec<u32>,
+    echo: bool,
 }
 
 fn parse(args: &[String]) -> Result<Request, String> {
     let mut r = Request { prompt: None, messages: Vec::new(), max_tokens: 16, sampler: Sampler::greedy(),
                           stops: Vec::new(), n: 1, logprobs: None, ignore_eos: false, whole: false,
-                          grammar: None };
+                          grammar: None, bias: Vec::new(), presence: 0.0, frequency: 0.0, min_tokens: 0,
+                          stop_ids: Vec::new(), echo: false };
     let mut rest = args.iter().cloned();
     while let Some(flag) = rest.next() {
         match flag.as_str() {
             "--ignore-eos" => { r.ignore_eos = true; continue; }
             "--whole" => { r.whole = true; continue; }
+            "--echo" => { r.echo = true; continue; }
             _ => {}
         }
         let mut value = || rest.next().ok_or(format!("{flag} needs a value"));
@@ -67,6 +81,14 @@ fn parse(args: &[String]) -> Result<Request, String> {
             "--stop" => r.stops.push(value()?),
             "--n" => r.n = number(&flag, value()?)?,
             "--logprobs" => r.logprobs = Some(number(&flag, value()?)?),
+            "--logit-bias" => {
+                let token = number(&flag, value()?)?;
+                r.bias.push((token, number(&flag, value()?)?));
+            }
+            "--presence-penalty" => r.presence = number(&flag, value()?)?,
+            "--frequency-penalty" => r.frequency = number(&flag, value()?)?,
+            "--min-tokens" => r.min_tokens = number(&flag, value()?)?,
+            "--stop-token" => r.stop_ids.push(number(&flag, value()?)?),
             "--grammar" => {
                 let kind = match value()?.as_str() {
                     "json-schema" => GrammarKind::JsonSchema,
@@ -109,6 +131,26 @@ fn safe_len(text: &str, stops: &[String]) -> usize {
     end
 }
 
+impl Request {
+    /// The tokens that end a choice: EOS (unless --ignore-eos) and every --stop-token.
+    fn stop_tokens(&self, eos: &[u32]) -> Vec<u32> {
+        let mut stops = if self.ignore_eos { Vec::new() } else { eos.to_vec() };
+        stops.extend(&self.stop_ids);
+        stops
+    }
+
+    /// The logit rules for a draw after `seen` completion tokens: the bias, the penalties
+    /// over the completion so far, and the stop tokens banned until --min-tokens.
+    fn rules(&self, stops: &[u32], seen: &[u32]) -> LogitRules {
+        let mut rules = LogitRules::new().penalties(self.presence, self.frequency).seen(seen)
+            .ban_until(stops, self.min_tokens);
+        for &(token, value) in &self.bias {
+            rules = rules.bias(token, value);
+        }
+        rules
+    }
+}
+
 async fn choice(index: usize, mut ctx: Context, r: &Request, eos: &[u32]) -> Result<(), String> {
     let queue = ctx.queue().clone();
     let mut sampler = r.sampler.clone();
@@ -121,57 +163,48 @@ async fn choice(index: usize, mut ctx: Context, r: &Request, eos: &[u32]) -> Res
         Some((kind, source)) => Some(Grammar::compile(&queue, *kind, source)?),
         None => None,
     };
+    let stops = r.stop_tokens(eos);
     if r.logprobs.is_none() {
-        return streamed(index, ctx, r, eos, sampler, grammar.as_ref()).await;
+        return streamed(index, ctx, r, eos, &stops, sampler, grammar.as_ref()).await;
     }
     // `generated`: the tokens whose text is the completion (an EOS passed over with
-    // --ignore-eos counts as a completion token but has no text, as in vLLM).
-    let (mut generated, mut count, mut sent, mut finish) = (Vec::new(), 0usize, 0usize, "length");
-    while count < r.max_tokens {
-        let k = r.logprobs.map(|k| k.clamp(1, 256).max(20));
-        let (token, dist) = if let (1, Some(k), None) = (r.max_tokens, k, &grammar) {
+    // --ignore-eos counts as a completion token but has no text, as in vLLM); `drawn`:
+    // every token drawn, which the penalties count.
+    let (mut generated, mut drawn, mut sent, mut finish) = (Vec::new(), Vec::new(), 0usize, "length");
+    while drawn.len() < r.max_tokens {
+        let k = r.logprobs.map(|k| k.clamp(1, 256).max(20)).unwrap_or(0);
+        let rules = r.rules(&stops, &drawn);
+        let (token, ids, probs) = if r.max_tokens == 1 && grammar.is_none() && rules.is_empty() {
             // PrefillOnly's path: one pass that writes no KV draws the token with its
             // distribution (scoring requests: max_tokens 1 with logprobs).
-            let (token, ids, probs) = ctx.peek_next(&sampler, k).await?;
-            (token, Some((ids, probs)))
+            ctx.peek_next(&sampler, k).await?
         } else {
-            let last = ctx.pending().len() as u32 - 1;
-            let output = ctx.forward_pending(&[last])?[0];
-            let dist = match k {
-                Some(k) => Some(queue.next_dist(output, k).await?),
-                None => None,
-            };
-            let token = match &grammar {
-                Some(g) => {
-                    let token = g.matcher().sample(output, sampler.clone())?.await?;
-                    if !eos.contains(&token) {
-                        g.matcher().accept(&[token])?;
-                    }
-                    token
+            // One fused pass: the rules, the grammar's mask, the draw and the distribution.
+            let drew = ctx.draw_next(&sampler, k, grammar.as_ref(), Some(&rules)).await?;
+            if let Some(g) = &grammar {
+                if !stops.contains(&drew.0) {
+                    g.matcher().accept(&[drew.0])?;
                 }
-                None => queue.sample(output, &sampler).await?,
-            };
-            (token, dist)
+            }
+            drew
         };
         sampler.seed = sampler.seed.map(|s| s.wrapping_add(1));
-        let is_eos = eos.contains(&token);
-        if is_eos && !r.ignore_eos {
+        if stops.contains(&token) {
             finish = "stop";
             break;
         }
-        let logprobs = match (r.logprobs, dist) {
-            (Some(k), Some((ids, probs))) => {
+        let logprobs = match r.logprobs {
+            Some(k) if !ids.is_empty() => {
                 let p = ids.iter().position(|&t| t == token).map(|i| probs[i]).unwrap_or(*probs.last().unwrap());
-                let top: Vec<String> = ids.iter().zip(&probs).take(k as usize)
+                let top: Vec<String> = ids.iter().zip(&probs).filter(|(_, &p)| p > 0.0).take(k as usize)
                     .map(|(&t, &p)| Ok(format!("[{},{}]", json_string(&queue.detokenize(&[t])?), p.ln())))
                     .collect::<Result<_, inferlet::Error>>()?;
                 format!(",\"token\":{},\"logprob\":{},\"top\":[{}]", json_string(&queue.detokenize(&[token])?), p.ln(), top.join(","))
             }
             _ => String::new(),
         };
-        ctx.fill_tokens(&[token]);
-        count += 1;
-        if is_eos {
+        drawn.push(token);
+        if eos.contains(&token) {
             if !logprobs.is_empty() {  // no text, but its log-probability like any token's
                 inferlet::send(&format!("{{\"index\":{index},\"text\":\"\"{logprobs}}}"));
             }
@@ -189,38 +222,34 @@ async fn choice(index: usize, mut ctx: Context, r: &Request, eos: &[u32]) -> Res
             break;
         }
     }
-    end_choice(index, &queue.detokenize(&generated)?, sent, finish, count, r)
+    end_choice(index, &queue.detokenize(&generated)?, sent, finish, drawn.len(), r)
 }
 
-/// A choice without log-probabilities: one host-side run (`Context::run`), streamed — the
-/// host queues each step on the reply to the last, without waiting for this inferlet.
-async fn streamed(index: usize, mut ctx: Context, r: &Request, eos: &[u32], sampler: Sampler,
+/// A choice without log-probabilities: one host-side run (`Context::run_with_rules`),
+/// streamed — the host queues each step on the reply to the last, without waiting for
+/// this inferlet, and applies the logit rules and the grammar at every step.
+async fn streamed(index: usize, mut ctx: Context, r: &Request, eos: &[u32], stops: &[u32], sampler: Sampler,
                   grammar: Option<&Grammar>) -> Result<(), String> {
     let queue = ctx.queue().clone();
     let (mut generated, mut count, mut sent, mut finish) = (Vec::new(), 0usize, 0usize, "length");
     if r.max_tokens > 0 {
-        let stop_tokens: &[u32] = if r.ignore_eos { &[] } else { eos };
         // Text goes out as it is drawn when the client streams or a stop string must be
         // watched for; otherwise the run reports its tokens once, when it ends.
         let live = !r.whole || !r.stops.is_empty();
-        let mut run = match grammar {
-            Some(g) => ctx.run_constrained(g, &sampler, r.max_tokens as u32, stop_tokens, live)?,
-            None => ctx.run(&sampler, r.max_tokens as u32, stop_tokens, live)?,
-        };
+        let mut run = ctx.run_with_rules(&sampler, &r.rules(stops, &[]), grammar, r.max_tokens as u32, stops, live)?;
         let mut ended = false;
         while let Some(tokens) = run.next().await? {
             for token in tokens {
                 if ended {
                     continue;  // drawn before the cancel took effect: not part of the answer
                 }
-                let is_eos = eos.contains(&token);
-                if is_eos && !r.ignore_eos {
+                if stops.contains(&token) {
                     finish = "stop";
                     ended = true;
                     continue;
                 }
                 count += 1;
-                if is_eos {
+                if eos.contains(&token) {
                     continue;
                 }
                 generated.push(token);
@@ -256,6 +285,36 @@ fn end_choice(index: usize, text: &str, sent: usize, finish: &str, count: usize,
     Ok(())
 }
 
+/// `--echo`: the prompt as the start of every choice's text — with `--logprobs`, a line per
+/// prompt token with its log-probability after the tokens before it (none for the first),
+/// from one pass that writes no KV; without, one line. The fields after "index".
+async fn echo(root: &Context, r: &Request) -> Result<Vec<String>, String> {
+    let queue = root.queue();
+    let prompt = root.pending().to_vec();
+    let Some(k) = r.logprobs else {
+        return Ok(vec![format!("\"text\":{}", json_string(&queue.detokenize(&prompt)?))]);
+    };
+    let scored = root.prompt_logprobs(k.max(1)).await?;
+    let (mut lines, mut sent) = (Vec::new(), 0usize);
+    for (i, &token) in prompt.iter().enumerate() {
+        let text = queue.detokenize(&prompt[..=i])?;
+        let end = if i + 1 == prompt.len() { text.len() } else { safe_len(&text, &[]) };
+        let piece = json_string(&text[sent.min(end)..end]);
+        sent = sent.max(end);
+        let token_text = json_string(&queue.detokenize(&[token])?);
+        lines.push(match i.checked_sub(1).map(|j| &scored[j]) {
+            None => format!("\"text\":{piece},\"token\":{token_text},\"logprob\":null,\"top\":null"),
+            Some((logprob, ids, probs)) => {
+                let top: Vec<String> = ids.iter().zip(probs).filter(|(_, &p)| p > 0.0).take(k as usize)
+                    .map(|(&t, &p)| Ok(format!("[{},{}]", json_string(&queue.detokenize(&[t])?), p.ln())))
+                    .collect::<Result<_, inferlet::Error>>()?;
+                format!("\"text\":{piece},\"token\":{token_text},\"logprob\":{logprob},\"top\":[{}]", top.join(","))
+            }
+        });
+    }
+    Ok(lines)
+}
+
 async fn main() -> Result<(), String> {
     let r = parse(&inferlet::args())?;
     let model = Model::default_model()?;
@@ -265,6 +324,14 @@ async fn main() -> Result<(), String> {
         None => root.fill_chat(&r.messages, true)?,
     }
     inferlet::send(&format!("{{\"prompt_tokens\":{}}}", root.len()));
+    if r.echo {
+        let lines = echo(&root, &r).await?;
+        for index in 0..r.n {
+            for line in &lines {
+                inferlet::send(&format!("{{\"index\":{index},{line}}}"));
+            }
+        }
+    }
     let eos = root.queue().eos_tokens();
     if r.n == 1 {
         return choice(0, root, &r, &eos).await;

@@ -392,7 +392,7 @@ fn fused(tokens: &[u32], context: Vec<KvPage>, last_len: u32, out: Vec<KvPage>) 
         output_kv_offset: 0, attention_mask: None, stop_tokens: vec![],
         outputs: vec![inference::Output { index: tokens.len() as u32 - 1, sample: Some(sampler), top_k: 0,
                                           logprobs_of: vec![], entropy: false, allowed: None,
-                                          grammar: None, keep: None }],
+                                          grammar: None, rules: None, keep: None }],
     }
 }
 

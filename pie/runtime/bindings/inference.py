@@ -9,6 +9,7 @@ from __future__ import annotations
 from array import array
 from typing import Any
 
+from pie.control.logit_rules import LogitRules
 from pie.control.passes import Output
 from pie.runtime.bindings.common import PACKAGE, Bindings, Kind, error_record, record
 from pie.runtime.host import HostState, Terminated
@@ -26,6 +27,10 @@ def _output(o: Any) -> Output:
         out.seed = -1 if sampler.seed is None else sampler.seed % (1 << 63)
     if grammar is not None:
         out.matcher_id, out.advance = grammar.matcher, grammar.advance
+    rules = o.rules
+    if rules is not None:
+        out.rules = LogitRules.of(rules.bias, getattr(rules, "presence-penalty"), getattr(rules, "frequency-penalty"),
+                                  rules.seen, rules.banned, getattr(rules, "banned-until"))
     return out
 
 

@@ -474,7 +474,7 @@ class Generation:
 
 def _output(index: int = 0, sample=None, top_k: int = 0, logprobs_of: list[int] = ()):  # type: ignore[assignment]
     return inference.Output(index=index, sample=sample, top_k=top_k, logprobs_of=list(logprobs_of),
-                            entropy=False, allowed=None, grammar=None, keep=None)
+                            entropy=False, allowed=None, grammar=None, rules=None, keep=None)
 
 
 def _pass_sampler(s: Sampler):

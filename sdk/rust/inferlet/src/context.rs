@@ -227,15 +227,37 @@ impl Context {
         }
     }
 
+    /// The log-probability of each pending token after the tokens before it, with the `k`
+    /// most likely tokens there (most likely first): one pass over the pending tokens that
+    /// writes no KV (the context is unchanged), so they must fit one pass. Entry i is for
+    /// pending token i + 1; the first pending token gets none (as `echo` with `logprobs`
+    /// on OpenAI's completions). Returns (log-probability, top ids, top probabilities).
+    pub async fn prompt_logprobs(&self, k: u32) -> Result<Vec<(f32, Vec<u32>, Vec<f32>)>, Error> {
+        let n = self.pending.len();
+        if n < 2 {
+            return Ok(Vec::new());
+        }
+        let outs = (0..n - 1).map(|i| Output { index: i as u32, top_k: k, logprobs_of: vec![self.pending[i + 1]],
+                                              ..output(0) }).collect();
+        let mut details = self.peek_outputs(&[], outs)?.await?.details;
+        details.sort_by_key(|d| d.index);
+        Ok(details.into_iter().map(|d| (d.logprobs[0], d.top_ids, d.top_probs)).collect())
+    }
+
     /// Enqueues one pass over the pending tokens and `then` that writes no KV, with `out` at
     /// the last of them; its result, awaited.
     fn peek(&self, then: &[u32], mut out: Output) -> Result<impl std::future::Future<Output = Result<PassResult, Error>>, Error> {
+        out.index = (self.pending.len() + then.len()).max(1) as u32 - 1;
+        self.peek_outputs(then, vec![out])
+    }
+
+    /// `peek` with `outs` at the indices they name.
+    fn peek_outputs(&self, then: &[u32], outs: Vec<Output>) -> Result<impl std::future::Future<Output = Result<PassResult, Error>>, Error> {
         let tokens: Vec<u32> = self.pending.iter().chain(then).copied().collect();
         if tokens.is_empty() {
             return Err(Error { kind: ErrorKind::InvalidArgument,
                                message: "nothing to predict from: fill the context or give tokens".into() });
         }
-        out.index = tokens.len() as u32 - 1;
         let start = self.committed.len() as u32;
         let id = inference::execute(self.queue.raw(), inference::ForwardPass {
             input_embeds: Vec::new(),
@@ -245,7 +267,7 @@ impl Context {
             output_kv_pages: Vec::new(),  // writes no KV
             output_kv_offset: 0,
             attention_mask: None,
-            outputs: vec![out],
+            outputs: outs,
             stop_tokens: Vec::new(),
             input_tokens: tokens,
         })?;
@@ -454,13 +476,14 @@ impl Context {
     /// `streaming`, `Run::next` returns the tokens as each step draws them; without, once,
     /// at the end (the inferlet is not woken per token). Call `Run::finish` at the end.
     pub fn run(&mut self, sampler: &Sampler, steps: u32, stop_tokens: &[u32], streaming: bool) -> Result<Run<'_>, Error> {
-        self.start_run(sampler, steps, stop_tokens, streaming, None)
+        self.start_run(sampler, steps, stop_tokens, streaming, None, None)
     }
 
     /// `run` with every draw masked by a grammar, which the host advances over each drawn
     /// token (`Context::run_constrained` in grammar.rs).
     pub(crate) fn start_run(&mut self, sampler: &Sampler, steps: u32, stop_tokens: &[u32], streaming: bool,
-                            grammar: Option<inference::GrammarMask>) -> Result<Run<'_>, Error> {
+                            grammar: Option<inference::GrammarMask>, rules: Option<inference::LogitRules>)
+                            -> Result<Run<'_>, Error> {
         if self.pending.is_empty() || steps == 0 {
             return Err(Error { kind: ErrorKind::InvalidArgument,
                                message: "a run needs a pending token to predict from and at least one step".into() });
@@ -477,7 +500,8 @@ impl Context {
                 tokens = tail;
             }
             let n = tokens.len() as u32;
-            let out = Output { index: n - 1, sample: Some(pass_sampler(sampler)), grammar: grammar.clone(), ..output(0) };
+            let out = Output { index: n - 1, sample: Some(pass_sampler(sampler)), grammar: grammar.clone(),
+                               rules: rules.clone(), ..output(0) };
             let started = self.pass_over(&tokens, n + steps - 1, vec![out], stop_tokens.to_vec())
                 .and_then(|(pass, new_pages)| {
                     Ok((inference::run(self.queue.raw(), pass, steps, streaming)?, new_pages))
@@ -855,7 +879,7 @@ const RUN_STEPS: usize = 256;
 /// An output request at new token `index` that computes nothing yet.
 pub(crate) fn output(index: u32) -> Output {
     Output { index, sample: None, top_k: 0, logprobs_of: Vec::new(), entropy: false, allowed: None,
-             grammar: None, keep: None }
+             grammar: None, rules: None, keep: None }
 }
 
 pub(crate) fn pass_sampler(s: &Sampler) -> inference::Sampler {

@@ -60,7 +60,7 @@ impl Context {
     pub fn run_constrained(&mut self, grammar: &Grammar, sampler: &Sampler, steps: u32, stop_tokens: &[u32],
                            streaming: bool) -> Result<Run<'_>, Error> {
         let mask = GrammarMask { matcher: grammar.matcher.id(), advance: true };
-        self.start_run(sampler, steps, stop_tokens, streaming, Some(mask))
+        self.start_run(sampler, steps, stop_tokens, streaming, Some(mask), None)
     }
 
     /// Decodes at most `max_tokens` tokens that the grammar allows, until the grammar is

@@ -33,6 +33,7 @@ mod lines;
 pub mod messages;
 pub mod semvar;
 mod model;
+mod rules;
 mod sampling;
 pub mod speculative;
 
@@ -44,6 +45,7 @@ pub use branch::{generate_branches, Branch};
 pub use context::{Context, Run};
 pub use executor::{block_on, join_all, spawn, HostFuture, HostResult, JoinHandle};
 pub use bindings::grammar::GrammarKind;
+pub use bindings::inference::LogitRules;
 pub use grammar::Grammar;
 pub use lines::Line;
 pub use model::{Model, Queue};
