@@ -13,7 +13,10 @@
   same text and the same number of tokens (fp32 greedy: it must).
 - Constrained decoding's cost: the same chat request with a JSON-schema `response_format`
   (`openai-json`; a story string of at least 2,000 characters, so it runs to `max_tokens`
-  like the others), per token against the unconstrained `openai` path (`json_schema_cost`).
+  like the others), per token against the unconstrained `openai` path (`json_schema_cost`);
+  and a forced tool call (`openai-tools`: `tool_choice` naming one of two tools whose
+  `story` argument has the same 2,000-character minimum, the Lark grammar with an embedded
+  JSON schema that tool calling decodes under), against the same (`tool_call_cost`).
 
 A private `pie serve` (fp32 by default, so every variant produces the same tokens) serves
 everything. Results: benchmarks/results/frontends.json (`--out` elsewhere), with the
@@ -21,7 +24,7 @@ settings: rounds, the order of each round, dtype, CPU model and flags, torch ver
 
     python benchmarks/frontends.py [--quick] [--rounds 5] [--dtype bfloat16] [--out FILE]
 
-`--quick` (8 tokens, 2 rounds, one cold launch per language) is the smoke run
+`--quick` (24 tokens, 2 rounds, one cold launch per language) is the smoke run
 tests/test_bench_scripts.py makes; it writes every field the full run does.
 """
 
@@ -53,11 +56,16 @@ from pie.toolchain import build_inferlet
 RESULTS = ROOT / "benchmarks" / "results"
 PROMPT = "Write a short story about a robot learning to paint."
 LANGUAGES = ["rust", "python"]
-PATHS = ["native", "openai", "python", "openai-json"]
+PATHS = ["native", "openai", "python", "openai-json", "openai-tools"]
+CONSTRAINED = ("openai-json", "openai-tools")
 # The constrained path: a string of at least 2,000 characters, so the grammar never lets the
 # output end before max_tokens and both /v1 paths generate exactly as many tokens.
 STORY_SCHEMA = {"type": "object", "properties": {"story": {"type": "string", "minLength": 2000}},
                 "required": ["story"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "tell_story", "description": "Tell a story",
+                                           "parameters": STORY_SCHEMA}},
+         {"type": "function", "function": {"name": "paint", "description": "Paint a picture",
+                                           "parameters": {"type": "object", "properties": {"colour": {"type": "string"}}}}}]
 ROUNDS, QUICK_ROUNDS = 5, 2  # rounds of the time per token: full run, --quick
 
 
@@ -125,7 +133,8 @@ class Paths:
         self.max_tokens = max_tokens
 
     async def run(self, path: str) -> tuple[float, str, int]:
-        endpoint = {"openai": self.openai, "openai-json": lambda: self.openai(STORY_SCHEMA)}
+        endpoint = {"openai": self.openai, "openai-json": lambda: self.openai(STORY_SCHEMA),
+                    "openai-tools": lambda: self.openai(tools=True)}
         call: Callable[[], Awaitable[tuple[str, int]]] = endpoint.get(path) or (lambda: self.native(self.programs[path]))
         start = time.perf_counter()
         text, generated = await call()
@@ -137,15 +146,19 @@ class Paths:
         assert await instance.wait() == "finished"
         return text, instance.usage["sampled_tokens"]
 
-    async def openai(self, schema: dict | None = None) -> tuple[str, int]:
+    async def openai(self, schema: dict | None = None, tools: bool = False) -> tuple[str, int]:
         body = {"model": self.model, "max_tokens": self.max_tokens, "temperature": 0,
                 "messages": [{"role": "user", "content": PROMPT}]}
         if schema is not None:
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": "story", "schema": schema}}
+        if tools:
+            body |= {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "tell_story"}}}
         response = await self.http.post(f"{self.base}/v1/chat/completions", timeout=600, json=body)
         response.raise_for_status()
         reply = response.json()
-        return reply["choices"][0]["message"]["content"], reply["usage"]["completion_tokens"]
+        message = reply["choices"][0]["message"]
+        text = message["content"] if not tools else "".join(c["function"]["arguments"] for c in message["tool_calls"])
+        return text, reply["usage"]["completion_tokens"]
 
 
 async def run(args: argparse.Namespace) -> dict:
@@ -154,7 +167,7 @@ async def run(args: argparse.Namespace) -> dict:
     python_tc = build_python_inferlet(ROOT / "inferlets" / "python" / "text_completion.py").read_bytes()
     rounds = args.rounds or (QUICK_ROUNDS if args.quick else ROUNDS)
     launch_rounds, warm_per_round = (1, 2) if args.quick else (3, 7)
-    max_tokens = 8 if args.quick else 64
+    max_tokens = 24 if args.quick else 64  # quick: enough for a forced tool call to reach its arguments
     made: list[str] = []
     async with LocalServer(["--dtype", args.dtype]) as url:
         base = http_url(url)
@@ -192,9 +205,11 @@ async def run(args: argparse.Namespace) -> dict:
         "ratio_vs_native": {name: per_token[name] / per_token["native"] for name in per_token},
         # The distinct texts each path generated (one each, and the same one, when all agree).
         "outputs": {path: sorted({text for text, _ in runs}) for path, runs in outputs.items()},
-        "same_output": len({run for path, runs in outputs.items() if path != "openai-json" for run in runs}) == 1,
-        # Constrained decoding's cost: the same request under a JSON schema, per token.
+        "same_output": len({run for path, runs in outputs.items() if path not in CONSTRAINED for run in runs}) == 1,
+        # Constrained decoding's cost: the same request under a JSON schema, or as a forced
+        # tool call, per token.
         "json_schema_cost": per_token["openai-json"] / per_token["openai"],
+        "tool_call_cost": per_token["openai-tools"] / per_token["openai"],
         "meta": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                  "command": command_line(), "quick": args.quick, "rounds": rounds,
                  "order": {"launch": launch_order, "ms_per_token": order},

@@ -90,6 +90,9 @@ def frontends(data: Json) -> list[str]:
     if "json_schema_cost" in data:
         lines += ["", f"Under a JSON schema (`openai-json`: `response_format`, each draw masked by llguidance) a "
                   f"token costs {data['json_schema_cost']:.2f}× the unconstrained `openai` path's."]
+    if "tool_call_cost" in data:
+        lines += ["", f"As a forced tool call (`openai-tools`: `tool_choice` naming a function, the Lark grammar "
+                  f"with the tool's parameters embedded) a token costs {data['tool_call_cost']:.2f}× the same."]
     lines += ["", "| launch | Rust | Python | Python / Rust |", "|---|---|---|---|"]
     launch, ratio = data["launch"], data["launch_ratio_python_vs_rust"]
     lines += [f"| {kind.removesuffix('_ms')} | {_f(launch['rust'][kind])} ms | {_f(launch['python'][kind])} ms | "

@@ -192,7 +192,8 @@ def test_backend_quick(results):
 def test_frontends_quick(results):
     data = results("frontends")
     meta = data["meta"]
-    check_meta({**meta, "order": meta["order"]["ms_per_token"]}, ["native", "openai", "python", "openai-json"])
+    check_meta({**meta, "order": meta["order"]["ms_per_token"]},
+               ["native", "openai", "python", "openai-json", "openai-tools"])
     assert all(sorted(names) == ["python", "rust"] for names in meta["order"]["launch"])
 
     for language in ("rust", "python"):
@@ -203,7 +204,7 @@ def test_frontends_quick(results):
         assert data["launch_ratio_python_vs_rust"][key] == pytest.approx(
             data["launch"]["python"][key] / data["launch"]["rust"][key])
 
-    paths = ["native", "openai", "python", "openai-json"]
+    paths = ["native", "openai", "python", "openai-json", "openai-tools"]
     assert sorted(data["ms_per_token"]) == sorted(paths)
     for path in paths:
         assert data["tokens"][path] == [data["max_tokens"]] * meta["rounds"], (path, data["tokens"])
@@ -213,6 +214,8 @@ def test_frontends_quick(results):
     assert data["same_output"], f"fp32 greedy: every path generates the same text: {data['outputs']}"
     assert data["json_schema_cost"] == data["ms_per_token"]["openai-json"] / data["ms_per_token"]["openai"]
     assert all(text.lstrip().startswith("{") and '"story"' in text for text in data["outputs"]["openai-json"])
+    assert data["tool_call_cost"] == data["ms_per_token"]["openai-tools"] / data["ms_per_token"]["openai"]
+    assert all(text.startswith('{"story": "') for text in data["outputs"]["openai-tools"])  # the call's arguments
 
 
 def test_soak_quick(results):

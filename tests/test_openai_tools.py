@@ -161,6 +161,20 @@ def test_a_streamed_call_arrives_as_tool_call_deltas(client, pie_server):
     (call,) = whole.choices[0].message.tool_calls
     assert arguments == call.function.arguments and json.loads(arguments)["city"]
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason == "tool_calls"
+    # the round trip streamed, as the SDK's stream helper assembles it
+    with client.chat.completions.stream(model=MODEL, messages=QUESTION, tools=[WEATHER, TIME], tool_choice=named,
+                                        max_tokens=40, temperature=0) as stream:
+        called = stream.get_final_completion().choices[0]
+    assert called.finish_reason == "tool_calls" and called.message.tool_calls[0].function.arguments == arguments
+    history = [*QUESTION, called.message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": called.message.tool_calls[0].id, "content": "14:05"}]
+    final = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER, TIME], max_tokens=16,
+                                           temperature=0)
+    with client.chat.completions.stream(model=MODEL, messages=history, tools=[WEATHER, TIME], max_tokens=16,
+                                        temperature=0) as stream:
+        answer = stream.get_final_completion().choices[0]
+    assert answer.message.content == final.choices[0].message.content and answer.message.content
+    assert answer.finish_reason == final.choices[0].finish_reason
     resources = pie_server.resources()
     assert resources["kv_pages_free"] == resources["kv_pages_total"]
 
