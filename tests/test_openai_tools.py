@@ -168,9 +168,9 @@ def test_a_streamed_call_arrives_as_tool_call_deltas(client, pie_server):
     assert called.finish_reason == "tool_calls" and called.message.tool_calls[0].function.arguments == arguments
     history = [*QUESTION, called.message.model_dump(exclude_none=True),
                {"role": "tool", "tool_call_id": called.message.tool_calls[0].id, "content": "14:05"}]
-    final = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER, TIME], max_tokens=16,
+    final = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER, TIME], max_tokens=64,
                                            temperature=0)
-    with client.chat.completions.stream(model=MODEL, messages=history, tools=[WEATHER, TIME], max_tokens=16,
+    with client.chat.completions.stream(model=MODEL, messages=history, tools=[WEATHER, TIME], max_tokens=64,
                                         temperature=0) as stream:
         answer = stream.get_final_completion().choices[0]
     assert answer.message.content == final.choices[0].message.content and answer.message.content
