@@ -15,12 +15,12 @@ import math
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pie.control.errors import HostError
 from pie.server.openai_tools import ToolCallParser, ToolError, Tools, parse_tools, render_messages
@@ -132,7 +132,7 @@ def add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
 
 async def _serve(state: ServerState, request: Request, chat: bool):
-    try:
+    async def serve():
         user, body = await read_request(state, request)
         completion = await validated(state, lambda: parse(body, chat, state.model or ""))
         events, prompt_tokens = await start(state, completion, user)
@@ -144,10 +144,19 @@ async def _serve(state: ServerState, request: Request, chat: bool):
         if not await collect(request, events, reply.apply):  # the client is gone: nobody reads this
             return ApiError(499, "the client closed the connection", kind="server_error").response()
         return JSONResponse(_whole(completion, meta, prompt_tokens, reply))
+
+    return await answered(serve, "a /v1 request")
+
+
+async def answered(serve: Callable[[], Awaitable[Response]], what: str) -> Response:
+    """`serve()`'s response; an ApiError in OpenAI's error shape, any other failure as a
+    logged 500 in that shape — never a plain-text error page."""
+    try:
+        return await serve()
     except ApiError as e:
         return e.response()
     except Exception as e:
-        log.exception("serving a /v1 request failed")
+        log.exception("serving %s failed", what)
         return ApiError(500, f"internal error ({type(e).__name__}); see the server log",
                         kind="server_error").response()
 

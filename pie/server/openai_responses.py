@@ -17,22 +17,20 @@ many tokens it supplied). As in OpenAI's API, `instructions` are not carried ove
 from __future__ import annotations
 
 import json
-import logging
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pie.server.openai import (ApiError, Choice, Completion, Reply, check_user, collect, parse, read_request, short,
-                               start, validated)
+from pie.server.openai import (ApiError, Choice, Completion, Reply, answered, check_user, collect, parse,
+                               read_request, short, start, validated)
 from pie.server.openai_tools import ToolCallParser
 
-log = logging.getLogger(__name__)
 # Parameters of Responses we do not serve: a 400 naming them unless neutral.
 UNSUPPORTED = {"background": (None, False), "reasoning": (None,), "include": (None, []),
                "truncation": (None, "disabled"), "conversation": (None,), "prompt": (None,)}
@@ -94,32 +92,30 @@ def add_responses_routes(app: FastAPI, state: Any) -> None:
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve(response_id: str, request: Request):
-        try:
+        async def serve():
             stored = state.responses.get(check_user(state, request), response_id)
-        except ApiError as e:
-            return e.response()
-        if stored is None:
-            return _not_found(response_id, 404).response()
-        return JSONResponse(stored.response)
+            if stored is None:
+                raise _not_found(response_id)
+            return JSONResponse(stored.response)
+
+        return await answered(serve, "GET /v1/responses")
 
     @app.delete("/v1/responses/{response_id}")
     async def delete(response_id: str, request: Request):
-        try:
-            deleted = state.responses.delete(check_user(state, request), response_id)
-        except ApiError as e:
-            return e.response()
-        if not deleted:
-            return _not_found(response_id, 404).response()
-        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+        async def serve():
+            if not state.responses.delete(check_user(state, request), response_id):
+                raise _not_found(response_id)
+            return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+        return await answered(serve, "DELETE /v1/responses")
 
 
-def _not_found(response_id: str, status: int) -> ApiError:
-    return ApiError(status, f"Response with id {short(response_id)!r} not found.", "previous_response_id"
-                    if status == 400 else None, code="response_not_found" if status == 404 else None)
+def _not_found(response_id: str) -> ApiError:
+    return ApiError(404, f"Response with id {short(response_id)!r} not found.", code="response_not_found")
 
 
 async def _serve(state: Any, request: Request):
-    try:
+    async def serve():
         user, body = await read_request(state, request)
         spec = to_chat(body, state.responses, user)
         try:
@@ -137,12 +133,8 @@ async def _serve(state: Any, request: Request):
         response = output.finish(reply)
         output.save(state.responses, user)
         return JSONResponse(response)
-    except ApiError as e:
-        return e.response()
-    except Exception as e:
-        log.exception("serving /v1/responses failed")
-        return ApiError(500, f"internal error ({type(e).__name__}); see the server log",
-                        kind="server_error").response()
+
+    return await answered(serve, "/v1/responses")
 
 
 def _renamed(e: ApiError) -> ApiError:
