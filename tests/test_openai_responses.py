@@ -13,7 +13,8 @@ import pytest
 
 from conftest import hf_greedy
 from pie.control.chat_template import render_chat
-from pie.server.openai_responses import ResponseStore, Stored, to_chat
+from pie.server.openai_responses import to_chat
+from pie.server.response_store import ResponseStore, Stored
 from pie.server.openai import ApiError
 from pie_server import TOKEN
 

@@ -26,7 +26,8 @@ from pie.config import ServerConfig
 from pie.server import rpc
 from pie.server.attachments import Attachments, Close, Outbox
 from pie.server.openai import add_openai_routes
-from pie.server.openai_responses import ResponseStore, add_responses_routes
+from pie.server.openai_responses import add_responses_routes
+from pie.server.response_store import ResponseStore
 from pie.server.session import Session, UploadBudget, authenticate, is_admin
 
 if TYPE_CHECKING:

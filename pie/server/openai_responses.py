@@ -3,7 +3,7 @@
 A Responses request is a chat completion in other clothes, so it is served the same way:
 translated into a chat-completions body (`to_chat`), checked by the same `parse` and `fit`,
 run by the same built-in `openai_completion` inferlet, its output read by the same
-tool-call parser — and shaped as Responses' output items and streaming events here.
+tool-call parser — and shaped as Responses' output items and streaming events (`response_output.py`).
 
 `previous_response_id` continues a stored conversation: the server keeps each stored
 response's conversation (its input, earlier turns and its output, in chat form) per user,
@@ -16,20 +16,16 @@ many tokens it supplied). As in OpenAI's API, `instructions` are not carried ove
 
 from __future__ import annotations
 
-import json
-import time
-import uuid
-from collections import OrderedDict
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pie.server.openai import (ApiError, Choice, Completion, Reply, answered, check_user, collect, parse,
-                               read_request, short, start, validated)
-from pie.server.openai_tools import ToolCallParser
+from pie.server.openai import (ApiError, Choice, Reply, answered, check_user, collect, parse, read_request, short,
+                               start, validated)
+from pie.server.response_output import ResponseOutput, stream_events
+from pie.server.response_store import ResponseStore
 
 # Parameters of Responses we do not serve: a 400 naming them unless neutral.
 UNSUPPORTED = {"background": (None, False), "reasoning": (None,), "include": (None, []),
@@ -37,40 +33,6 @@ UNSUPPORTED = {"background": (None, False), "reasoning": (None,), "include": (No
 # A chat-completions parameter in an error, as the Responses request names it.
 PARAMS = [("response_format.json_schema.", "text.format."), ("response_format", "text.format"),
           ("max_tokens", "max_output_tokens"), ("messages", "input"), (".function.", ".")]
-
-
-@dataclass
-class Stored:
-    """A stored response: its object (for GET) and the conversation it ended (chat form,
-    without instructions) for a request that continues it."""
-
-    response: dict[str, Any]
-    conversation: list[dict[str, Any]]
-
-
-class ResponseStore:
-    """Stored responses, per user, the least recently used first to go beyond `per_user`
-    (server.max_stored_responses). One user's ids are invisible to another's."""
-
-    def __init__(self, per_user: int):
-        self.per_user = per_user
-        self.users: dict[str, OrderedDict[str, Stored]] = {}
-
-    def get(self, user: str, response_id: str) -> Stored | None:
-        entries = self.users.get(user)
-        if entries is None or response_id not in entries:
-            return None
-        entries.move_to_end(response_id)
-        return entries[response_id]
-
-    def put(self, user: str, response_id: str, stored: Stored) -> None:
-        entries = self.users.setdefault(user, OrderedDict())
-        entries[response_id] = stored
-        while len(entries) > self.per_user:
-            entries.popitem(last=False)
-
-    def delete(self, user: str, response_id: str) -> bool:
-        return self.users.get(user, {}).pop(response_id, None) is not None
 
 
 @dataclass
@@ -123,9 +85,9 @@ async def _serve(state: Any, request: Request):
         except ApiError as e:
             raise _renamed(e) from None
         events, prompt_tokens = await start(state, completion, user)
-        output = Output(spec, completion, prompt_tokens, state.model)
+        output = ResponseOutput(spec, completion, prompt_tokens, state.model)
         if spec.stream:
-            return StreamingResponse(_stream(output, events, state.responses, user), media_type="text/event-stream")
+            return StreamingResponse(stream_events(output, events, state.responses, user), media_type="text/event-stream")
         reply = Reply([Choice()])
         if not await collect(request, events, reply.apply):
             return ApiError(499, "the client closed the connection", kind="server_error").response()
@@ -254,145 +216,3 @@ def _tools(tools: Any) -> Any:
             raise ApiError(400, f"tools[{i}]: only function tools are supported", f"tools[{i}].type")
         out.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
     return out
-
-
-@dataclass
-class Output:
-    """One response's output items, built from the inferlet's text as it grows; each step
-    also yields the Responses streaming events it makes."""
-
-    spec: ResponseRequest
-    completion: Completion
-    prompt_tokens: int
-    model: str | None
-    id: str = field(default_factory=lambda: "resp_" + uuid.uuid4().hex[:24])
-    created: int = field(default_factory=lambda: int(time.time()))
-    items: list[dict[str, Any]] = field(default_factory=list)
-    parser: ToolCallParser | None = None
-    response: dict[str, Any] = field(default_factory=dict)
-    final_events: list[dict[str, Any]] = field(default_factory=list)  # `finish`'s
-
-    def __post_init__(self) -> None:
-        if self.completion.tools is not None:
-            self.parser = ToolCallParser(self.completion.tools)
-
-    def object(self, status: str) -> dict[str, Any]:
-        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
-                "model": self.model, "output": self.items, "error": None, "incomplete_details": None,
-                "usage": None, "user": None, **self.spec.echo}
-
-    def feed(self, text: str) -> list[dict[str, Any]]:
-        deltas = self.parser.feed(text) if self.parser else ([{"content": text}] if text else [])
-        return [event for delta in deltas for event in self._delta(delta)]
-
-    def _delta(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
-        events = []
-        if "content" in delta:
-            item = self.items[-1] if self.items and self.items[-1]["type"] == "message" else None
-            if item is None:
-                events += self._close()
-                item = {"type": "message", "id": "msg_" + uuid.uuid4().hex[:24], "status": "in_progress",
-                        "role": "assistant", "content": []}
-                self.items.append(item)
-                part = {"type": "output_text", "text": "", "annotations": []}
-                events += [self._event("response.output_item.added", item=dict(item, content=[])),
-                           self._event("response.content_part.added", item_id=item["id"], content_index=0,
-                                       part=dict(part))]
-                item["content"].append(part)
-            item["content"][0]["text"] += delta["content"]
-            events.append(self._event("response.output_text.delta", item_id=item["id"], content_index=0,
-                                      delta=delta["content"], logprobs=[]))
-        for call in delta.get("tool_calls", []):
-            if "id" in call:
-                events += self._close()
-                item = {"type": "function_call", "id": "fc_" + uuid.uuid4().hex[:24], "call_id": call["id"],
-                        "name": call["function"]["name"], "arguments": "", "status": "in_progress"}
-                self.items.append(item)
-                events.append(self._event("response.output_item.added", item=dict(item)))
-            elif call["function"]["arguments"]:
-                item = self.items[-1]
-                item["arguments"] += call["function"]["arguments"]
-                events.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
-                                          delta=call["function"]["arguments"]))
-        return events
-
-    def _close(self) -> list[dict[str, Any]]:
-        """The done events of the last item, if it is still open."""
-        if not self.items or self.items[-1]["status"] != "in_progress":
-            return []
-        item = self.items[-1]
-        item["status"] = "completed"
-        if item["type"] == "message":
-            part = item["content"][0]
-            events = [self._event("response.output_text.done", item_id=item["id"], content_index=0,
-                                  text=part["text"], logprobs=[]),
-                      self._event("response.content_part.done", item_id=item["id"], content_index=0, part=part)]
-        else:
-            events = [self._event("response.function_call_arguments.done", item_id=item["id"],
-                                  arguments=item["arguments"])]
-        return events + [self._event("response.output_item.done", item=item)]
-
-    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
-        index = {} if kind.startswith("response.") and kind.count(".") == 1 else {"output_index": len(self.items) - 1}
-        return {"type": kind, **index, **fields}
-
-    def finish(self, reply: Reply) -> dict[str, Any]:
-        """The last events' response object, complete (or incomplete at max_output_tokens)."""
-        choice = reply.choices[0]
-        events = [event for delta in (self.parser.finish() if self.parser else []) for event in self._delta(delta)]
-        events += self._close()
-        complete = choice.finish_reason != "length"
-        self.response = self.object("completed" if complete else "incomplete")
-        if not complete:
-            self.response["incomplete_details"] = {"reason": "max_output_tokens"}
-        self.response["usage"] = {
-            "input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": reply.cached_tokens},
-            "output_tokens": choice.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": self.prompt_tokens + choice.completion_tokens}
-        self.final_events = events
-        return self.response
-
-    def save(self, store: ResponseStore, user: str) -> None:
-        """Stores the response and the conversation it ends (if `store`)."""
-        if not self.spec.store:
-            return
-        calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
-                 for i in self.items if i["type"] == "function_call"]
-        text = "".join(i["content"][0]["text"] for i in self.items if i["type"] == "message")
-        said = ({"role": "assistant", "content": text or None, "tool_calls": calls} if calls
-                else {"role": "assistant", "content": text})
-        store.put(user, self.id, Stored(json.loads(json.dumps(self.response)), self.spec.conversation + [said]))
-
-
-async def _stream(output: Output, events: AsyncIterator[dict[str, Any]], store: ResponseStore,
-                  user: str) -> AsyncIterator[str]:
-    """Responses' server-sent events: created, in_progress, the items' events, completed."""
-    sequence = 0
-
-    def sse(event: dict[str, Any]) -> str:
-        nonlocal sequence
-        sequence += 1
-        return f"event: {event['type']}\ndata: {json.dumps({**event, 'sequence_number': sequence - 1})}\n\n"
-
-    yield sse({"type": "response.created", "response": output.object("in_progress")})
-    yield sse({"type": "response.in_progress", "response": output.object("in_progress")})
-    reply = Reply([Choice()])
-    try:
-        async for line in events:
-            reply.apply(line)
-            if "text" in line:
-                for event in output.feed(line["text"]):
-                    yield sse(event)
-    except ApiError as e:
-        failed = output.object("failed")
-        failed["error"] = {"code": "server_error", "message": e.message}
-        yield sse({"type": "response.failed", "response": failed})
-        return
-    finally:
-        await events.aclose()
-    response = output.finish(reply)
-    for event in output.final_events:
-        yield sse(event)
-    output.save(store, user)
-    yield sse({"type": "response.completed" if response["status"] == "completed" else "response.incomplete",
-               "response": response})
