@@ -74,8 +74,9 @@ def grammar_greedy(hf_model, tokenizer, model_dir):
         matcher = llguidance.LLMatcher(ll_tokenizer, llguidance.grammar_from(kind, source))
         out: list[int] = []
         with torch.inference_mode():
+            step = hf_model(torch.tensor([prompt_ids]), use_cache=True)  # then one token a step, on its cache
             for _ in range(max_tokens):
-                logits = hf_model(torch.tensor([prompt_ids + out])).logits[0, -1]
+                logits = step.logits[0, -1]
                 bits = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.uint8)
                 allowed = ((bits[:, None] >> torch.arange(8)) & 1).flatten()[: logits.shape[0]].bool()
                 token = int(logits.masked_fill(~allowed, float("-inf")).argmax())
@@ -83,6 +84,7 @@ def grammar_greedy(hf_model, tokenizer, model_dir):
                     break
                 assert matcher.consume_tokens([token])
                 out.append(token)
+                step = hf_model(torch.tensor([[token]]), past_key_values=step.past_key_values, use_cache=True)
         return tokenizer.decode(out, skip_special_tokens=False)
 
     return run

@@ -131,7 +131,7 @@ def test_bad_inputs_get_clear_errors_and_harm_no_one(server, probe):
             assert (await bystander.recv()).text == "still here"
             digest = await client.upload(probe)
             outcomes = {}
-            for mode in ("forged", "freed", "trap", "loop", "membomb"):
+            for mode in ("forged", "freed", "trap", "panic", "loop", "membomb"):
                 instance = await client.launch(digest, [mode])
                 outcomes[mode] = ([m async for m in instance], await instance.wait())
 
@@ -162,6 +162,9 @@ def test_bad_inputs_get_clear_errors_and_harm_no_one(server, probe):
         "dealloc: InvalidHandle: kv page 777 is not a live kv page of this instance"]
     assert all("InvalidHandle" in m for m in outcomes["freed"][0])
     assert outcomes["trap"][1].startswith("trap: wasm `unreachable`")
+    # a Rust panic names itself, its message and where (the SDK's panic hook), not a guess
+    assert outcomes["panic"][1].startswith("trap: panicked at ") and "probe/src/lib.rs:" in outcomes["panic"][1]
+    assert outcomes["panic"][1].endswith(": the probe panics on purpose")
     assert outcomes["loop"][1].startswith("trap: CPU limit")
     assert outcomes["membomb"][1].startswith("trap:")
     assert errors == {"oversized upload": "upload_too_large", "unknown program": "unknown_program",

@@ -154,6 +154,7 @@ def test_hello_echoes_against_a_fake_host(components):
             futures.add_func("wait", wait)
         with root.add_instance("pie:inferlet/runtime@0.1.0") as runtime:
             runtime.add_func("get-arguments", lambda store: ["hello", "wörld"])
+            runtime.add_func("log", lambda store, level, message: pytest.fail(f"hello logged {message}"))  # the panic hook's
         # The SDK's executor links the fused-pass results (queues, take); hello awaits none.
         with root.add_instance("pie:inferlet/types@0.1.0") as types:
             types.add_resource("queue", ResourceType.host(FakeHost.QUEUE), host.drop)
@@ -294,6 +295,7 @@ class FakeModel(FakeHost):
                     futures.add_func(name, self.unexpected(name))
             with root.add_instance("pie:inferlet/runtime@0.1.0") as runtime:
                 runtime.add_func("get-arguments", lambda store: self.args)
+                runtime.add_func("log", lambda store, level, message: self.sent.append(f"log: {message}"))
                 runtime.add_func("available-models", lambda store: ["toy"])
                 runtime.add_func("create-queue", lambda store, model: self.own(model, self.QUEUE))
             with root.add_instance("pie:inferlet/messaging@0.1.0") as messaging:

@@ -89,6 +89,7 @@ class HostState:
         self.cpu_start: float | None = None  # thread_time() when the thread began (start())
         self.resumed = self.launched  # when guest code last got control back (CPU slice)
         self.end_reason: str | None = None  # why a limit ended the instance, once one did
+        self.panic: str | None = None  # "panicked at FILE:LINE:COL: MESSAGE", from the SDK's panic hook
         self.deadline: Any = None  # the store's DeadlineCallback, kept alive with it
 
     # --- budgets ------------------------------------------------------------------------------

@@ -305,7 +305,7 @@ class Runtime:
             reason = host.end_reason or f"error: {e}"
         except (Trap, WasmtimeError) as e:
             # A limit that stopped guest code (the deadline callback) said why.
-            reason = host.end_reason or _failure_summary(str(e), self.config)
+            reason = host.end_reason or _failure_summary(str(e), self.config, host.panic)
         except InvalidProgram as e:
             reason = f"error: {e}"
         except Exception as e:  # a host bug must not leak the instance's resources
@@ -348,9 +348,10 @@ _STORE_LIMIT_MESSAGES = (
 )
 
 
-def _failure_summary(text: str, config: PieConfig) -> str:
+def _failure_summary(text: str, config: PieConfig, panic: str | None = None) -> str:
     """One line for the client out of wasmtime's multi-line error (backtrace elided); a
-    store limit or a likely cause is named by its config key."""
+    store limit or a likely cause is named by its config key; a trap after the SDK's panic
+    hook reported a panic (`panic`) is that panic."""
     cause = text.split("Caused by:")[-1].strip().splitlines()
     line = cause[0].strip() if cause else text.strip()
     limits = config.runtime
@@ -362,6 +363,8 @@ def _failure_summary(text: str, config: PieConfig) -> str:
                 f"{limits.cpu_slice_ms} ms without a host call")
     if "Terminated" in text:
         return "terminated"
+    if "unreachable" in line and panic is not None:
+        return f"trap: {panic}"
     if "unreachable" in line:
         return (f"trap: {line.removeprefix('wasm trap: ')} (a panic or abort in the inferlet, "
                 f"e.g. an allocation refused under runtime.memory_limit_mb = "

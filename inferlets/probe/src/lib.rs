@@ -79,6 +79,11 @@ async fn main() -> Result<(), String> {
             Ok(())
         }
         Some("trap") => core::arch::wasm32::unreachable(),
+        Some("panic") => {
+            let missing: Option<u32> = None;
+            let _ = missing.expect("the probe panics on purpose");
+            unreachable!()
+        }
         Some(mode @ ("passes-trap" | "passes-hold")) => {
             let n: u32 = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(4);
             for i in 0..n {

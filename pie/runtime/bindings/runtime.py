@@ -14,6 +14,8 @@ LEVELS = {"debug": 10, "info": 20, "warn": 30, "error": 40}
 
 def _log(st: HostState, store: Any, level: str, message: str) -> None:
     log.log(LEVELS.get(level, 20), "[%s] %s", st.session.instance_id[:8], message)
+    if level == "error" and message.startswith("panicked at ") and st.panic is None:
+        st.panic = message.splitlines()[0][:1000]  # the SDK's panic hook: the end reason if it traps
 
 
 def register(root: Any, b: Bindings) -> None:

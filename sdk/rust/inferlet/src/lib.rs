@@ -59,8 +59,25 @@ use bindings::{messaging, runtime};
 #[macro_export]
 macro_rules! main {
     ($main:path) => {
-        $crate::__export_world!(run: || $crate::block_on($main()));
+        $crate::__export_world!(run: || {
+            $crate::report_panics();
+            $crate::block_on($main())
+        });
     };
+}
+
+/// Installs the panic hook `main!` sets first: a panic's message and location go to the
+/// instance's log at error level as `panicked at FILE:LINE:COLUMN: MESSAGE` before the
+/// inferlet aborts, and the host makes that line the instance's end reason
+/// (`trap: panicked at ...`) instead of guessing at the `unreachable` trap.
+#[doc(hidden)]
+pub fn report_panics() {
+    std::panic::set_hook(Box::new(|info| {
+        let place = info.location().map(|l| format!("{}:{}:{}", l.file(), l.line(), l.column()));
+        let message = info.payload_as_str().unwrap_or("(a panic payload that is not a string)");
+        runtime::log(runtime::LogLevel::Error,
+                     &format!("panicked at {}: {message}", place.as_deref().unwrap_or("an unknown place")));
+    }));
 }
 
 /// The arguments the client passed at launch, without the program name.
