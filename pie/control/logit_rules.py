@@ -22,14 +22,13 @@ class LogitRules:
     presence: float = 0.0
     frequency: float = 0.0
     counts: Counter[int] = field(default_factory=Counter)  # token -> times seen
-    seen_total: int = 0
     banned: list[int] = field(default_factory=list)
     banned_until: int = 0
 
     @classmethod
     def of(cls, bias: list[tuple[int, float]], presence: float, frequency: float, seen: list[int],
            banned: list[int], banned_until: int) -> LogitRules:
-        return cls(list(bias), presence, frequency, Counter(seen), len(seen), list(banned), banned_until)
+        return cls(list(bias), presence, frequency, Counter(seen), list(banned), banned_until)
 
     def validate(self, vocab: int, max_entries: int) -> None:
         """Errors (invalid-argument) name the field: an id outside the vocabulary, a value
@@ -40,7 +39,7 @@ class LogitRules:
         for name, ids in (("bias", [t for t, _ in self.bias]), ("seen", list(self.counts)), ("banned", self.banned)):
             if any(not 0 <= t < vocab for t in ids):
                 raise invalid(f"a {name} token id is not below the vocabulary size {vocab}")
-        if len(self.bias) > vocab or self.seen_total > max_entries or len(self.banned) > vocab:
+        if len(self.bias) > vocab or self.counts.total() > max_entries or len(self.banned) > vocab:
             raise invalid(f"at most {vocab} bias and banned entries and {max_entries} seen tokens")
         if not all(math.isfinite(v) for _, v in self.bias):
             raise invalid("every bias must be a finite number")
@@ -50,7 +49,6 @@ class LogitRules:
     def see(self, token: int) -> None:
         """A run drew `token`: it counts for the penalties and toward `banned_until`."""
         self.counts[token] += 1
-        self.seen_total += 1
 
     def entries(self) -> tuple[list[int], list[float]]:
         """This step's (token ids, additive biases); a banned token gets -inf."""
@@ -60,7 +58,7 @@ class LogitRules:
             for token, count in self.counts.items():
                 ids.append(token)
                 values.append(-(self.presence + self.frequency * count))
-        if self.seen_total < self.banned_until:
+        if self.banned and self.counts.total() < self.banned_until:
             ids += self.banned
             values += [-math.inf] * len(self.banned)
         return ids, values

@@ -348,8 +348,7 @@ def parse(body: dict[str, Any], chat: bool, served_model: str) -> Completion:
                         ("--n", n), ("--logprobs", logprobs)):
         if value is not None:
             args += [flag, str(value)]
-    token_ids = _logit_rules(body, args)
-    min_tokens = body.get("min_tokens") or 0
+    token_ids, min_tokens = _logit_rules(body, args)
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
     if not (isinstance(stops, list) and len(stops) <= MAX_STOPS and all(isinstance(s, str) and s for s in stops)):
@@ -391,11 +390,11 @@ def parse(body: dict[str, Any], chat: bool, served_model: str) -> Completion:
                       tools, token_ids, min_tokens, echo)
 
 
-def _logit_rules(body: dict[str, Any], args: list[str]) -> list[tuple[str, int]]:
+def _logit_rules(body: dict[str, Any], args: list[str]) -> tuple[list[tuple[str, int]], int]:
     """OpenAI's `logit_bias` and penalties, vLLM's `min_tokens` and `stop_token_ids`, as
     the inferlet's flags (logit rules the host applies before every draw). Returns the
     token ids named, with the parameter naming each, for `fit` to check against the
-    vocabulary."""
+    vocabulary; and min_tokens, for `fit` to check against max_tokens."""
     named: list[tuple[str, int]] = []
     for name, flag in (("presence_penalty", "--presence-penalty"), ("frequency_penalty", "--frequency-penalty")):
         value = _number(body, name, float, -2.0, 2.0)
@@ -426,7 +425,7 @@ def _logit_rules(body: dict[str, Any], args: list[str]) -> list[tuple[str, int]]
         for token in stop_ids:
             named.append(("stop_token_ids", token))
             args += ["--stop-token", str(token)]
-    return named
+    return named, min_tokens or 0
 
 
 def response_schema(fmt: Any) -> str | None:

@@ -92,9 +92,9 @@ async def _serve(state: Any, request: Request):
         if not await collect(request, events, reply.apply):
             return ApiError(499, "the client closed the connection", kind="server_error").response()
         output.feed(reply.choices[0].text)
-        response = output.finish(reply)
+        output.finish(reply)
         output.save(state.responses, user)
-        return JSONResponse(response)
+        return JSONResponse(output.response)
 
     return await answered(serve, "/v1/responses")
 

@@ -30,7 +30,6 @@ from typing import Any
 OPEN = "<tool_call>\n"
 HEADER = re.compile(r'<tool_call>\n\{"name": "([A-Za-z0-9_-]+)", "arguments": ')
 CLOSE = "}\n</tool_call>"  # the `}` closes the call object, after the arguments' own
-SEPARATOR = "\n"
 COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 INSTRUCTIONS = (
@@ -211,14 +210,16 @@ def new_call_id() -> str:
 @dataclass
 class ToolCallParser:
     """One choice's output, read as it grows: OpenAI deltas (text, or tool-call headers and
-    argument pieces), holding back only what could still turn out to be a call's framing."""
+    argument pieces), holding back only what could still turn out to be a call's framing.
+    Each piece of text is scanned once: calls follow one another, so the scan resumes where
+    the open call's arguments (or the next header) begin."""
 
     tools: Tools
     text: str = ""
     mode: str = "undecided"  # "text" or "calls" once the output shows which
     calls: list[dict[str, Any]] = field(default_factory=list)  # OpenAI tool calls so far
-    sent: list[int] = field(default_factory=list)  # per call, the argument characters sent
-    content_sent: int = 0
+    arguments_at: int | None = None  # where the open call's arguments begin in `text`
+    next_at: int = 0  # where the next call's header may begin
 
     def feed(self, piece: str) -> list[dict[str, Any]]:
         """The deltas `piece` completes (chat-completion `delta` objects)."""
@@ -226,47 +227,44 @@ class ToolCallParser:
         if self.mode == "undecided":
             if self.tools.choice == "auto" and not self.text.startswith(OPEN) and not OPEN.startswith(self.text):
                 self.mode = "text"
-            elif self.text.startswith(OPEN) or self.tools.choice != "auto":
-                self.mode = "calls"
-            else:
+                return [{"content": self.text}]  # what was held back, and this piece
+            if not (self.text.startswith(OPEN) or self.tools.choice != "auto"):
                 return []
+            self.mode = "calls"
         if self.mode == "text":
-            out = [{"content": self.text[self.content_sent:]}] if len(self.text) > self.content_sent else []
-            self.content_sent = len(self.text)
-            return out
+            return [{"content": piece}] if piece else []
         return self._call_deltas()
 
     def _call_deltas(self) -> list[dict[str, Any]]:
-        out, position = [], 0
-        for index, header in enumerate(HEADER.finditer(self.text)):
-            if header.start() < position:
-                continue
-            start = header.end()
-            end = self.text.find(CLOSE, start)
-            if index == len(self.calls):
-                self.calls.append({"id": new_call_id(), "type": "function",
-                                   "function": {"name": header.group(1), "arguments": ""}})
-                self.sent.append(0)
-                out.append({"tool_calls": [{"index": index, "id": self.calls[index]["id"], "type": "function",
+        out: list[dict[str, Any]] = []
+        while True:
+            if self.arguments_at is None:
+                header = HEADER.search(self.text, self.next_at)
+                if header is None:
+                    return out
+                call = {"id": new_call_id(), "type": "function", "function": {"name": header.group(1), "arguments": ""}}
+                self.calls.append(call)
+                out.append({"tool_calls": [{"index": len(self.calls) - 1, **call,
                                             "function": {"name": header.group(1), "arguments": ""}}]})
-            arguments = self.text[start:] if end < 0 else self.text[start:end]
+                self.arguments_at = header.end()
+            function = self.calls[-1]["function"]
+            end = self.text.find(CLOSE, self.arguments_at)
+            arguments = self.text[self.arguments_at:] if end < 0 else self.text[self.arguments_at:end]
             ready = len(arguments) if end >= 0 else len(arguments) - _held(arguments)
-            if ready > self.sent[index]:
-                piece = arguments[self.sent[index]:ready]
-                self.calls[index]["function"]["arguments"] += piece
-                self.sent[index] = ready
-                out.append({"tool_calls": [{"index": index, "function": {"arguments": piece}}]})
+            if ready > len(function["arguments"]):
+                piece = arguments[len(function["arguments"]):ready]
+                function["arguments"] += piece
+                out.append({"tool_calls": [{"index": len(self.calls) - 1, "function": {"arguments": piece}}]})
             if end < 0:
-                break
-            position = end + len(CLOSE)
-        return out
+                return out
+            self.arguments_at, self.next_at = None, end + len(CLOSE)
 
     def finish(self) -> list[dict[str, Any]]:
         """The deltas left once the output is complete: a short answer that only looked
         like the start of a call is text after all."""
         if self.mode == "undecided":
             self.mode = "text" if self.tools.choice == "auto" else "calls"
-            return self.feed("")
+            return ([{"content": self.text}] if self.text else []) if self.mode == "text" else self._call_deltas()
         return []
 
     def message(self) -> dict[str, Any]:

@@ -31,8 +31,7 @@ class ResponseOutput:
     created: int = field(default_factory=lambda: int(time.time()))
     items: list[dict[str, Any]] = field(default_factory=list)
     parser: ToolCallParser | None = None
-    response: dict[str, Any] = field(default_factory=dict)
-    final_events: list[dict[str, Any]] = field(default_factory=list)  # `finish`'s
+    response: dict[str, Any] = field(default_factory=dict)  # the whole response, once `finish`ed
 
     def __post_init__(self) -> None:
         if self.completion.tools is not None:
@@ -98,8 +97,9 @@ class ResponseOutput:
         index = {} if kind.startswith("response.") and kind.count(".") == 1 else {"output_index": len(self.items) - 1}
         return {"type": kind, **index, **fields}
 
-    def finish(self, reply: Reply) -> dict[str, Any]:
-        """The last events' response object, complete (or incomplete at max_output_tokens)."""
+    def finish(self, reply: Reply) -> list[dict[str, Any]]:
+        """Completes `response` (or marks it incomplete at max_output_tokens); the events
+        that close the last item."""
         choice = reply.choices[0]
         events = [event for delta in (self.parser.finish() if self.parser else []) for event in self._delta(delta)]
         events += self._close()
@@ -111,8 +111,7 @@ class ResponseOutput:
             "input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": reply.cached_tokens},
             "output_tokens": choice.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": self.prompt_tokens + choice.completion_tokens}
-        self.final_events = events
-        return self.response
+        return events
 
     def save(self, store: ResponseStore, user: str) -> None:
         """Stores the response and the conversation it ends (if `store`)."""
@@ -127,7 +126,7 @@ class ResponseOutput:
 
 
 async def stream_events(output: ResponseOutput, events: AsyncIterator[dict[str, Any]], store: ResponseStore,
-                  user: str) -> AsyncIterator[str]:
+                        user: str) -> AsyncIterator[str]:
     """Responses' server-sent events: created, in_progress, the items' events, completed."""
     sequence = 0
 
@@ -152,9 +151,9 @@ async def stream_events(output: ResponseOutput, events: AsyncIterator[dict[str, 
         return
     finally:
         await events.aclose()
-    response = output.finish(reply)
-    for event in output.final_events:
+    for event in output.finish(reply):
         yield sse(event)
     output.save(store, user)
+    response = output.response
     yield sse({"type": "response.completed" if response["status"] == "completed" else "response.incomplete",
                "response": response})

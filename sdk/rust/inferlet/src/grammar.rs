@@ -5,7 +5,7 @@
 //! sampling. See sdk/wit/grammar.wit.
 
 use crate::bindings::grammar::{self, GrammarKind, Matcher};
-use crate::bindings::inference::{GrammarMask, Output};
+use crate::bindings::inference::{GrammarMask, LogitRules, Output};
 use crate::bindings::types::Error;
 use crate::context::{output, pass_sampler, Run};
 use crate::{Context, Queue, Sampler};
@@ -59,8 +59,7 @@ impl Context {
     /// queue; tokens it forces are drawn one a step like any other.
     pub fn run_constrained(&mut self, grammar: &Grammar, sampler: &Sampler, steps: u32, stop_tokens: &[u32],
                            streaming: bool) -> Result<Run<'_>, Error> {
-        let mask = GrammarMask { matcher: grammar.matcher.id(), advance: true };
-        self.start_run(sampler, steps, stop_tokens, streaming, Some(mask), None)
+        self.run_with_rules(sampler, &LogitRules::new(), Some(grammar), steps, stop_tokens, streaming)
     }
 
     /// Decodes at most `max_tokens` tokens that the grammar allows, until the grammar is
