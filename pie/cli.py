@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import logging
 import signal
 import sys
@@ -200,8 +201,9 @@ async def _run(args: argparse.Namespace, data: bytes | None) -> int:
     task = asyncio.current_task()
     assert task is not None
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+    output = Output(args.json, args.quiet)
     if args.server:
-        return await _run_on(args.server, args.token, args.program, data, args.arguments, args.detach)
+        return await _run_on(args.server, args.token, args.program, data, args.arguments, output, args.detach)
     if args.detach:
         raise ValueError("--detach needs --server: a private server ends with `pie run`")
     config = _config(args)
@@ -212,35 +214,67 @@ async def _run(args: argparse.Namespace, data: bytes | None) -> int:
         if value:
             serve_args += [flag, value]
     async with LocalServer(serve_args) as url:
-        return await _run_on(url, token, args.program, data, args.arguments)
+        return await _run_on(url, token, args.program, data, args.arguments, output)
 
 
 async def _run_on(url: str, token: str | None, program: str, data: bytes | None,
-                  arguments: list[str], detach: bool = False) -> int:
+                  arguments: list[str], output: Output, detach: bool = False) -> int:
     from pie.client import PieClient
 
     async with PieClient(url, token) as client:
         target = await client.upload(data) if data is not None else program
-        instance = await client.launch(target, arguments, detached=detach)
+        instance = await client.launch(target, arguments, detached=detach, logs=not output.quiet,
+                                       on_log=None if detach or output.quiet else output.log)
         if detach:
             print(instance.id)
             console.print(f"[dim]{program}: detached; follow it with `pie attach {instance.id} "
                           f"--server {url}`[/]", highlight=False)
             return 0
         console.print(f"[dim]{program}: instance {instance.id}[/]")
-        return await _follow(program, instance)
+        return await output.follow(program, instance)
 
 
-async def _follow(label: str, instance) -> int:
-    """Print an instance's messages until it ends; 0 iff it finished."""
-    async for text in instance:
-        sys.stdout.write(text + "\n")
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """How `pie run` and `pie attach` print an instance: each message on stdout followed by a
+    newline, its log lines on stderr, its end on stderr when it did not finish; or, with
+    `json`, one JSON object per line on stdout for every event (a message that holds
+    newlines stays on one line): {"message": TEXT}, {"log": TEXT, "level": LEVEL},
+    {"end": REASON, "usage": {...}}."""
+
+    json: bool = False
+    quiet: bool = False  # no log lines
+
+    def log(self, level: str, text: str) -> None:
+        if self.quiet:
+            return
+        if self.json:
+            self._line({"log": text, "level": level})
+            return
+        style = {"warn": "yellow", "error": "red"}.get(level, "dim")
+        console.print(text, style=style, markup=False, highlight=False, soft_wrap=True)
+
+    async def follow(self, label: str, instance) -> int:
+        """Print an instance's messages until it ends; 0 iff it finished."""
+        async for text in instance:
+            if self.json:
+                self._line({"message": text})
+            else:
+                sys.stdout.write(text + "\n")
+                sys.stdout.flush()
+        reason = await instance.wait()
+        if self.json:
+            self._line({"end": reason, "usage": instance.usage})
+        if reason == "finished":
+            return 0
+        if not self.json:
+            console.print(f"[red]{label} did not finish:[/] {reason}", highlight=False)
+        return 1
+
+    @staticmethod
+    def _line(event: dict) -> None:
+        sys.stdout.write(json.dumps(event, ensure_ascii=False) + "\n")
         sys.stdout.flush()
-    reason = await instance.wait()
-    if reason == "finished":
-        return 0
-    console.print(f"[red]{label} did not finish:[/] {reason}", highlight=False)
-    return 1
 
 
 def _with_client(args: argparse.Namespace, body: Callable[[PieClient], Awaitable[int]]) -> int:
@@ -260,8 +294,10 @@ def _with_client(args: argparse.Namespace, body: Callable[[PieClient], Awaitable
 
 def cmd_attach(args: argparse.Namespace) -> int:
     """Follow a detached instance: what it sent since it was last followed, then live output."""
+    output = Output(args.json, args.quiet)
+
     async def follow(client: PieClient) -> int:
-        return await _follow(args.instance, await client.attach(args.instance))
+        return await output.follow(args.instance, await client.attach(args.instance, output.log))
 
     return _with_client(args, follow)
 
@@ -342,6 +378,13 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
     return args
 
 
+def _add_output(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-q", "--quiet", action="store_true",
+                        help="do not print the inferlet's log lines (its log calls, print(), panics) on stderr")
+    parser.add_argument("--json", action="store_true",
+                        help="print every event as one JSON object per line on stdout")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pie", description="Pie: a programmable LLM serving system")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -389,12 +432,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--token", help="authentication token (default: the first of server.auth_tokens)")
     run.add_argument("--detach", action="store_true",
                      help="with --server: print the instance id and exit; the instance keeps running")
+    _add_output(run)
     run.set_defaults(func=cmd_run)
 
     attach = sub.add_parser("attach", help="follow a detached instance's output")
     attach.add_argument("instance", metavar="INSTANCE_ID")
     attach.add_argument("--server", metavar="URL", required=True)
     attach.add_argument("--token", help="authentication token (the instance's user)")
+    _add_output(attach)
     attach.set_defaults(func=cmd_attach)
 
     ps = sub.add_parser("ps", help="list your instances on a server")

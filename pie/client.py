@@ -44,9 +44,14 @@ class PieConnectionError(ConnectionError):
 class Instance:
     """A running inferlet launched by this client."""
 
-    def __init__(self, client: PieClient, instance_id: str):
+    def __init__(self, client: PieClient, instance_id: str,
+                 on_log: Callable[[str, str], None] | None = None):
         self.id = instance_id
         self.client = client
+        # Its log lines (launched with logs=True), as (level, text): to `on_log`, else kept
+        # in `logs`. They are not events: iterating over the instance yields messages only.
+        self.on_log = on_log
+        self.logs: list[tuple[str, str]] = []
         self.events: asyncio.Queue[rpc.Event] = asyncio.Queue()
         self.ended: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         # What it consumed (forward calls/tokens, peak KV pages, host calls), once it has ended.
@@ -74,6 +79,12 @@ class Instance:
         return await asyncio.shield(self.ended)
 
     def _push(self, event: rpc.Event) -> None:
+        if isinstance(event, rpc.InstanceLog):
+            if self.on_log is not None:
+                self.on_log(event.level, event.text)
+            else:
+                self.logs.append((event.level, event.text))
+            return
         self.events.put_nowait(event)
         if isinstance(event, rpc.InstanceTerminated) and not self.ended.done():
             self.usage = event.usage
@@ -136,15 +147,21 @@ class PieClient:
         return await self._call(rpc.UploadEnd, sha256=sha256)
 
     async def launch(self, program: str, arguments: list[str] | tuple[str, ...] = (),
-                     detached: bool = False) -> Instance:
+                     detached: bool = False, logs: bool = False,
+                     on_log: Callable[[str, str], None] | None = None) -> Instance:
         """Start `program` (a hash or a built-in name). A detached instance keeps running when
-        this connection closes; `attach` to it again from any connection of the same user."""
-        return await self._call(rpc.Launch, self._register, program=program,
-                                arguments=list(arguments), detached=detached)
+        this connection closes; `attach` to it again from any connection of the same user.
+        With `logs` (implied by `on_log`), the instance's log lines — its `log` calls, a Python
+        inferlet's print() and stderr — come too: to `on_log(level, text)`, else to
+        `instance.logs`."""
+        return await self._call(rpc.Launch, lambda i: self._register(i, on_log), program=program,
+                                arguments=list(arguments), detached=detached, logs=logs or on_log is not None)
 
-    async def attach(self, instance_id: str) -> Instance:
-        """Follow a detached instance: the events held since it was last followed, then live ones."""
-        return await self._call(rpc.Attach, lambda _: self._register(instance_id), instance_id=instance_id)
+    async def attach(self, instance_id: str, on_log: Callable[[str, str], None] | None = None) -> Instance:
+        """Follow a detached instance: the events held since it was last followed, then live ones
+        (log lines, if it was launched with logs, to `on_log` or `instance.logs`)."""
+        return await self._call(rpc.Attach, lambda _: self._register(instance_id, on_log),
+                                instance_id=instance_id)
 
     async def send(self, instance_id: str, text: str) -> None:
         await self._call(rpc.Send, instance_id=instance_id, message=text)
@@ -175,9 +192,9 @@ class PieClient:
         finally:
             self.pending.pop(request.corr_id, None)
 
-    def _register(self, instance_id: str) -> Instance:
+    def _register(self, instance_id: str, on_log: Callable[[str, str], None] | None = None) -> Instance:
         """Run by the reader on a launch reply, before it reads the instance's first event."""
-        instance = self.instances[instance_id] = Instance(self, instance_id)
+        instance = self.instances[instance_id] = Instance(self, instance_id, on_log)
         return instance
 
     async def _read(self) -> None:
@@ -194,7 +211,7 @@ class PieClient:
             self._closed()
 
     def _dispatch(self, message: rpc.Message) -> None:
-        if isinstance(message, rpc.InstanceMessage | rpc.InstanceTerminated):
+        if isinstance(message, rpc.InstanceMessage | rpc.InstanceLog | rpc.InstanceTerminated):
             instance = self.instances.get(message.instance_id)
             if instance is not None:
                 instance._push(message)

@@ -33,8 +33,10 @@ class WitWorld(wit_world.WitWorld):
 def build_python_inferlet(source: Path, console=None, cache: Path | None = None) -> Path:
     """Build `source` (my_inferlet.py) into a component; returns the cached component's path."""
     source = Path(source).resolve()
-    if source.suffix != ".py" or not source.is_file():
-        raise ToolchainError(f"{source} is not a Python file")
+    if source.suffix != ".py":
+        raise ToolchainError(f"{source} is not a Python file (a Python inferlet is a .py module with `def main(args)`)")
+    if not source.is_file():
+        raise ToolchainError(f"no such file: {source}")
     module = source.stem
     if not module.isidentifier():
         raise ToolchainError(f"{source.name}: the file name must be a Python module name")

@@ -51,27 +51,22 @@ LIB_RS = """\
 //! Arguments: --prompt TEXT [--max-tokens N]
 //! Output: one message, the completion.
 
+use inferlet::flags::{{arg_or, parse_args}};
 use inferlet::{{chat, Model, Sampler, Stop}};
+
+const USAGE: &str = "--prompt TEXT [--max-tokens N]";
 
 inferlet::main!(main);
 
 async fn main() -> Result<(), String> {{
-    let args = inferlet::args();
-    let (mut prompt, mut max_tokens) = (None, 64);
-    let mut rest = args.iter();
-    while let Some(flag) = rest.next() {{
-        let value = rest.next().ok_or(format!("{{flag}} needs a value"))?;
-        match flag.as_str() {{
-            "--prompt" => prompt = Some(value.clone()),
-            "--max-tokens" => max_tokens = value.parse().map_err(|_| format!("bad --max-tokens {{value:?}}"))?,
-            _ => return Err(format!("unknown argument {{flag:?}}; usage: --prompt TEXT [--max-tokens N]")),
-        }}
-    }}
-    let prompt = prompt.ok_or("--prompt is required")?;
+    let args = parse_args(&inferlet::args(), &["prompt", "max-tokens"], &[], USAGE)?;
+    let prompt = args.get("prompt").ok_or(format!("--prompt is required; usage: {{USAGE}}"))?;
+    let max_tokens: usize = arg_or(&args, "max-tokens", 64, USAGE)?;
+    inferlet::println!("answering {{}} characters in at most {{max_tokens}} tokens", prompt.len());
 
     let model = Model::default_model()?;
     let mut ctx = model.create_context()?;
-    ctx.fill_chat(&[chat("user", &prompt)], true)?;
+    ctx.fill_chat(&[chat("user", prompt)], true)?;
     let stop = Stop::new(max_tokens).eos(ctx.queue().eos_tokens());
     let answer = ctx.generate(&Sampler::greedy(), &stop).await?;
     inferlet::send(&answer);

@@ -201,6 +201,7 @@ class Run:
     messages: list[str]
     reason: str
     usage: dict[str, int] = field(default_factory=dict)
+    logs: list[tuple[str, str]] = field(default_factory=list)  # (level, line), with logs=True
 
 
 def build(name: str) -> bytes:
@@ -209,17 +210,17 @@ def build(name: str) -> bytes:
 
 
 def run_inferlet(server: Server, program: bytes | str, args: list[str],
-                 replies: list[str] = ()) -> Run:
+                 replies: list[str] = (), logs: bool = False) -> Run:
     """Launch `program` (component bytes or a built-in name) with `args`, send it `replies`
-    one by one, and collect its messages until it ends."""
+    one by one, and collect its messages (and with `logs` its log lines) until it ends."""
     async def run() -> Run:
         async with PieClient(server.ws, TOKEN) as client:
             name = await client.upload(program) if isinstance(program, bytes) else program
-            instance = await client.launch(name, args)
+            instance = await client.launch(name, args, logs=logs)
             for reply in replies:
                 await instance.send(reply)
             messages = [m async for m in instance]
-            return Run(messages, await instance.wait(), instance.usage)
+            return Run(messages, await instance.wait(), instance.usage, instance.logs)
 
     return asyncio.run(run())
 

@@ -219,7 +219,7 @@ async def test_a_large_http_body_is_cut_at_the_cap_without_reading_it(server, pr
         messages, peak = await peak_rss(server, fetch_big())
     assert peak <= PEAK_MIB, f"the server's RSS grew by {peak:.0f} MiB for one HTTP response"
     [message] = messages
-    assert message.startswith(f"Io: GET {tools.url}/bytes?n=200000000: the response body exceeds "
+    assert message.startswith(f"io: GET {tools.url}/bytes?n=200000000: the response body exceeds "
                               f"control.http_max_response_bytes = {MIB} (stopped reading after ")
 
 
@@ -340,7 +340,7 @@ async def test_http_to_the_servers_own_port_is_refused(server, program, tools):
             instance = await client.launch(program, ["http", url])
             [message] = [m async for m in instance]
             host = url.split("/")[2].split(":")[0]
-            assert message == (f"PermissionDenied: {host}:{port} is this Pie server's own address: "
+            assert message == (f"permission-denied: {host}:{port} is this Pie server's own address: "
                                f"inferlets may not send requests to the server they run on "
                                f"(control.http_allowlist allows {host!r} for other ports only)")
         instance = await client.launch(program, ["http", f"{tools.url}/bytes?n=5"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -131,9 +132,9 @@ def test_bad_inputs_get_clear_errors_and_harm_no_one(server, probe):
             assert (await bystander.recv()).text == "still here"
             digest = await client.upload(probe)
             outcomes = {}
-            for mode in ("forged", "freed", "trap", "panic", "loop", "membomb"):
-                instance = await client.launch(digest, [mode])
-                outcomes[mode] = ([m async for m in instance], await instance.wait())
+            for mode in ("forged", "freed", "trap", "panic", "loop", "membomb", "recurse", "println"):
+                instance = await client.launch(digest, [mode], logs=True)
+                outcomes[mode] = ([m async for m in instance], await instance.wait(), instance.logs)
 
             errors = {}
             for name, call in {
@@ -158,15 +159,21 @@ def test_bad_inputs_get_clear_errors_and_harm_no_one(server, probe):
 
     outcomes, errors, echo, bystander_end = asyncio.run(run())
     assert outcomes["forged"][0] == [
-        "forward: InvalidHandle: kv page 12345 is not a live kv page of this instance",
-        "dealloc: InvalidHandle: kv page 777 is not a live kv page of this instance"]
-    assert all("InvalidHandle" in m for m in outcomes["freed"][0])
+        "forward: invalid-handle: kv page 12345 is not a live kv page of this instance",
+        "dealloc: invalid-handle: kv page 777 is not a live kv page of this instance"]
+    assert all("invalid-handle" in m for m in outcomes["freed"][0])
     assert outcomes["trap"][1].startswith("trap: wasm `unreachable`")
     # a Rust panic names itself, its message and where (the SDK's panic hook), not a guess
     assert outcomes["panic"][1].startswith("trap: panicked at ") and "probe/src/lib.rs:" in outcomes["panic"][1]
     assert outcomes["panic"][1].endswith(": the probe panics on purpose")
+    assert outcomes["panic"][2] == [("error", outcomes["panic"][1].removeprefix("trap: "))]  # and the log has it
     assert outcomes["loop"][1].startswith("trap: CPU limit")
-    assert outcomes["membomb"][1].startswith("trap:")
+    # the SDK's allocator reports the failed allocation, so the limit is named, not guessed
+    assert outcomes["membomb"][1].startswith("trap: out of memory: an allocation of 1048576 bytes failed") and \
+        outcomes["membomb"][1].endswith("(runtime.memory_limit_mb = 64)"), outcomes["membomb"][1]  # the tests' config
+    assert outcomes["recurse"][1].startswith("trap: out of bounds memory access — in a Rust inferlet, a stack "
+                                             "overflow"), outcomes["recurse"][1]
+    assert outcomes["println"][1:] == ("finished", [("info", "to the log: 2 + 2 = 4"), ("warn", "a warning")])
     assert errors == {"oversized upload": "upload_too_large", "unknown program": "unknown_program",
                       "hash mismatch": "hash_mismatch", "unauthenticated": "unauthenticated",
                       "invalid msgpack": "invalid_message"}
@@ -176,6 +183,31 @@ def test_bad_inputs_get_clear_errors_and_harm_no_one(server, probe):
     resources = server.get("/stats")[1]["resources"]
     assert resources["kv_pages_free"] == resources["kv_pages_total"]
     assert resources["embeds_free"] == resources["embeds_total"]
+
+
+def test_upload_errors_say_what_the_bytes_are(server, tmp_path):
+    """Not a component: say what the bytes are and what to run, not what the parser saw."""
+    async def upload(data: bytes) -> str:
+        async with PieClient(server.ws, TOKEN) as client:
+            with pytest.raises(rpc.RpcError) as e:
+                await client.upload(data)
+            assert e.value.code == "invalid_program"
+            return e.value.message
+
+    said = {name: asyncio.run(upload(data)) for name, data in {
+        "random": bytes(range(256)) * 4, "core module": b"\0asm\x01\0\0\0",
+        "source": b"import inferlet\n\ndef main(args):\n    pass\n",
+        "truncated": build("hello")[:4000]}.items()}
+    assert said["random"].startswith("the program is not WebAssembly (no \\0asm header): 1024 bytes")
+    assert said["source"].startswith("the program is source text: 42 bytes starting b'import i'")
+    assert all("`pie build CRATE_DIR` or `pie build FILE.py`" in said[k] for k in ("random", "source"))
+    assert said["core module"].startswith("the program is a core WebAssembly module, not a component")
+    assert said["truncated"].startswith("not a valid inferlet component: ") and \
+        said["truncated"].endswith("(a damaged or truncated file? build it again with `pie build`)")
+    # the CLI: a missing Python file is missing, not "not a Python file"
+    done = subprocess.run([sys.executable, "-m", "pie.cli", "run", str(tmp_path / "absent.py")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and f"no such file: {tmp_path / 'absent.py'}" in " ".join(done.stderr.split())
 
 
 async def _mismatched_upload(client: PieClient) -> None:
@@ -193,6 +225,21 @@ def test_pie_run_prints_the_completion(server, expected):
          "--max-tokens", "16"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout == expected[PROMPTS[0]] + "\n"
+
+
+def test_pie_run_shows_the_log_on_stderr_or_every_event_as_json(server, probe, tmp_path):
+    component = tmp_path / "probe.wasm"
+    component.write_bytes(probe)
+    pie_run = lambda *flags: subprocess.run(
+        [sys.executable, "-m", "pie.cli", "run", str(component), "--server", f"http://{server.address}",
+         "--token", TOKEN, *flags, "--", "println"], capture_output=True, text=True, timeout=120)
+    plain, quiet, as_json = pie_run(), pie_run("-q"), pie_run("--json")
+    assert plain.returncode == quiet.returncode == as_json.returncode == 0, plain.stderr
+    assert "to the log: 2 + 2 = 4\na warning\n" in plain.stderr and plain.stdout == ""
+    assert "to the log" not in quiet.stderr
+    events = [json.loads(line) for line in as_json.stdout.splitlines()]
+    assert events[:2] == [{"log": "to the log: 2 + 2 = 4", "level": "info"}, {"log": "a warning", "level": "warn"}]
+    assert events[2]["end"] == "finished" and events[2]["usage"]["host_calls"] > 0 and len(events) == 3
 
 
 def test_forked_context_continues_like_the_original(server, probe, hf_model, tokenizer):
@@ -310,7 +357,7 @@ def test_http_reaches_allowlisted_hosts_only(server, probe, tool_server):
     [allowed] = asyncio.run(run(f"{tool_server.url}/tools"))
     assert allowed.startswith("200 ") and "calculator" in allowed
     [denied] = asyncio.run(run("http://example.invalid/secret"))
-    assert denied.startswith("PermissionDenied") and "http_allowlist" in denied
+    assert denied.startswith("permission-denied") and "http_allowlist" in denied
 
 
 def test_broadcast_reaches_subscribers(server, probe):
@@ -346,15 +393,15 @@ def test_fused_passes_bad_input_and_teardown_in_flight_leak_nothing(server, prob
 
     (messages, reason), (_, trap_reason), hold_reason = asyncio.run(run())
     assert messages[:5] == [
-        "forged: InvalidHandle: kv page 4242 is not a live kv page of this instance",
-        messages[1], "token: InvalidArgument: input token 0 is 1000000, not below the vocabulary size 49152",
-        "index: InvalidArgument: output index 5 is out of range [0, 1) or repeated",
-        "mask: InvalidArgument: attention mask must be 1 bytes (packed bits of 1 x 1), got 3"]
+        "forged: invalid-handle: kv page 4242 is not a live kv page of this instance",
+        messages[1], "token: invalid-argument: input token 0 is 1000000, not below the vocabulary size 49152",
+        "index: invalid-argument: output index 5 is out of range [0, 1) or repeated",
+        "mask: invalid-argument: attention mask must be 1 bytes (packed bits of 1 x 1), got 3"]
     assert messages[5:7] == [
-        "position: InvalidArgument: position 1048576 is past the model's context length 8192 "
+        "position: invalid-argument: position 1048576 is past the model's context length 8192 "
         "(positions 0..8191); the input is too long",
-        "logprobs-of: InvalidArgument: a logprobs-of id is not below the vocabulary size 49152"]
-    assert messages[1].startswith("freed: InvalidHandle: kv page") and messages[7].startswith("good: [")
+        "logprobs-of: invalid-argument: a logprobs-of id is not below the vocabulary size 49152"]
+    assert messages[1].startswith("freed: invalid-handle: kv page") and messages[7].startswith("good: [")
     assert reason == "finished"
     assert trap_reason.startswith("trap: wasm `unreachable`") and hold_reason != "finished"
     until(lambda: server.scheduler()["queued"] == {}, what="nothing queued")

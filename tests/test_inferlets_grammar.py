@@ -91,4 +91,4 @@ def test_regex_output_matches_and_sampling_stays_inside(pie_server, program):
 
 def test_a_bad_grammar_fails_the_instance_with_the_reason(pie_server, program):
     run = constrained(pie_server, program, "x", "--ebnf", "root ::= (")
-    assert run.reason.startswith("error: InvalidArgument: ebnf grammar"), run.reason
+    assert run.reason.startswith("error: invalid-argument: ebnf grammar"), run.reason

@@ -82,12 +82,12 @@ async def test_another_users_export_cannot_be_read_removed_or_squatted(server, p
         messages, reason = await run(bob, program, "import", "secret", PROMPT)
         assert messages == [] and "no export named 'secret'" in reason, reason
         assert (await run(bob, program, "unexport", "secret"))[0] == [
-            "unexport: NotFound: no export named 'secret'"]
+            "unexport: not-found: no export named 'secret'"]
         assert (await run(bob, program, "persist", "secret", "1"))[0] == ["persisted 1"]
         assert (await run(bob, program, "unexport", "secret"))[0] == ["unexport: ok"]
         # Another instance of the owner may not remove a running instance's export either.
         removed = (await run(alice, program, "unexport", "secret"))[0][0]
-        assert removed.startswith("unexport: PermissionDenied") and "still running" in removed
+        assert removed.startswith("unexport: permission-denied") and "still running" in removed
         await exporter.send("done")
         assert await exporter.wait() == "finished"
     assert pools_full(server)
@@ -100,9 +100,9 @@ async def test_public_exports_are_shared_read_only(server, probe):
         shared = (await exporter.recv()).text
         assert (await run(bob, program, "import", "public:intro", PROMPT))[0] == [shared]
         refused = (await run(bob, program, "unexport", "public:intro"))[0][0]
-        assert refused.startswith("unexport: PermissionDenied") and "another user" in refused
+        assert refused.startswith("unexport: permission-denied") and "another user" in refused
         taken = (await run(bob, program, "persist", "public:intro", "1"))[0][0]
-        assert taken.startswith("AlreadyExists") and "another user owns" in taken
+        assert taken.startswith("already-exists") and "another user owns" in taken
         await exporter.send("done")
         assert await exporter.wait() == "finished"
     assert pools_full(server)
@@ -117,12 +117,12 @@ async def test_persistent_exports_count_against_the_owners_kv_quota(server, prob
         assert held(server, TOKEN)["kv_pages"] == 40 and held(server, TOKEN)["exports"] == 1
         holder = await alice.launch(program, ["hold", "30"])
         refused = (await holder.recv()).text
-        assert refused.startswith("OutOfResources") and \
+        assert refused.startswith("out-of-resources") and \
             f"holds 40 kv pages and asks for 30 more: over its quota quota.user.kv_pages = {KV_QUOTA}" in refused
         await holder.send("done")
         await holder.wait()
         over = (await run(alice, program, "persist", "more", "30"))[0][0]
-        assert over.startswith("OutOfResources") and "quota.user.kv_pages" in over
+        assert over.startswith("out-of-resources") and "quota.user.kv_pages" in over
         assert (await run(bob, program, "persist", "bobs", "40"))[0] == ["persisted 40"]  # his own
         for client, name in ((alice, "pinned"), (bob, "bobs")):
             assert (await run(client, program, "unexport", name))[0] == ["unexport: ok"]
@@ -141,7 +141,7 @@ async def test_key_value_store_and_topics_belong_to_their_user(server, probe):
         assert (await run(alice, program, "kvs", "set", "public:motd", "hello"))[0] == ["set: ok"]
         assert (await run(bob, program, "kvs", "get", "public:motd"))[0] == ["value: hello"]
         refused = (await run(bob, program, "kvs", "set", "public:motd", "defaced"))[0][0]
-        assert refused.startswith("set: PermissionDenied") and "another user" in refused
+        assert refused.startswith("set: permission-denied") and "another user" in refused
         await run(bob, program, "kvs", "delete", "public:motd")  # does nothing to alice's key
         assert (await run(bob, program, "kvs", "get", "public:motd"))[0] == ["value: hello"]
         for client, key in ((alice, "k"), (bob, "k"), (alice, "public:motd")):

@@ -44,7 +44,8 @@ def test_text_completion_equals_the_rust_one(pie_server, python_component, hf_ch
     assert python.messages == rust.messages == [hf_chat("Name three colors.", 16)]  # HF's greedy answer
     assert python.usage["forward_tokens"] == rust.usage["forward_tokens"]  # same token sequence fed
     bad = run_inferlet(pie_server, python_component("text_completion"), ["--max-tokens", "many"])
-    assert bad.reason == "error: ValueError: invalid number for --max-tokens: 'many'"
+    assert bad.reason.startswith("error: ValueError: invalid number for --max-tokens: 'many' (at text_completion.py:")
+    assert bad.reason.endswith(" in parse)")  # the line that raised, in the inferlet's own code
     resources = pie_server.resources()
     assert resources["kv_pages_free"] == resources["kv_pages_total"]
 
@@ -347,5 +348,109 @@ def test_workflow_optimized_equals_naive_and_reuses_work(pie_server, python_comp
     cyclic["nodes"]["pro"]["bind"]["t"] = "judge"
     reason, _ = run(spec=cyclic)
     assert "a cycle (each node reads the next): pro -> judge -> both -> pro" in reason
+    resources = pie_server.resources()
+    assert resources["kv_pages_free"] == resources["kv_pages_total"]
+
+
+FIRST_PROGRAM = """\
+import argparse
+import sys
+
+import inferlet
+
+
+def divide(n):
+    return 1 / n
+
+
+def main(args):
+    parser = argparse.ArgumentParser(description="What a new user writes first.")
+    parser.add_argument("mode", choices=["print", "raise", "host", "exit", "import"])
+    o = parser.parse_args()
+    if o.mode == "print":
+        print("to stdout", 42)
+        print("to stderr", file=sys.stderr)
+        print("unfinished", end="")
+    elif o.mode == "raise":
+        divide(0)
+    elif o.mode == "host":
+        inferlet.Model.default().create_queue().detokenize([10**9])
+    elif o.mode == "exit":
+        sys.exit("nothing to do")
+    elif o.mode == "import":
+        import xml.dom.minidom  # noqa: F401
+    inferlet.send("done " + o.mode)
+"""
+
+
+def test_print_argparse_and_failures_explain_themselves(pie_server, tmp_path):
+    """What used to trap with a bare `unreachable` (print, argparse) works; print() and
+    stderr reach the client that asked for logs; failures name the line."""
+    source = tmp_path / "first.py"
+    source.write_text(FIRST_PROGRAM)
+    program = build_python_inferlet(source, cache=tmp_path).read_bytes()
+    run = {mode: run_inferlet(pie_server, program, mode.split(), logs=True)
+           for mode in ("print", "raise", "host", "exit", "import", "bogus", "-h", "")}
+    assert (run["print"].messages, run["print"].reason) == (["done print"], "finished")
+    assert run["print"].logs == [("info", "to stdout 42"), ("warn", "to stderr"), ("info", "unfinished")]
+    assert run["raise"].reason == "error: ZeroDivisionError: division by zero (at first.py:8 in divide)"
+    assert run["raise"].logs == [("error", "Traceback (most recent call last):"),
+                                 ("error", f'  File "{run["raise"].logs[1][1].split(chr(34))[1]}", line 20, in main'),
+                                 ("error", run["raise"].logs[2][1]), ("error", "ZeroDivisionError: division by zero")]
+    assert run["raise"].logs[2][1].endswith('first.py", line 8, in divide')
+    assert run["host"].reason.startswith("error: invalid-argument: ") and \
+        run["host"].reason.endswith("(at first.py:22 in main)"), run["host"].reason
+    assert run["exit"].reason == "error: exit status 1: nothing to do"
+    assert run["import"].reason == (
+        "error: ImportError: module 'xml' was not imported when the inferlet was built, and a component "
+        "cannot load modules at run time (it has no file system): import it at the top of your module "
+        "(at first.py:26 in main)")
+    assert run["bogus"].reason.startswith(
+        "error: exit status 2: first.py: error: argument mode: invalid choice: 'bogus'"), run["bogus"].reason
+    assert run[""].reason == "error: exit status 2: first.py: error: the following arguments are required: mode"
+    assert run["-h"].reason == "finished" and run["-h"].messages == []
+    assert run["-h"].logs[0] == ("info", "usage: first.py [-h] {print,raise,host,exit,import}")
+    assert ("info", "What a new user writes first.") in run["-h"].logs
+    resources = pie_server.resources()
+    assert resources["kv_pages_free"] == resources["kv_pages_total"]
+
+
+def choice_logprobs(hf_model, before: list[int], tokens: list[int]) -> list[float]:
+    with torch.inference_mode():
+        logits = hf_model(torch.tensor([before + tokens])).logits[0, len(before) - 1:-1]
+    return torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+
+
+@pytest.mark.parametrize("sdk", ["python", "rust"])
+def test_sglang_primitives_match_hf(sdk, pie_server, python_component, hf_model, tokenizer, chat_ids):
+    """In both SDKs: select's per-token log-probabilities are HF's (after the prompt, and
+    after a fresh start for "unconditional"), each normalisation picks its own argmax, the
+    forks continue each choice as HF's greedy decoding does, and gen/regex/JSON-schema
+    output parses."""
+    question, choices = "What color is the sky on a clear day?", ["red", "blue", "green grass"]
+    prompt = f"{question}\nAnswer with one of: {', '.join(choices)}."
+    ids = chat_ids(prompt)
+    tokens = [tokenizer.encode(c, add_special_tokens=False).ids for c in choices]
+    conditional = [choice_logprobs(hf_model, ids, t) for t in tokens]
+    fresh = [choice_logprobs(hf_model, [hf_model.generation_config.eos_token_id], t) for t in tokens]
+    expected = {"sum": [sum(c) for c in conditional], "mean": [sum(c) / len(c) for c in conditional],
+                "unconditional": [sum(a - b for a, b in zip(c, f)) / len(c) for c, f in zip(conditional, fresh)]}
+    program = python_component("sglang_primitives") if sdk == "python" else build("sglang_primitives")
+    for normalize, scores in expected.items():
+        run = run_inferlet(pie_server, program, ["--question", question, *sum((["--choice", c] for c in choices), []),
+                                                 "--normalize", normalize, "--max-tokens", "12"])
+        assert run.reason == "finished", run.reason
+        got = json.loads(run.messages[0])
+        assert all(abs(a - b) < 2e-3 for g, c in zip(got["logprobs"], conditional) for a, b in zip(g, c))
+        assert all(abs(a - b) < 2e-3 for a, b in zip(got["scores"], scores)), (normalize, got["scores"], scores)
+        assert got["answer"] == choices[max(range(3), key=lambda i: scores[i])]
+        assert 0 <= got["confidence"] <= 100 and "\n" not in got["reason"]
+        assert isinstance(got["verdict"], dict) and set(got["verdict"]) == {"sure"} and \
+            isinstance(got["verdict"]["sure"], bool)
+    for choice, t in zip(choices, tokens):  # the forks: HF's greedy continuation of prompt + choice
+        greedy = hf_greedy(hf_model, ids + t, 12)
+        eos = hf_model.generation_config.eos_token_id
+        text = tokenizer.decode(greedy[:greedy.index(eos)] if eos in greedy else greedy)
+        assert got["continuations"][choice] == text.split("\n")[0], (choice, got["continuations"][choice], text)
     resources = pie_server.resources()
     assert resources["kv_pages_free"] == resources["kv_pages_total"]

@@ -56,7 +56,7 @@ async def test_user_quotas_span_instances_and_spare_other_users(server, probe):
         assert (await first.recv()).text == "held 30"
         second = await mine.launch(program, ["hold", "20"])
         refused = (await second.recv()).text
-        assert refused.startswith("OutOfResources: user token-") and \
+        assert refused.startswith("out-of-resources: user token-") and \
             "holds 30 kv pages and asks for 20 more: over its quota quota.user.kv_pages = 40" in refused
         other = await theirs.launch(program, ["hold", "30"])  # a user of its own
         assert (await other.recv()).text == "held 30"
@@ -81,7 +81,7 @@ async def test_instance_queue_quota(server, probe):
     async with PieClient(server.ws, TOKEN) as client:
         instance = await client.launch(await client.upload(probe), ["queues", "5"])
         message = (await instance.recv()).text
-        assert "OutOfResources" in message and "quota quota.instance.queues = 3" in message
+        assert "out-of-resources" in message and "quota quota.instance.queues = 3" in message
         assert await instance.wait() == "finished"
 
 
@@ -106,7 +106,7 @@ async def test_http_rate_is_shared_by_the_users_instances(server, probe):
         instances = [await client.launch(program, ["http", "http://127.0.0.1:9/"]) for _ in range(4)]
         answers = [(await instance.recv()).text for instance in instances]
         elapsed = time.monotonic() - start
-        assert all(a.startswith("Io:") for a in answers), answers  # nothing listens on port 9
+        assert all(a.startswith("io:") for a in answers), answers  # nothing listens on port 9
         assert elapsed >= 0.9  # a lower bound only: the pacing, not the machine's speed
 
 
@@ -181,7 +181,7 @@ async def test_terminate_newest_policy_frees_pages_for_older_instances(tmp_path,
                                           "(control.kv_pressure = terminate-newest)")
             newest = await client.launch(program, ["hold", "40"])  # 34 free, nobody newer
             message = (await newest.recv()).text
-            assert message.startswith("OutOfResources: 40 kv pages requested, 34 free of 64 after waiting")
+            assert message.startswith("out-of-resources: 40 kv pages requested, 34 free of 64 after waiting")
             for instance in (older, newest):
                 await instance.send("done")
                 assert await instance.wait() == "finished"

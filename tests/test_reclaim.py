@@ -110,7 +110,7 @@ async def test_pinned_pages_stay_and_the_allocation_fails(swap_server, probe):
         assert (await paused.recv()).text.startswith("first: ")
         hold = await client.launch(program, ["hold", str(free_pages(swap_server) + 2)])
         refused = (await hold.recv()).text
-        assert refused.startswith("OutOfResources:") and "alloc_wait_ms" in refused
+        assert refused.startswith("out-of-resources:") and "alloc_wait_ms" in refused
         await hold.send("done")
         await paused.send("go")
         assert (await paused.recv()).text.startswith("second: ")

@@ -76,7 +76,7 @@ class FakePrograms:
 class FakeRuntime:
     """The runtime's interface with toy programs, each instance on its own thread calling
     `on_event` from there: echo (echoes messages; "bye" finishes it), hello (one greeting
-    with its arguments, then finishes), trap (traps), eager (sends a message from inside
+    with its arguments, after a log line when the client asked for logs, then finishes), trap (traps), eager (sends a message from inside
     `launch`, before it returns), flood (arguments SIZE COUNT: sends COUNT messages of SIZE
     bytes as fast as the server lets it, waiting where the runtime would). Uploaded programs
     behave like hello."""
@@ -98,7 +98,7 @@ class FakeRuntime:
         self.stats_for.append(user)
         return {"instances": len(self.live), "users": {}}
 
-    def launch(self, program, arguments, on_event, user="anonymous") -> InstanceInfo:
+    def launch(self, program, arguments, on_event, user="anonymous", on_log=None) -> InstanceInfo:
         if program not in self.BUILTINS and not self.programs.exists(program):
             raise UnknownProgram(f"no program {program!r}")
         name = program if program in self.BUILTINS else None
@@ -111,10 +111,10 @@ class FakeRuntime:
             self.live[info.id] = (info, inbox)
         if name == "eager":
             on_event(info.id, "message", "early")
-        threading.Thread(target=self._run, args=(info, inbox, on_event), daemon=True).start()
+        threading.Thread(target=self._run, args=(info, inbox, on_event, on_log), daemon=True).start()
         return info
 
-    def _run(self, info: InstanceInfo, inbox: queue.Queue, on_event) -> None:
+    def _run(self, info: InstanceInfo, inbox: queue.Queue, on_event, on_log) -> None:
         reason = "finished"
         if info.name == "echo":
             while (message := inbox.get()) != "bye":
@@ -130,6 +130,8 @@ class FakeRuntime:
         elif info.name == "flood":
             reason = self._flood(info, inbox, on_event, int(info.arguments[0]), int(info.arguments[1]))
         elif info.name != "eager":
+            if on_log is not None:  # a client that asked for the log
+                on_log(info.id, "info", "about to say hello")
             on_event(info.id, "message", "hello " + " ".join(info.arguments))
         with self.lock:
             self.live.pop(info.id, None)
@@ -388,7 +390,13 @@ async def test_instances_finish_or_fail_with_a_reason(url):
     async with PieClient(url) as client:
         hello = await client.launch("hello", ["a", "b"])
         assert [text async for text in hello] == ["hello a b"]
-        assert await hello.wait() == "finished"
+        assert await hello.wait() == "finished" and hello.logs == []  # not asked for
+        lines = []
+        logged = await client.launch("hello", ["c"], on_log=lambda level, text: lines.append((level, text)))
+        assert [text async for text in logged] == ["hello c"]  # log lines are not messages
+        assert lines == [("info", "about to say hello")]
+        kept = await client.launch("hello", ["d"], logs=True)
+        assert await kept.wait() == "finished" and kept.logs == [("info", "about to say hello")]
         trap = await client.launch("trap")
         assert await trap.wait() == "trap: unreachable"
         echo = await client.launch("echo")

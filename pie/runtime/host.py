@@ -75,9 +75,10 @@ class HostState:
     terminates an instance whose wall budget runs out)."""
 
     def __init__(self, session: InstanceSession, send: Callable[[str], threading.Event | None],
-                 budgets: Budgets):
+                 budgets: Budgets, forward_log: Callable[[str, str], threading.Event | None] | None = None):
         self.session = session
         self.send_message = send
+        self.forward_log = forward_log  # (level, line) to the client that asked for the log
         self.budgets = budgets
         self.objects: dict[int, tuple[Kind, Any]] = {}
         self.next_rep = 1
@@ -89,7 +90,9 @@ class HostState:
         self.cpu_start: float | None = None  # thread_time() when the thread began (start())
         self.resumed = self.launched  # when guest code last got control back (CPU slice)
         self.end_reason: str | None = None  # why a limit ended the instance, once one did
-        self.panic: str | None = None  # "panicked at FILE:LINE:COL: MESSAGE", from the SDK's panic hook
+        # "panicked at FILE:LINE:COL: MESSAGE" or "out of memory: ..." (the Rust SDK logs them
+        # before it aborts): what the trap that follows is
+        self.panic: str | None = None
         self.deadline: Any = None  # the store's DeadlineCallback, kept alive with it
 
     # --- budgets ------------------------------------------------------------------------------

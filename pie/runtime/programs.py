@@ -28,6 +28,29 @@ class InvalidProgram(ValueError):
     """Bytes that are not a valid WebAssembly component for this runtime."""
 
 
+WASM_MAGIC = b"\0asm"
+CORE_MODULE_VERSION = b"\x01\x00\x00\x00"  # the version field of a core module; a component's is 0d 00 01 00
+
+
+def check_component_bytes(data: bytes) -> None:
+    """Say what the bytes are when they are not a component at all, before wasmtime (which
+    would parse anything that is not binary wasm as the text format: random bytes are "input
+    was not valid utf-8", Python source "expected `(`")."""
+    build = "build the inferlet with `pie build CRATE_DIR` or `pie build FILE.py` and upload the .wasm it prints"
+    if not data:
+        raise InvalidProgram(f"the program is empty; {build}")
+    if not data.startswith(WASM_MAGIC):
+        text = data[:4096]
+        looks_like = ("source text" if text.isascii() and b"\0" not in text
+                      else "not WebAssembly (no \\0asm header)")
+        raise InvalidProgram(f"the program is {looks_like}: {len(data)} bytes starting "
+                             f"{data[:8]!r}; {build}")
+    if data[4:8] == CORE_MODULE_VERSION:
+        raise InvalidProgram("the program is a core WebAssembly module, not a component: Pie runs "
+                             "components of the pie:inferlet world; `pie build` turns the module cargo "
+                             "builds into one (wasm-tools component new)")
+
+
 class ProgramStore:
     def __init__(self, engine: Engine, cache_dir: Path):
         self.engine = engine
@@ -50,10 +73,13 @@ class ProgramStore:
                 self.public.add(digest)
         if self._cached(digest):
             return digest
+        check_component_bytes(data)
         try:
             component = Component(self.engine, data)
         except WasmtimeError as e:
-            raise InvalidProgram(f"not a valid inferlet component: {str(e).splitlines()[0]}") from None
+            cause = str(e).split("Caused by:")[-1].strip().splitlines()
+            raise InvalidProgram(f"not a valid inferlet component: {cause[0].strip() if cause else e} "
+                                 f"(a damaged or truncated file? build it again with `pie build`)") from None
         artifact = self.dir / f"{digest}.cwasm"
         partial = artifact.with_suffix(".partial")
         partial.write_bytes(component.serialize())

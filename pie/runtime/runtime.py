@@ -48,6 +48,9 @@ WALL_CHECK_S = 0.25  # how often the epoch thread looks for instances past quota
 # forward calls/tokens, peak pages; see InstanceSession.usage). For a message the sink may
 # return an Event the instance must wait for before it sends again (backpressure).
 EventSink = Callable[[str, str, str, "dict[str, int] | None"], "threading.Event | None"]
+# (instance_id, level, line) of an instance launched with its log forwarded; may return an
+# Event to wait for, like EventSink.
+LogSink = Callable[[str, str, str], "threading.Event | None"]
 
 __all__ = ["Runtime", "InstanceInfo", "UnknownProgram", "UnknownInstance", "LaunchRefused",
            "InvalidProgram", "start_runtime"]
@@ -142,8 +145,9 @@ class Runtime:
     # --- the server's interface -------------------------------------------------------------
 
     def launch(self, program: str, arguments: list[str], on_event: EventSink,
-               user: str = ANONYMOUS) -> InstanceInfo:
-        """Start an instance charged to `user` (quota.user.*)."""
+               user: str = ANONYMOUS, on_log: LogSink | None = None) -> InstanceInfo:
+        """Start an instance charged to `user` (quota.user.*). Its log lines always go to the
+        server log (logger `pie.inferlet`), and to `on_log` when given."""
         try:
             digest = self.programs.resolve(program, user)
         except KeyError:
@@ -164,7 +168,8 @@ class Runtime:
             except HostError as e:  # over quota.user.instances
                 raise LaunchRefused(e.message) from None
             host = HostState(session, lambda message: on_event(instance_id, "message", message, None),
-                             self._budgets(user))
+                             self._budgets(user),
+                             None if on_log is None else lambda level, line: on_log(instance_id, level, line))
             instance = self.instances[instance_id] = Instance(info, session, host, on_event,
                                                               next(self.launches))
         instance.thread = threading.Thread(target=self._run, args=(instance, component),
@@ -363,6 +368,14 @@ def _failure_summary(text: str, config: PieConfig, panic: str | None = None) -> 
                 f"{limits.cpu_slice_ms} ms without a host call")
     if "Terminated" in text:
         return "terminated"
+    if "call stack exhausted" in line:
+        return "trap: stack overflow — wasm's call stack is exhausted (unbounded or too deep recursion)"
+    if "out of bounds memory access" in line:  # safe Rust has no other way to get here
+        return ("trap: out of bounds memory access — in a Rust inferlet, a stack overflow (its stack, "
+                "1 MiB at the start of linear memory, ran past its start: unbounded or too deep "
+                "recursion, or large local arrays)")
+    if "unreachable" in line and panic is not None and panic.startswith("out of memory: "):
+        return f"trap: {panic} (runtime.memory_limit_mb = {limits.memory_limit_mb})"
     if "unreachable" in line and panic is not None:
         return f"trap: {panic}"
     if "unreachable" in line:

@@ -189,7 +189,7 @@ class Attachment:
         before its next message (else None): when `limit` messages or `limit_bytes` bytes
         are undelivered, or the attached connection's outbox is over its bound."""
         size, sink = 0, None
-        if isinstance(event, rpc.InstanceMessage):
+        if isinstance(event, rpc.InstanceMessage | rpc.InstanceLog):
             size = text_bytes(event.text)
             with self.lock:
                 self.undelivered += 1
@@ -224,7 +224,7 @@ class Attachment:
     def _hand(self, event: rpc.Event) -> None:
         assert self.deliver is not None
         self.deliver(event)
-        if isinstance(event, rpc.InstanceMessage):
+        if isinstance(event, rpc.InstanceMessage | rpc.InstanceLog):
             with self.lock:
                 self.undelivered -= 1
                 self.undelivered_bytes -= text_bytes(event.text)

@@ -132,12 +132,16 @@ class ProgramExists(Request):
 @dataclass
 class Launch(Request):
     """Start an instance of a program (hash or built-in name). Value: the instance id.
-    A `detached` instance is not terminated when this connection closes (see `Attach`)."""
+    A `detached` instance is not terminated when this connection closes (see `Attach`).
+    With `logs`, the instance's log lines (its `log` calls, a Python inferlet's print() and
+    stderr, a Rust panic's message) come as `InstanceLog` events too; they always go to the
+    server log."""
 
     type: ClassVar[str] = "launch"
     program: str
     arguments: list[str] = field(default_factory=list)
     detached: bool = False
+    logs: bool = False
 
 
 @dataclass
@@ -203,6 +207,16 @@ class InstanceMessage(Message):
 
 
 @dataclass
+class InstanceLog(Message):
+    """A line of the instance's log (only for an instance launched with `logs`)."""
+
+    type: ClassVar[str] = "instance_log"
+    instance_id: str
+    level: str  # "debug" | "info" | "warn" | "error"
+    text: str
+
+
+@dataclass
 class InstanceTerminated(Message):
     """The instance ended; `reason` is "finished", "error: …", "trap: …", "terminated by client", …"""
 
@@ -230,7 +244,7 @@ class InstanceSummary:
     held: int = 0  # its messages not yet delivered (held while no client is attached)
 
 
-Event = InstanceMessage | InstanceTerminated
+Event = InstanceMessage | InstanceLog | InstanceTerminated
 
 REQUESTS: Mapping[str, type[Request]] = types.MappingProxyType({
     cls.type: cls
@@ -238,7 +252,7 @@ REQUESTS: Mapping[str, type[Request]] = types.MappingProxyType({
                 Send, Terminate, ListInstances)
 })
 SERVER_MESSAGES: Mapping[str, type[Message]] = types.MappingProxyType({
-    cls.type: cls for cls in (Ok, Error, InstanceMessage, InstanceTerminated)
+    cls.type: cls for cls in (Ok, Error, InstanceMessage, InstanceLog, InstanceTerminated)
 })
 
 

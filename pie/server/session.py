@@ -247,9 +247,12 @@ class Session:
                 return attachment.post(rpc.InstanceMessage(instance_id, data))
             return attachment.post(rpc.InstanceTerminated(instance_id, data, usage or {}))
 
+        def on_log(instance_id: str, level: str, text: str) -> threading.Event | None:
+            return attachment.post(rpc.InstanceLog(instance_id, level, text))
+
         try:
-            info = await asyncio.to_thread(
-                self.runtime.launch, request.program, request.arguments, on_event, self.user)
+            info = await asyncio.to_thread(self.runtime.launch, request.program, request.arguments,
+                                           on_event, self.user, on_log if request.logs else None)
         except LookupError as e:  # the runtime's UnknownProgram
             raise RpcError(ErrorCode.UNKNOWN_PROGRAM, str(e)) from None
         except RuntimeError as e:  # the runtime's LaunchRefused

@@ -1,7 +1,9 @@
 //! `probe`: a test inferlet. The first argument picks a behaviour:
 //!
 //! - `forged` / `freed`: use a made-up / freed KV page id; reports each error as a message.
-//! - `trap`, `loop`, `membomb`: trap, spin without host calls, or allocate without bound.
+//! - `trap`, `panic`, `loop`, `membomb`, `recurse`: trap, panic, spin without host calls,
+//!   allocate without bound, or recurse without bound.
+//! - `println`: writes a line with `inferlet::println!` and one with `eprintln!` (the log).
 //! - `export NAME PROMPT` / `import NAME PROMPT`: the exporter prefills PROMPT's whole pages
 //!   and exports them; the importer decodes from the imported pages without prefilling.
 //!   Both send the greedy continuation (8 tokens), so equal messages mean shared KV works.
@@ -59,6 +61,12 @@ use inferlet::bindings::forward::ForwardPass;
 use inferlet::{KvPage, Model, Queue, Sampler};
 
 inferlet::main!(main);
+
+/// Recursion with no end before the stack does (each frame keeps a buffer live).
+fn recurse(n: u64) -> u64 {
+    let frame = std::hint::black_box([n; 64]);
+    if n == 0 { 0 } else { 1 + recurse(std::hint::black_box(frame[n as usize % 64] - 1)) }
+}
 
 async fn main() -> Result<(), String> {
     let args = inferlet::args();
@@ -119,6 +127,15 @@ async fn main() -> Result<(), String> {
             let id = inference::execute(queue.raw(), fused(&[1, 2, 3], vec![], 0, vec![pages[0]]))?;
             let result = inference::take(queue.raw(), true).into_iter().find(|r| r.pass == id).ok_or("no result")?;
             inferlet::send(&format!("good: {:?}", result.tokens));
+            Ok(())
+        }
+        Some("recurse") => {
+            inferlet::send(&format!("depth {}", recurse(u64::MAX)));
+            Ok(())
+        }
+        Some("println") => {
+            inferlet::println!("to the log: {} + {} = {}", 2, 2, 2 + 2);
+            inferlet::eprintln!("a warning");
             Ok(())
         }
         Some("loop") => loop {
@@ -239,9 +256,9 @@ async fn main() -> Result<(), String> {
             match http::http_get(&args[1], &[]) {
                 Ok(response) => match response.await {
                     Ok(r) => inferlet::send(&format!("{} {}", r.status, r.body)),
-                    Err(e) => inferlet::send(&format!("{:?}: {}", e.kind, e.message)),
+                    Err(e) => inferlet::send(&format!("{}: {}", e.kind, e.message)),
                 },
-                Err(e) => inferlet::send(&format!("{:?}: {}", e.kind, e.message)),
+                Err(e) => inferlet::send(&format!("{}: {}", e.kind, e.message)),
             }
             Ok(())
         }
@@ -271,7 +288,7 @@ async fn main() -> Result<(), String> {
             loop {
                 match allocate::alloc_kvpage(queue.raw(), n) {
                     Ok(_) => inferlet::send(&format!("held {n}")),
-                    Err(e) => inferlet::send(&format!("{:?}: {}", e.kind, e.message)),
+                    Err(e) => inferlet::send(&format!("{}: {}", e.kind, e.message)),
                 }
                 match inferlet::receive().await.parse() {
                     Ok(more) => n = more,
@@ -284,7 +301,7 @@ async fn main() -> Result<(), String> {
             let made: Result<Vec<_>, _> = (0..n).map(|_| runtime::create_queue(model.name())).collect();
             match made {
                 Ok(_) => inferlet::send("queues: ok"),
-                Err(e) => inferlet::send(&format!("queues: {:?}: {}", e.kind, e.message)),
+                Err(e) => inferlet::send(&format!("queues: {}: {}", e.kind, e.message)),
             }
             Ok(())
         }
@@ -324,7 +341,7 @@ async fn main() -> Result<(), String> {
             let n: u32 = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(1);
             for i in 0..n {
                 if let Err(e) = messaging::subscribe("again") {
-                    inferlet::send(&format!("after {i}: {:?}: {}", e.kind, e.message));
+                    inferlet::send(&format!("after {i}: {}: {}", e.kind, e.message));
                     return Ok(());
                 }
             }
@@ -343,7 +360,7 @@ async fn main() -> Result<(), String> {
             });
             match exported {
                 Ok(()) => inferlet::send(&format!("persisted {n}")),
-                Err(e) => inferlet::send(&format!("{:?}: {}", e.kind, e.message)),
+                Err(e) => inferlet::send(&format!("{}: {}", e.kind, e.message)),
             }
             Ok(())
         }
@@ -377,7 +394,7 @@ async fn main() -> Result<(), String> {
 fn report(what: &str, result: Result<(), inferlet::Error>) {
     match result {
         Ok(()) => inferlet::send(&format!("{what}: ok")),
-        Err(e) => inferlet::send(&format!("{what}: {:?}: {}", e.kind, e.message)),
+        Err(e) => inferlet::send(&format!("{what}: {}: {}", e.kind, e.message)),
     }
 }
 

@@ -16,8 +16,10 @@ import re
 from wit_world.imports import allocate, forward, inference, input_text, kvs, memory
 
 from inferlet.errors import Error, host
+from inferlet.grammar import Grammar
 from inferlet.model import Queue
 from inferlet.sampling import Sampler, Stop
+from inferlet.select import Selection, select
 
 
 class Page:
@@ -126,37 +128,72 @@ class Context:
     def _peek(self, then: list[int], out) -> int:
         """Enqueue one pass over the pending tokens and `then` that writes no KV, `out` at
         the last of them; its id."""
+        out.index = len(self.pending) + len(then) - 1
+        return self._peek_outputs(then, [out])
+
+    def _peek_outputs(self, then: list[int], outs: list) -> int:
+        """`_peek` with `outs` at the indices they name."""
         tokens = self.pending + list(then)
         if not tokens:
             raise Error("invalid-argument", "nothing to predict from: fill the context or give tokens")
-        out.index = len(tokens) - 1
         start = len(self.committed)
         return host(inference.execute, self.queue.raw, inference.ForwardPass(
             input_embeds=[], input_tokens=tokens, positions=list(range(start, start + len(tokens))),
             input_kv_pages=[p.id for p in self.pages], input_kv_last_page_len=self.last_len,
             output_kv_pages=[], output_kv_offset=0, attention_mask=None,  # writes no KV
-            outputs=[out], stop_tokens=[]))
+            outputs=outs, stop_tokens=[]))
+
+    def _fresh_pass(self, tokens: list[int], outs: list) -> int:
+        """A pass over `tokens` alone (no context, no KV written), on this queue; its id."""
+        return host(inference.execute, self.queue.raw, inference.ForwardPass(
+            input_embeds=[], input_tokens=tokens, positions=list(range(len(tokens))), input_kv_pages=[],
+            input_kv_last_page_len=0, output_kv_pages=[], output_kv_offset=0, attention_mask=None,
+            outputs=outs, stop_tokens=[]))
 
     def _peeked(self, pass_id: int):
         (result,) = _await(self.queue, pass_id)
         _check(result)
         return result
 
-    def generate(self, sampler: Sampler, stop: Stop) -> str:
+    def generate(self, sampler: Sampler, stop: Stop, grammar: Grammar | None = None) -> str:
         """Decode until `stop`; the text without the EOS token or the stop string.
 
         The decoding runs on the host (`inference.run`, at most RUN_STEPS steps a run): the
         next step is queued by the reply to the last, without waking this inferlet; tokens
-        come back per step only when stop strings must be checked."""
-        return self.start_generate(sampler, stop).result()
+        come back per step only when stop strings must be checked. With a `grammar`
+        (compiled on this context's queue) every draw is masked to what it allows and the
+        host advances it: Rust's `generate_constrained` / `run_constrained`; put the EOS
+        tokens in `stop.eos`, the only tokens allowed once the grammar is complete."""
+        return self.start_generate(sampler, stop, grammar).result()
 
-    def start_generate(self, sampler: Sampler, stop: Stop) -> Generation:
+    def start_generate(self, sampler: Sampler, stop: Stop, grammar: Grammar | None = None) -> Generation:
         """`generate` in two halves: this starts the host-side run and returns at once;
         `result()` waits for the text. Started on contexts of different queues, several
         generations decode together (their steps batch), as Rust's concurrent tasks do."""
         if not self.pending:
             raise Error("invalid-argument", "no pending token to predict from; fill the context first")
-        return Generation(self, sampler, stop)
+        if grammar is not None and grammar.queue is not self.queue:
+            raise Error("invalid-argument", "the grammar was compiled on another queue than the context's")
+        return Generation(self, sampler, stop, grammar)
+
+    def gen(self, max_tokens: int, regex: str | None = None, choices: list[str] | None = None,
+            stop: list[str] = (), sampler: Sampler | None = None) -> str:  # type: ignore[assignment]
+        """SGLang's `gen`: generate (greedy unless `sampler`) at most `max_tokens`, until EOS or
+        a `stop` string, constrained to match `regex` or to be exactly one of `choices` if
+        given (unlike `select`, which scores the choices). The text joins the context."""
+        grammar = (Grammar.regex(self.queue, regex) if regex is not None
+                   else Grammar.choices(self.queue, choices) if choices is not None else None)
+        stopping = Stop(max_tokens, eos=self.queue.eos_tokens(), strings=list(stop))
+        return self.generate(sampler or Sampler.greedy(), stopping, grammar)
+
+    def fork_n(self, n: int) -> list[Context]:
+        """`n` forks of this context (as Rust's `fork_n`), sharing its pages."""
+        return [self.fork() for _ in range(n)]
+
+    def select(self, choices: list[str], normalize: str = "mean") -> Selection:
+        """Which of `choices` the model finds likeliest after the context (SGLang's
+        `select`), scored in one batch of passes that write no KV; see `inferlet.select`."""
+        return select(self, choices, normalize)
 
     # --- branching and reuse ---------------------------------------------------------------
 
@@ -229,7 +266,7 @@ class Context:
 
     # --- internals -------------------------------------------------------------------------
 
-    def _start_run(self, sampler: Sampler, steps: int, stop_tokens: list[int], streaming: bool):
+    def _start_run(self, sampler: Sampler, steps: int, stop_tokens: list[int], streaming: bool, mask=None):
         """A host-side run from the pending tokens (a long prompt prefilled first, in chunks
         of the host's limit, learnt from its refusal): (its input tokens, its id, its pages)."""
         tokens, self.pending = self.pending, []
@@ -242,7 +279,7 @@ class Context:
                     self.pending = tokens
                     raise
                 tokens = tokens[-1:]
-            out = _output(index=len(tokens) - 1, sample=_pass_sampler(sampler))
+            out = _output(index=len(tokens) - 1, sample=_pass_sampler(sampler), grammar=mask)
             try:
                 record, new = self._pass_over(tokens, len(tokens) + steps - 1, [out], stop_tokens)
                 return tokens, host(inference.run, self.queue.raw, record, steps, streaming), new
@@ -300,7 +337,7 @@ class Context:
     def _pass_over(self, tokens: list[int], room: int, outputs: list, stop_tokens: list[int]):
         """The pass record writing `tokens` after the committed ones, into pages with room
         for `room` tokens; and the new pages (kept by `_commit` as far as used)."""
-        q, ps = self.queue, self.queue.page_size
+        ps = self.queue.page_size
         free = ps - self.last_len if self.pages else 0
         if free and self.pages[-1].shared:
             self._copy_last_page()
@@ -426,8 +463,9 @@ class Generation:
     """A `Context.start_generate` in progress: one host-side run at a time (RUN_STEPS steps
     at most), the next started when one ends short of `stop`."""
 
-    def __init__(self, ctx: Context, sampler: Sampler, stop: Stop):
+    def __init__(self, ctx: Context, sampler: Sampler, stop: Stop, grammar: Grammar | None = None):
         self.ctx, self.sampler, self.stop = ctx, sampler, stop
+        self.mask = None if grammar is None else inference.GrammarMask(matcher=grammar.id(), advance=True)
         self.generated: list[int] = []
         self.seed = sampler.seed
         self.run = self._start() if stop.max_tokens > 0 else None
@@ -435,7 +473,7 @@ class Generation:
     def _start(self):
         steps = min(self.stop.max_tokens - len(self.generated), RUN_STEPS)
         return self.ctx._start_run(self.sampler.with_seed(self.seed), steps, list(self.stop.eos),
-                                   bool(self.stop.strings))
+                                   bool(self.stop.strings), self.mask)
 
     def result(self) -> str:
         """The generated text (blocking until the decoding ends)."""
@@ -472,9 +510,15 @@ class Generation:
         return ctx.queue.detokenize(generated)
 
 
-def _output(index: int = 0, sample=None, top_k: int = 0, logprobs_of: list[int] = ()):  # type: ignore[assignment]
+def _output(index: int = 0, sample=None, top_k: int = 0, logprobs_of: list[int] = (),  # type: ignore[assignment]
+            grammar=None):
     return inference.Output(index=index, sample=sample, top_k=top_k, logprobs_of=list(logprobs_of),
-                            entropy=False, allowed=None, grammar=None, rules=None, keep=None)
+                            entropy=False, allowed=None, grammar=grammar, rules=None, keep=None)
+
+
+def _logprobs(result) -> list[float]:
+    """The `logprobs_of` of each of a pass's outputs, in output order (one id each)."""
+    return [d.logprobs[0] for d in sorted(result.details, key=lambda d: d.index)]
 
 
 def _pass_sampler(s: Sampler):

@@ -32,7 +32,7 @@ class Model:
 
     def create_queue(self) -> Queue:
         """Calls on one queue run in order; calls on different queues batch together."""
-        return Queue(host(runtime.create_queue, self.name))
+        return Queue(host(runtime.create_queue, self.name), self.name)
 
     def create_context(self):
         from inferlet.context import Context
@@ -43,8 +43,9 @@ class Model:
 class Queue:
     """A command queue of one model, with the model's tokenizer at hand."""
 
-    def __init__(self, raw):
+    def __init__(self, raw, model: str):
         self.raw = raw
+        self.model = Model(model)  # whose queue: another queue of it is `self.model.create_queue()`
         self.page_size = allocate.kv_page_size(raw)
 
     def tokenize(self, text: str) -> list[int]:

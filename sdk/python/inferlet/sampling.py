@@ -23,7 +23,13 @@ class Sampler:
 
     @staticmethod
     def top_p_sampling(temperature: float, p: float) -> Sampler:
+        """Rust's `Sampler::top_p` (the suffix: `top_p` is a field here)."""
         return Sampler(temperature=temperature, top_p=p)
+
+    @staticmethod
+    def top_k_sampling(temperature: float, k: int) -> Sampler:
+        """Rust's `Sampler::top_k`."""
+        return Sampler(temperature=temperature, top_k=k)
 
     def with_seed(self, seed: int | None) -> Sampler:
         return replace(self, seed=seed)

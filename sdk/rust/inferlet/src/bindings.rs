@@ -430,8 +430,10 @@ pub mod runtime {
         }
     }
 
-    /// Writes a line to the instance's log: the launching client's stderr and the server
-    /// log. Messages to the client go through `messaging.send` instead.
+    /// Writes a line to the instance's log: the server log, and the launching client if it
+    /// asked for the log at launch (`pie run` does, and prints it on stderr). A line over
+    /// `server.max_message_bytes` is cut there. Messages to the client go through
+    /// `messaging.send` instead.
     ///
     /// Arguments:
     /// - level: the severity.

@@ -252,7 +252,7 @@ impl Context {
     }
 
     /// `peek` with `outs` at the indices they name.
-    fn peek_outputs(&self, then: &[u32], outs: Vec<Output>) -> Result<impl std::future::Future<Output = Result<PassResult, Error>>, Error> {
+    pub(crate) fn peek_outputs(&self, then: &[u32], outs: Vec<Output>) -> Result<impl std::future::Future<Output = Result<PassResult, Error>>, Error> {
         let tokens: Vec<u32> = self.pending.iter().chain(then).copied().collect();
         if tokens.is_empty() {
             return Err(Error { kind: ErrorKind::InvalidArgument,

@@ -36,6 +36,13 @@ impl Grammar {
         Grammar::compile(queue, GrammarKind::Ebnf, source)
     }
 
+    /// Output that is exactly one of `options` (a regex alternation of the literals): SGLang's
+    /// `gen(choices=...)`, which generates one, where [`Context::select`] scores them all.
+    pub fn choices(queue: &Queue, options: &[&str]) -> Result<Grammar, Error> {
+        let literals: Vec<String> = options.iter().map(|o| regex_literal(o)).collect();
+        Grammar::regex(queue, &literals.join("|"))
+    }
+
     pub fn compile(queue: &Queue, kind: GrammarKind, source: &str) -> Result<Grammar, Error> {
         Ok(Grammar { matcher: grammar::compile(queue.raw(), kind, source)? })
     }
@@ -93,4 +100,15 @@ impl Context {
         }
         self.queue().detokenize(&generated)
     }
+}
+
+/// `text` as a regex that matches only itself.
+fn regex_literal(text: &str) -> String {
+    text.chars().fold(String::new(), |mut out, c| {
+        if "\\.+*?()|[]{}^$#&-~".contains(c) {
+            out.push('\\');
+        }
+        out.push(c);
+        out
+    })
 }

@@ -33,8 +33,10 @@ mod lines;
 pub mod messages;
 pub mod semvar;
 mod model;
+mod oom;
 mod rules;
 mod sampling;
+pub mod select;
 pub mod speculative;
 
 pub use bindings::output_text::Sampler;
@@ -50,6 +52,7 @@ pub use grammar::Grammar;
 pub use lines::Line;
 pub use model::{Model, Queue};
 pub use sampling::Stop;
+pub use select::{Normalize, Selection};
 
 use bindings::{messaging, runtime};
 
@@ -95,7 +98,8 @@ pub async fn receive() -> String {
     messaging::receive().await
 }
 
-/// Writes a line to the instance's log (the client's stderr and the server log).
+/// Writes a line to the instance's log: the server log, and the client's stderr when it
+/// launched with logs (`pie run` does unless `--quiet`). Also [`println!`](crate::println).
 pub fn log(message: &str) {
     runtime::log(runtime::LogLevel::Info, message)
 }
@@ -105,9 +109,45 @@ pub fn chat(role: &str, content: &str) -> ChatMessage {
     ChatMessage { role: role.to_string(), content: content.to_string() }
 }
 
+/// Writes a line to the instance's log at info level, formatted like `std::println!` (which
+/// writes nowhere on wasm32-unknown-unknown: a component has no stdout).
+#[macro_export]
+macro_rules! println {
+    ($($arg:tt)*) => {
+        $crate::bindings::runtime::log($crate::bindings::runtime::LogLevel::Info, &::std::format!($($arg)*))
+    };
+}
+
+/// Writes a line to the instance's log at warn level, formatted like `std::eprintln!`.
+#[macro_export]
+macro_rules! eprintln {
+    ($($arg:tt)*) => {
+        $crate::bindings::runtime::log($crate::bindings::runtime::LogLevel::Warn, &::std::format!($($arg)*))
+    };
+}
+
+/// The WIT name of the kind (`invalid-argument`), as in docs/api.md and the Python SDK.
+impl std::fmt::Display for ErrorKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ErrorKind::InvalidHandle => "invalid-handle",
+            ErrorKind::InvalidArgument => "invalid-argument",
+            ErrorKind::OutOfResources => "out-of-resources",
+            ErrorKind::NotFound => "not-found",
+            ErrorKind::AlreadyExists => "already-exists",
+            ErrorKind::PermissionDenied => "permission-denied",
+            ErrorKind::Unsupported => "unsupported",
+            ErrorKind::Io => "io",
+            ErrorKind::InferenceFailed => "inference-failed",
+            ErrorKind::Discarded => "discarded",
+        })
+    }
+}
+
+/// `KIND: MESSAGE`, the kind spelled as in the WIT (`invalid-argument: ...`).
 impl std::fmt::Display for Error {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{:?}: {}", self.kind, self.message)
+        write!(f, "{}: {}", self.kind, self.message)
     }
 }
 
