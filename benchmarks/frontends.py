@@ -1,5 +1,10 @@
 """Python vs Rust inferlets, and the OpenAI endpoint vs a native launch, in one run.
 
+- Rebuild after a one-line edit: `pie build` of a Rust crate (the `pie new` template; cargo
+  rebuilds the crate, the SDK stays compiled) and of a Python inferlet (`hello.py`; a
+  componentize-py build snapshots the whole interpreter again, there is no incremental
+  mode), each round appending one line of code to both, languages alternating; and a build
+  of the unchanged source (the content-keyed cache).
 - Launch latency: launch → first message of `hello` (Rust) and `hello.py` (Python).
   Cold: a program the server has never seen (a unique custom section changes its hash), so
   the time includes upload and compilation to machine code. Warm: the same program again
@@ -35,6 +40,7 @@ import asyncio
 import json
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timezone
@@ -49,6 +55,7 @@ from benchmarks.run_info import command_line, machine_settings, rotated
 from pie.client import PieClient, http_url
 from pie.config import load_config
 from pie.python_build import build_python_inferlet
+from pie.scaffold import new_inferlet
 from pie.server.local import LocalServer
 from pie.server.openai import INFERLET as OPENAI_INFERLET
 from pie.toolchain import build_inferlet
@@ -89,6 +96,38 @@ def forget(digests: list[str]) -> None:
     programs = load_config().paths.cache / "programs"
     for digest in digests:
         (programs / f"{digest}.cwasm").unlink(missing_ok=True)
+
+
+def rebuild_times(rounds: int, work: Path) -> tuple[dict, list[list[str]]]:
+    """Seconds to rebuild after a one-line edit, and to build the unchanged source, per
+    language (medians over `rounds`, alternating which language goes first)."""
+    crate = new_inferlet(work / "edit_me", "bench_edit_me")
+    script = work / "edit_me.py"
+    script.write_text((ROOT / "inferlets" / "python" / "hello.py").read_text())
+    cache = work / "cache"
+    build = {"rust": lambda: build_inferlet(crate, release=True),
+             "python": lambda: build_python_inferlet(script, cache=cache)}
+    edit = {"rust": lambda r: _append(crate / "src" / "lib.rs", f"pub const EDIT_{r}: u32 = {r};"),
+            "python": lambda r: _append(script, f"EDIT_{r} = {r}")}
+    for language in LANGUAGES:
+        build[language]()  # the first build: dependencies, the SDK, the interpreter
+    edited: dict[str, list[float]] = {k: [] for k in LANGUAGES}
+    unchanged: dict[str, list[float]] = {k: [] for k in LANGUAGES}
+    order = []
+    for r in range(rounds):
+        order.append(rotated(LANGUAGES, r))
+        for language in order[-1]:
+            edit[language](r)
+            for times in (edited, unchanged):
+                start = time.perf_counter()
+                build[language]()
+                times[language].append(time.perf_counter() - start)
+    return ({k: {"edit_rebuild_s": statistics.median(edited[k]), "unchanged_s": statistics.median(unchanged[k]),
+                 "edit_rebuild_rounds_s": edited[k]} for k in LANGUAGES}, order)
+
+
+def _append(path: Path, line: str) -> None:
+    path.write_text(path.read_text() + "\n" + line + "\n")
 
 
 async def first_message(client: PieClient, program: str) -> float:
@@ -169,6 +208,8 @@ async def run(args: argparse.Namespace) -> dict:
     launch_rounds, warm_per_round = (1, 2) if args.quick else (3, 7)
     max_tokens = 24 if args.quick else 64  # quick: enough for a forced tool call to reach its arguments
     made: list[str] = []
+    with tempfile.TemporaryDirectory() as work:  # before the server: nothing else on the CPUs
+        rebuild, rebuild_order = rebuild_times(1 if args.quick else 3, Path(work))
     async with LocalServer(["--dtype", args.dtype]) as url:
         base = http_url(url)
         async with PieClient(url) as client, httpx.AsyncClient() as http:
@@ -197,6 +238,11 @@ async def run(args: argparse.Namespace) -> dict:
     per_token = {name: statistics.median(t) for name, t in times.items()}
     return {
         "max_tokens": max_tokens,
+        "rebuild": rebuild,
+        "rebuild_ratio_python_vs_rust": rebuild["python"]["edit_rebuild_s"] / rebuild["rust"]["edit_rebuild_s"],
+        # From a one-line edit of a Python inferlet to its first message on a server that has
+        # never seen it: the rebuild, then the cold launch (upload, compile, run).
+        "python_edit_to_running_s": rebuild["python"]["edit_rebuild_s"] + launch["python"]["cold_ms"] / 1000,
         "launch": launch,
         "launch_ratio_python_vs_rust": {k: launch["python"][k] / launch["rust"][k] for k in ("cold_ms", "warm_ms")},
         "ms_per_token": per_token,
@@ -212,7 +258,7 @@ async def run(args: argparse.Namespace) -> dict:
         "tool_call_cost": per_token["openai-tools"] / per_token["openai"],
         "meta": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                  "command": command_line(), "quick": args.quick, "rounds": rounds,
-                 "order": {"launch": launch_order, "ms_per_token": order},
+                 "order": {"rebuild": rebuild_order, "launch": launch_order, "ms_per_token": order},
                  "warmup": "a first launch of hello; one untimed run of every path before the timed rounds",
                  "dtype": args.dtype, "model": model, **machine_settings()},
     }

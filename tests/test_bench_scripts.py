@@ -200,6 +200,16 @@ def test_frontends_quick(results):
         launch = data["launch"][language]
         assert launch["cold_ms"] > 0 and launch["warm_ms"] > 0 and launch["size_mb"] > 0
         assert launch["cold_runs"] == len(meta["order"]["launch"]) and launch["warm_runs"] >= 1
+    assert all(sorted(names) == ["python", "rust"] for names in meta["order"]["rebuild"])
+    for language in ("rust", "python"):
+        rebuild = data["rebuild"][language]
+        assert len(rebuild["edit_rebuild_rounds_s"]) == len(meta["order"]["rebuild"])
+        assert rebuild["edit_rebuild_s"] > 0 and rebuild["unchanged_s"] > 0
+    assert data["rebuild"]["python"]["unchanged_s"] < data["rebuild"]["python"]["edit_rebuild_s"]  # a cache hit
+    assert data["rebuild_ratio_python_vs_rust"] == pytest.approx(
+        data["rebuild"]["python"]["edit_rebuild_s"] / data["rebuild"]["rust"]["edit_rebuild_s"])
+    assert data["python_edit_to_running_s"] == pytest.approx(
+        data["rebuild"]["python"]["edit_rebuild_s"] + data["launch"]["python"]["cold_ms"] / 1000)
     for key in ("cold_ms", "warm_ms"):
         assert data["launch_ratio_python_vs_rust"][key] == pytest.approx(
             data["launch"]["python"][key] / data["launch"]["rust"][key])
