@@ -101,3 +101,15 @@ def test_tutorial_best_of_n_shares_the_prefill(tmp_path, pie_server, tokenizer, 
                                          add_special_tokens=False).ids)
     # one prefill plus at most 16 decode steps per fork; four prefills alone would exceed it
     assert run.usage["forward_tokens"] <= prompt_tokens + 4 * 16 < 4 * prompt_tokens + 4
+
+
+def test_sdk_reference_lists_every_public_item_of_both_sdks():
+    """docs/sdk-reference.md is generated from the SDKs' source (sdk/gen_reference.py): it is
+    current, and no public function, type, method or macro lacks a doc comment."""
+    done = subprocess.run([sys.executable, str(ROOT / "sdk" / "gen_reference.py"), "--check"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    reference = (ROOT / "docs" / "sdk-reference.md").read_text()
+    for name in ("async fn Context::select(", "fn Grammar::choices(", "inferlet::println!(...)",  # Rust
+                 "Context.select(", "Context.gen(", "generate_branches(parent", "Grammar.json_schema("):  # Python
+        assert name in reference, name

@@ -36,6 +36,7 @@ class Page:
 
 
 class Context:
+    """A token sequence (committed, then pending) and the KV pages that hold it."""
     def __init__(self, queue: Queue):
         self.queue = queue
         self.pages: list[Page] = []
@@ -49,6 +50,7 @@ class Context:
 
     @property
     def tokens(self) -> list[int]:
+        """Every token: committed, then pending."""
         return self.committed + self.pending
 
     def __len__(self) -> int:
@@ -67,12 +69,15 @@ class Context:
     # --- input -----------------------------------------------------------------------------
 
     def fill(self, text: str) -> None:
+        """Append `text`'s tokens as pending (run by the next pass)."""
         self.pending += self.queue.tokenize(text)
 
     def fill_tokens(self, tokens: list[int]) -> None:
+        """Append `tokens` as pending."""
         self.pending += tokens
 
     def fill_chat(self, messages: list, add_generation_prompt: bool = True) -> None:
+        """Append `messages` through the model's chat template (and the assistant's turn start)."""
         self.fill(self.queue.apply_chat_template(messages, add_generation_prompt))
 
     # --- running the model -----------------------------------------------------------------

@@ -20,6 +20,7 @@ class Error(Exception):
 
     @classmethod
     def from_host(cls, error) -> Error:
+        """The exception for a host `error` record."""
         return cls(error.kind.name.lower().replace("_", "-"), error.message)
 
 

@@ -28,6 +28,7 @@ class Future(Generic[T]):
         self._value: Any = None
 
     def ready(self) -> bool:
+        """Whether the result is there (`result()` would not block)."""
         if not self._done:
             outcome = self._resource.get()
             if outcome is not None:

@@ -59,6 +59,7 @@ class Grammar:
         return self.matcher.is_accepting()
 
     def id(self) -> int:
+        """The matcher's id, as passes name it (`grammar-mask.matcher`)."""
         return self.matcher.id()
 
 

@@ -51,10 +51,12 @@ class Subscription:
         self._subscription = host(messaging.subscribe, topic)
 
     def next(self) -> Future[str]:
+        """The next message published on the topic."""
         return Future(self._subscription.next())
 
 
 def subscribe(topic: str) -> Subscription:
+    """Messages broadcast on `topic` from now on."""
     return Subscription(topic)
 
 
@@ -64,16 +66,20 @@ def http_get(url: str, headers: dict[str, str] | None = None) -> Future[Response
 
 
 def http_post(url: str, body: str, headers: dict[str, str] | None = None) -> Future[Response]:
+    """POST `body` to `url` (a host allowed by control.http_allowlist)."""
     return Future(host(http.http_post, url, list((headers or {}).items()), body))
 
 
 def store_get(key: str) -> str | None:
+    """The value of `key` in the server's key-value store, or None."""
     return kvs.store_get(key)
 
 
 def store_set(key: str, value: str) -> None:
+    """Set `key` in the server's key-value store."""
     host(kvs.store_set, key, value)
 
 
 def store_delete(key: str) -> None:
+    """Remove `key` from the server's key-value store."""
     kvs.store_delete(key)

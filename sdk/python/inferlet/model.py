@@ -25,9 +25,11 @@ class Model:
 
     @staticmethod
     def get(name: str) -> Model | None:
+        """The model called `name`, if the server serves it."""
         return Model(name) if name in runtime.available_models() else None
 
     def traits(self) -> list[str]:
+        """The traits (optional host features) the model supports."""
         return host(runtime.available_traits, self.name)
 
     def create_queue(self) -> Queue:
@@ -35,6 +37,7 @@ class Model:
         return Queue(host(runtime.create_queue, self.name), self.name)
 
     def create_context(self):
+        """An empty context on a new queue of this model."""
         from inferlet.context import Context
 
         return Context(self.create_queue())
@@ -49,15 +52,19 @@ class Queue:
         self.page_size = allocate.kv_page_size(raw)
 
     def tokenize(self, text: str) -> list[int]:
+        """`text` as the model's tokens (no special tokens added)."""
         return tokenize.tokenize(self.raw, text)
 
     def detokenize(self, tokens: list[int]) -> str:
+        """The text of `tokens`."""
         return host(tokenize.detokenize, self.raw, tokens)
 
     def eos_tokens(self) -> list[int]:
+        """The tokens that end a turn or a document."""
         return tokenize.get_eos_tokens(self.raw)
 
     def apply_chat_template(self, messages: list, add_generation_prompt: bool = True) -> str:
+        """`messages` rendered by the model's chat template."""
         return host(tokenize.apply_chat_template, self.raw, messages, add_generation_prompt)
 
     def sample(self, embed: int, sampler: Sampler) -> Future[int]:
@@ -74,6 +81,7 @@ class Queue:
         Future(runtime.synchronize(self.raw)).result()
 
     def set_priority(self, priority: int) -> None:
+        """Rank this queue's calls against the instance's other queues (higher first)."""
         runtime.set_queue_priority(self.raw, priority)
 
     def set_objective(self, objective: str, group: str = "") -> None:

@@ -19,6 +19,7 @@ class Sampler:
 
     @staticmethod
     def greedy() -> Sampler:
+        """Always the most likely token."""
         return Sampler()
 
     @staticmethod
@@ -32,9 +33,11 @@ class Sampler:
         return Sampler(temperature=temperature, top_k=k)
 
     def with_seed(self, seed: int | None) -> Sampler:
+        """The same sampler with another seed."""
         return replace(self, seed=seed)
 
     def to_host(self) -> output_text.Sampler:
+        """The WIT record for host calls that take a sampler."""
         return output_text.Sampler(self.temperature, self.top_k, self.top_p, self.seed)
 
 

@@ -42,6 +42,7 @@ class Template:
 
     @staticmethod
     def parse(source: str) -> Template:
+        """A template from text with `{{input:name}}` and `{{output:name}}` slots."""
         parts: list[tuple[str, str]] = []
         outputs: set[str] = set()
         at = 0
@@ -82,12 +83,15 @@ class Template:
         return Template.parse(rendered + "{{output:" + output + "}}")
 
     def inputs(self) -> list[str]:
+        """The names of its input slots, in order."""
         return list(dict.fromkeys(name for kind, name in self.parts if kind == "input"))
 
     def outputs(self) -> list[str]:
+        """The names of its output slots, in order."""
         return [name for kind, name in self.parts if kind == "output"]
 
     def static_prefix(self) -> str:
+        """The text before its first slot (the same for every call: prefilled once)."""
         return self.parts[0][1] if self.parts and self.parts[0][0] == "text" else ""
 
 
@@ -117,6 +121,7 @@ class _Call:
 
 
 class Pipeline:
+    """An application's LLM calls as templates over semantic variables, run in waves."""
     def __init__(self, model: Model):
         self.model = model
         self._prefixes: dict[str, Context] = {}

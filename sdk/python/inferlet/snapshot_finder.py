@@ -26,6 +26,7 @@ class SnapshotFinder:
 
     @staticmethod
     def find_spec(name: str, path=None, target=None):
+        """Refuse to load `name` from files (None for modules compiled into the interpreter)."""
         if name in sys.builtin_module_names or _imp.is_frozen(name):
             return None  # compiled in: the built-in and frozen importers load it without files
         raise ImportError(f"module {name!r} was not imported when the inferlet was built, and a "

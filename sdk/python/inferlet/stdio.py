@@ -28,9 +28,11 @@ class LogStream(io.TextIOBase):
         self.last = ""
 
     def writable(self) -> bool:
+        """Yes: a write-only stream."""
         return True
 
     def write(self, text: str) -> int:
+        """Log each completed line; keep the rest for the next write."""
         lines = (self.partial + text).split("\n")
         self.partial = lines.pop()
         for line in lines:
@@ -38,6 +40,7 @@ class LogStream(io.TextIOBase):
         return len(text)
 
     def flush(self) -> None:
+        """Log the unfinished line, if any."""
         if self.partial:
             self._emit(self.partial)
             self.partial = ""

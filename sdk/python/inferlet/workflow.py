@@ -59,6 +59,7 @@ OPS = ("llm", "format", "fn")
 
 @dataclass(frozen=True)
 class Options:
+    """Which of Helium's optimizations a plan applies (`Options.naive()`: none)."""
     prune: bool = True
     merge: bool = True
     cache: bool = True
@@ -79,6 +80,7 @@ class Options:
 
 @dataclass
 class Node:
+    """One operator of a workflow: `llm`, `format` or `fn`, with its bindings."""
     name: str
     op: str
     text: str  # the template (llm), the format string (format) or the function's name (fn)
@@ -89,6 +91,7 @@ class Node:
 
 @dataclass
 class Plan:
+    """A checked and optimized workflow, ready to `run`."""
     inputs: list[str]
     nodes: dict[str, Node]  # after optimization, in an order that runs (topological)
     outputs: dict[str, str]
@@ -98,6 +101,7 @@ class Plan:
     stats: dict[str, int] = field(default_factory=dict)
 
     def run(self, model, inputs: dict[str, str], functions: dict | None = None) -> dict[str, str]:
+        """Run the plan on `model` with `inputs`; the outputs by name (`stats` says what it did)."""
         return _runner().Runner(self, model, functions or {}).run(inputs)
 
     def unpin(self, model) -> int:

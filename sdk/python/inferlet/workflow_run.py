@@ -15,6 +15,7 @@ _MARK = "\ue000PIE-WORKFLOW\ue000"  # where the user's text goes in the chat for
 
 
 class Runner:
+    """Runs one plan's operators in waves on a model (used by `Plan.run`)."""
     def __init__(self, plan: Plan, model, functions: dict):
         self.plan, self.model, self.functions = plan, model, functions
         self.queue = model.create_queue()
@@ -28,6 +29,7 @@ class Runner:
             self.stats[key] = 0
 
     def run(self, inputs: dict[str, str]) -> dict[str, str]:
+        """Run every operator; the plan's outputs by name."""
         plan = self.plan
         missing = [name for name in plan.inputs if name not in inputs]
         if missing:

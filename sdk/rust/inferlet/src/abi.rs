@@ -53,9 +53,11 @@ unsafe fn free(ptr: *mut u8, size: usize, align: usize) {
 pub struct RetArea<const N: usize>([u8; N]);
 
 impl<const N: usize> RetArea<N> {
+    /// An empty return area.
     pub fn new() -> Self {
         RetArea([0; N])
     }
+    /// Its address, for the import to write its results to.
     pub fn ptr(&mut self) -> *mut u8 {
         self.0.as_mut_ptr()
     }
@@ -66,6 +68,7 @@ impl<const N: usize> RetArea<N> {
 pub struct Cleanup(Vec<(*mut u8, usize, usize)>);
 
 impl Cleanup {
+    /// Nothing to free yet.
     pub fn new() -> Self {
         Cleanup(Vec::new())
     }

@@ -39,6 +39,7 @@ impl Branch {
         self.parent_len + self.suffix.len() + self.tokens.len()
     }
 
+    /// Whether the branch has no tokens at all (parent, suffix and generated).
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

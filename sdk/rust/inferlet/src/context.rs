@@ -77,6 +77,7 @@ impl Context {
                   embeds: Vec::new(), outputs: Vec::new(), unclaimed: Vec::new(), discardable: false }
     }
 
+    /// The queue this context's calls go to.
     pub fn queue(&self) -> &Rc<Queue> {
         &self.queue
     }
@@ -101,6 +102,7 @@ impl Context {
         self.committed.len() + self.pending.len()
     }
 
+    /// Whether the context holds no token, committed or pending.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -137,6 +139,7 @@ impl Context {
         self.pending.extend(tokens);
     }
 
+    /// Appends `tokens` as pending (run by the next pass).
     pub fn fill_tokens(&mut self, tokens: &[u32]) {
         self.pending.extend_from_slice(tokens);
     }

@@ -43,6 +43,7 @@ impl Grammar {
         Grammar::regex(queue, &literals.join("|"))
     }
 
+    /// Compiles `source` of any `kind` for the queue's model (the constructors above call this).
     pub fn compile(queue: &Queue, kind: GrammarKind, source: &str) -> Result<Grammar, Error> {
         Ok(Grammar { matcher: grammar::compile(queue.raw(), kind, source)? })
     }

@@ -30,6 +30,7 @@ pub struct Subscription {
 }
 
 impl Subscription {
+    /// The topic subscribed to.
     pub fn topic(&self) -> &str {
         &self.topic
     }

@@ -26,6 +26,7 @@ impl Model {
         runtime::available_models().into_iter().find(|m| m == name).map(|name| Model { name })
     }
 
+    /// The model's name, as `runtime.available-models` lists it.
     pub fn name(&self) -> &str {
         &self.name
     }
@@ -72,10 +73,12 @@ impl Queue {
         self.page_size
     }
 
+    /// `text` as the model's tokens (no special tokens added).
     pub fn tokenize(&self, text: &str) -> Vec<u32> {
         tokenize::tokenize(&self.raw, text)
     }
 
+    /// The text of `tokens`.
     pub fn detokenize(&self, tokens: &[u32]) -> Result<String, Error> {
         tokenize::detokenize(&self.raw, tokens)
     }

@@ -47,6 +47,7 @@ pub struct Template {
 }
 
 impl Template {
+    /// A template from text with `{{input:name}}` and `{{output:name}}` slots.
     pub fn parse(source: &str) -> Result<Template, String> {
         let mut parts = Vec::new();
         let mut outputs = HashSet::new();
@@ -136,6 +137,7 @@ impl Var {
         Var(Rc::new(Cell { name: name.to_string(), pipeline, state: RefCell::new(state), producer }))
     }
 
+    /// The variable's name (its slot's).
     pub fn name(&self) -> &str {
         &self.0.name
     }
@@ -188,6 +190,7 @@ pub struct Gen {
 }
 
 impl Gen {
+    /// Greedy decoding of at most `max_tokens`.
     pub fn greedy(max_tokens: usize) -> Gen {
         Gen { max_tokens, sampler: Sampler::greedy() }
     }
@@ -210,6 +213,7 @@ pub struct Pipeline {
 }
 
 impl Pipeline {
+    /// An empty pipeline on `model`.
     pub fn new(model: Model) -> Pipeline {
         Pipeline { model, id: Rc::new(()), prefixes: RefCell::new(HashMap::new()), export_as: None }
     }

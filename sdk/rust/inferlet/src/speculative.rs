@@ -48,6 +48,7 @@ pub struct JacobiDrafter {
 }
 
 impl JacobiDrafter {
+    /// A drafter that guesses `n` tokens at a time.
     pub fn new(n: usize) -> JacobiDrafter {
         JacobiDrafter { n, guess: Vec::new() }
     }
