@@ -4,7 +4,10 @@
   rebuilds the crate, the SDK stays compiled) and of a Python inferlet (`hello.py`; a
   componentize-py build snapshots the whole interpreter again, there is no incremental
   mode), each round appending one line of code to both, languages alternating; and a build
-  of the unchanged source (the content-keyed cache).
+  of the unchanged source (the content-keyed cache). And the same edit run with
+  `pie run --interpret` instead: the source bundled (`python_bundle`) and sent to the
+  prebuilt interpreter inferlet (compiled once, untimed), timed from the edit to the first
+  message (`interpret`), against a rebuild plus a cold launch (`python_edit_to_running_s`).
 - Launch latency: launch → first message of `hello` (Rust) and `hello.py` (Python).
   Cold: a program the server has never seen (a unique custom section changes its hash), so
   the time includes upload and compilation to machine code. Warm: the same program again
@@ -54,7 +57,7 @@ sys.path.insert(0, str(ROOT))  # run as a script: the `benchmarks` package is in
 from benchmarks.run_info import command_line, machine_settings, rotated
 from pie.client import PieClient, http_url
 from pie.config import load_config
-from pie.python_build import build_python_inferlet
+from pie.python_build import INTERPRETER, build_python_inferlet, python_bundle
 from pie.scaffold import new_inferlet
 from pie.server.local import LocalServer
 from pie.server.openai import INFERLET as OPENAI_INFERLET
@@ -130,9 +133,9 @@ def _append(path: Path, line: str) -> None:
     path.write_text(path.read_text() + "\n" + line + "\n")
 
 
-async def first_message(client: PieClient, program: str) -> float:
+async def first_message(client: PieClient, program: str, before: list[str] = ()) -> float:  # type: ignore[assignment]
     start = time.perf_counter()
-    instance = await client.launch(program, ["hi"])
+    instance = await client.launch(program, [*before, "hi"])
     await instance.recv()
     elapsed = time.perf_counter() - start
     await instance.send("quit")
@@ -159,6 +162,18 @@ async def launch_latency(client: PieClient, components: dict[str, bytes], rounds
     return {name: {"cold_ms": 1000 * statistics.median(cold[name]), "warm_ms": 1000 * statistics.median(warm[name]),
                    "cold_runs": len(cold[name]), "warm_runs": len(warm[name]),
                    "size_mb": len(components[name]) / 2**20} for name in components}, order
+
+
+async def interpret_latency(client: PieClient, interpreter: str, script: Path, rounds: int) -> list[float]:
+    """Seconds from a one-line edit of `script` (hello.py) to its first message through the
+    interpreter, per round (its first launch, the server's compile, untimed)."""
+    await first_message(client, interpreter, [python_bundle(script)])
+    times = []
+    for r in range(rounds):
+        _append(script, f"EDIT_INTERPRET_{r} = {r}")
+        start = time.perf_counter()
+        times.append(time.perf_counter() - start + await first_message(client, interpreter, [python_bundle(script)]))
+    return times
 
 
 class Paths:
@@ -208,8 +223,10 @@ async def run(args: argparse.Namespace) -> dict:
     launch_rounds, warm_per_round = (1, 2) if args.quick else (3, 7)
     max_tokens = 24 if args.quick else 64  # quick: enough for a forced tool call to reach its arguments
     made: list[str] = []
-    with tempfile.TemporaryDirectory() as work:  # before the server: nothing else on the CPUs
-        rebuild, rebuild_order = rebuild_times(1 if args.quick else 3, Path(work))
+    interpreter_component = build_python_inferlet(INTERPRETER).read_bytes()
+    work_dir = tempfile.TemporaryDirectory()
+    work = Path(work_dir.name)
+    rebuild, rebuild_order = rebuild_times(1 if args.quick else 3, work)  # before the server: nothing else on the CPUs
     async with LocalServer(["--dtype", args.dtype]) as url:
         base = http_url(url)
         async with PieClient(url) as client, httpx.AsyncClient() as http:
@@ -219,6 +236,9 @@ async def run(args: argparse.Namespace) -> dict:
                 launch, launch_order = await launch_latency(client, components, launch_rounds, warm_per_round, made)
             finally:
                 forget(made)
+            interpreter = await client.upload(interpreter_component)
+            interpret = await interpret_latency(client, interpreter, work / "edit_me.py", launch_rounds)
+            work_dir.cleanup()
             paths = Paths(client, http, base, model, await client.upload(python_tc), max_tokens)
             # Every run's (text, tokens), warm-up included: all must be the same.
             outputs: dict[str, list[tuple[str, int]]] = {k: [] for k in PATHS}
@@ -243,6 +263,11 @@ async def run(args: argparse.Namespace) -> dict:
         # From a one-line edit of a Python inferlet to its first message on a server that has
         # never seen it: the rebuild, then the cold launch (upload, compile, run).
         "python_edit_to_running_s": rebuild["python"]["edit_rebuild_s"] + launch["python"]["cold_ms"] / 1000,
+        # The same with `pie run --interpret`: bundle the source, launch the interpreter.
+        "interpret": {"edit_to_running_ms": 1000 * statistics.median(interpret),
+                      "edit_to_running_rounds_ms": [1000 * t for t in interpret]},
+        "edit_to_running_ratio_build_vs_interpret": (
+            (rebuild["python"]["edit_rebuild_s"] + launch["python"]["cold_ms"] / 1000) / statistics.median(interpret)),
         "launch": launch,
         "launch_ratio_python_vs_rust": {k: launch["python"][k] / launch["rust"][k] for k in ("cold_ms", "warm_ms")},
         "ms_per_token": per_token,

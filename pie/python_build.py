@@ -10,6 +10,7 @@ compiled machine code by the component's hash.
 from __future__ import annotations
 
 import hashlib
+import json
 import subprocess
 import tempfile
 from pathlib import Path
@@ -18,6 +19,11 @@ from pie.config import PathsConfig
 from pie.toolchain import REPO, WIT_DIR, WORLD, ToolchainError, find_tool, say
 
 SDK_DIR = REPO / "sdk" / "python"
+# The interpreter inferlet of `pie run --interpret` (built like any Python inferlet, once).
+INTERPRETER = SDK_DIR / "runner" / "interpret.py"
+# The most source `python_bundle` sends as a launch argument (the server reads frames of at
+# least 1 MiB); a bigger program is built instead.
+MAX_BUNDLE_BYTES = 512 * 1024
 ENTRY = """\
 import wit_world
 import inferlet
@@ -71,3 +77,19 @@ def _content_key(source: Path, tool: str) -> str:
     for path in files:
         digest.update(str(path.name).encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
+
+
+def python_bundle(source: Path) -> str:
+    """`source` and the other .py files of its folder as the interpreter's first argument:
+    {"main": MODULE, "files": {MODULE: SOURCE, ...}} (sdk/python/runner/interpret.py)."""
+    source = Path(source).resolve()
+    if source.suffix != ".py":
+        raise ToolchainError(f"{source} is not a Python file (a Python inferlet is a .py module with `def main(args)`)")
+    if not source.is_file():
+        raise ToolchainError(f"no such file: {source}")
+    files = {path.stem: path.read_text() for path in sorted(source.parent.glob("*.py")) if path.stem.isidentifier()}
+    text = json.dumps({"main": source.stem, "files": files})
+    if len(text.encode()) > MAX_BUNDLE_BYTES:
+        raise ToolchainError(f"{source.parent} holds {len(text.encode()) // 1024} KiB of Python, over the "
+                             f"{MAX_BUNDLE_BYTES // 1024} KiB --interpret sends at launch: build it (pie run without --interpret)")
+    return text

@@ -210,6 +210,9 @@ def test_frontends_quick(results):
         data["rebuild"]["python"]["edit_rebuild_s"] / data["rebuild"]["rust"]["edit_rebuild_s"])
     assert data["python_edit_to_running_s"] == pytest.approx(
         data["rebuild"]["python"]["edit_rebuild_s"] + data["launch"]["python"]["cold_ms"] / 1000)
+    assert len(data["interpret"]["edit_to_running_rounds_ms"]) == len(meta["order"]["launch"])
+    assert data["edit_to_running_ratio_build_vs_interpret"] == pytest.approx(
+        data["python_edit_to_running_s"] * 1000 / data["interpret"]["edit_to_running_ms"])
     for key in ("cold_ms", "warm_ms"):
         assert data["launch_ratio_python_vs_rust"][key] == pytest.approx(
             data["launch"]["python"][key] / data["launch"]["rust"][key])

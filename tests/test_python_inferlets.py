@@ -4,6 +4,8 @@ to the same properties as their Rust twins."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import urllib.request
 
 import pytest
@@ -14,7 +16,7 @@ from pie.control.chat_template import chat_prompt
 from pie.python_build import build_python_inferlet
 from pie.scaffold import new_inferlet
 from pie.toolchain import build_inferlet
-from pie_server import ROOT, build, run_inferlet
+from pie_server import ROOT, TOKEN, build, run_inferlet
 
 PYTHON = ROOT / "inferlets" / "python"
 
@@ -454,3 +456,41 @@ def test_sglang_primitives_match_hf(sdk, pie_server, python_component, hf_model,
         assert got["continuations"][choice] == text.split("\n")[0], (choice, got["continuations"][choice], text)
     resources = pie_server.resources()
     assert resources["kv_pages_free"] == resources["kv_pages_total"]
+
+
+INTERPRETED = """\
+import argparse
+
+import inferlet
+from helper import shout
+
+
+def main(args):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--fail", action="store_true")
+    o = parser.parse_args()
+    print("prompt is", o.prompt)
+    if o.fail:
+        return shout(None)
+    ctx = inferlet.Model.default().create_context()
+    ctx.fill_chat([inferlet.chat("user", o.prompt)])
+    inferlet.send(shout(ctx.generate(inferlet.Sampler.greedy(), inferlet.Stop(8, eos=ctx.queue.eos_tokens()))))
+"""
+
+
+def test_pie_run_interpret_runs_the_source_without_a_build(pie_server, hf_chat, tmp_path):
+    """`pie run --interpret FILE.py`: the prebuilt interpreter runs the file and its sibling
+    module from source, with the same output, log and end reasons as a built program."""
+    (tmp_path / "app.py").write_text(INTERPRETED)
+    (tmp_path / "helper.py").write_text("def shout(text):\n    return text.upper() + '!'\n")
+    pie_run = lambda *args: subprocess.run(
+        [sys.executable, "-m", "pie.cli", "run", str(tmp_path / "app.py"), "--interpret", "--server",
+         f"http://{pie_server.address}", "--token", TOKEN, "--", *args], capture_output=True, text=True, timeout=300)
+    ok, failed = pie_run("--prompt", "Say hi"), pie_run("--prompt", "x", "--fail")
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout == hf_chat("Say hi", 8).upper() + "!\n" and "prompt is Say hi" in ok.stderr
+    assert failed.returncode == 1
+    assert "AttributeError: 'NoneType' object has no attribute 'upper' (at helper.py:2 in shout)" in \
+        " ".join(failed.stderr.split()), failed.stderr
+    assert not list(tmp_path.glob("*.wasm"))  # nothing was built from the program

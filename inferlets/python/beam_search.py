@@ -1,15 +1,16 @@
-"""Beam search in Python, the twin of inferlets/beam_search (Rust).
+"""Beam search in Python, the twin of inferlets/beam_search (Rust), with the SDK's
+`inferlet.beam_search` (the twin of Rust's `inferlet::beam::beam_search`).
 
 Keeps the `--beams` most likely continuations by total log-probability. Every beam is a fork
 of the prompt's context, so all beams share the prompt's KV pages (copy-on-write); each step
 asks for every beam's top next tokens at once, so the calls batch together.
 
 Arguments: --prompt TEXT [--beams B] [--max-tokens N]
-Output: one JSON object {"text", "tokens", "logprob"} for the best beam.
+Output: one JSON object {"text", "tokens", "logprob"} for the best beam (its tokens end
+with the EOS token if it ended on one; the text does not).
 """
 
 import json
-import math
 
 import inferlet
 
@@ -30,28 +31,7 @@ def main(args: list[str]) -> None:
     root = inferlet.Model.default().create_context()
     root.fill_chat([inferlet.chat("user", prompt)])
     root.flush()
-    queue = root.queue
-    eos = set(queue.eos_tokens())
-    beams = [(0.0, root, [])]  # (log-probability, context, generated tokens)
-    done = []
-    for _ in range(max_tokens):
-        embeds = [ctx.forward_pending([len(ctx.pending) - 1])[0] for _, ctx, _ in beams]
-        dists = inferlet.wait_all([queue.next_dist(e, width) for e in embeds])
-        candidates = sorted(((score + math.log(p), i, token)
-                             for i, (score, _, _) in enumerate(beams)
-                             for token, p in zip(*dists[i]) if p > 0), reverse=True)[:width]
-        survivors = []
-        for score, i, token in candidates:
-            _, parent, tokens = beams[i]
-            if token in eos:
-                done.append((score, tokens))
-                continue
-            child = parent.fork()
-            child.fill_tokens([token])
-            survivors.append((score, child, tokens + [token]))
-        beams = survivors
-        if not beams:
-            break
-    best_score, best_tokens = max(done + [(score, tokens) for score, _, tokens in beams])
-    inferlet.send(json.dumps({"text": queue.detokenize(best_tokens), "tokens": best_tokens,
-                              "logprob": best_score}))
+    eos = root.queue.eos_tokens()
+    tokens, logprob = inferlet.beam_search(root, width, max_tokens, eos)[0]
+    text = root.queue.detokenize([t for t in tokens if t not in eos])
+    inferlet.send(json.dumps({"text": text, "tokens": tokens, "logprob": logprob}))

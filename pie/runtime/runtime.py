@@ -378,11 +378,12 @@ def _failure_summary(text: str, config: PieConfig, panic: str | None = None) -> 
         return f"trap: {panic} (runtime.memory_limit_mb = {limits.memory_limit_mb})"
     if "unreachable" in line and panic is not None:
         return f"trap: {panic}"
-    if "unreachable" in line:
-        return (f"trap: {line.removeprefix('wasm trap: ')} (a panic or abort in the inferlet, "
-                f"e.g. an allocation refused under runtime.memory_limit_mb = "
-                f"{limits.memory_limit_mb} or a table growth past runtime.max_table_elements = "
-                f"{limits.max_table_elements})")
+    if "unreachable" in line:  # no panic or allocation failure reported first (the SDKs report both)
+        return (f"trap: {line.removeprefix('wasm trap: ')} (an abort that reported no panic or "
+                f"allocation failure: std::process::abort or `unreachable` in the inferlet; in a "
+                f"component not built with Pie's SDKs also a panic, an allocation refused under "
+                f"runtime.memory_limit_mb = {limits.memory_limit_mb} or a table growth past "
+                f"runtime.max_table_elements = {limits.max_table_elements})")
     if line.startswith("wasm trap:"):
         return f"trap: {line.removeprefix('wasm trap: ')}"
     return f"error: {line}"

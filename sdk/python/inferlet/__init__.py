@@ -27,6 +27,7 @@ import sys
 from componentize_py_types import Err
 from wit_world.imports import runtime
 
+from inferlet.beam import beam_search
 from inferlet.branch import Branch, generate_branches
 from inferlet.context import Context
 from inferlet.errors import Error, describe, traceback_lines
@@ -41,7 +42,7 @@ from inferlet.snapshot_finder import SnapshotFinder
 from inferlet.stdio import LogStream
 
 __all__ = ["Branch", "Context", "Error", "Future", "Grammar", "Model", "Queue", "Response", "Sampler",
-           "Selection", "Stop", "Subscription", "args", "broadcast", "chat",
+           "Selection", "Stop", "Subscription", "args", "beam_search", "broadcast", "chat",
            "generate_branches", "http_get", "http_post", "log", "receive", "run_main",
            "send", "store_delete", "store_get", "store_set", "subscribe", "wait_all",
            "wait_any"]
