@@ -97,6 +97,14 @@ def frontends(data: Json) -> list[str]:
     launch, ratio = data["launch"], data["launch_ratio_python_vs_rust"]
     lines += [f"| {kind.removesuffix('_ms')} | {_f(launch['rust'][kind])} ms | {_f(launch['python'][kind])} ms | "
               f"{ratio[kind]:.1f}× |" for kind in ("cold_ms", "warm_ms")]
+    if "rebuild" in data:
+        rebuild = data["rebuild"]
+        lines += [f"| rebuild after a one-line edit | {rebuild['rust']['edit_rebuild_s']:.1f} s | "
+                  f"{rebuild['python']['edit_rebuild_s']:.1f} s | {data['rebuild_ratio_python_vs_rust']:.1f}× |",
+                  "", f"From a one-line edit of a Python inferlet to its first message: "
+                  f"{data['python_edit_to_running_s']:.1f} s rebuilt and launched cold, "
+                  f"{data['interpret']['edit_to_running_ms']:.0f} ms with `pie run --interpret` "
+                  f"({data['edit_to_running_ratio_build_vs_interpret']:.0f}× less)."]
     return lines
 
 

@@ -90,6 +90,8 @@ def python_items(path: Path) -> tuple[list[tuple[str, str]], list[str]]:
 
 
 def _py_signature(node: ast.FunctionDef) -> str:
+    if any(getattr(d, "id", None) == "property" for d in node.decorator_list):
+        return f"{node.name}: {ast.unparse(node.returns)}" if node.returns else node.name
     args = re.sub(r"^(self|cls)(, )?", "", ast.unparse(node.args))
     returns = f" -> {ast.unparse(node.returns)}" if node.returns else ""
     return f"{node.name}({args}){returns}"

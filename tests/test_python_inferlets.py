@@ -494,3 +494,18 @@ def test_pie_run_interpret_runs_the_source_without_a_build(pie_server, hf_chat, 
     assert "AttributeError: 'NoneType' object has no attribute 'upper' (at helper.py:2 in shout)" in \
         " ".join(failed.stderr.split()), failed.stderr
     assert not list(tmp_path.glob("*.wasm"))  # nothing was built from the program
+
+
+def test_speculative_decoding_equals_its_rust_twin_and_greedy(pie_server, python_component, hf_chat):
+    """The SDKs' speculative decoding (inferlet.speculative / inferlet::speculative) verify the
+    same prompt-lookup drafts in the same passes and produce HF's greedy text."""
+    prompt = ("Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the old "
+              "river bank, and the farmer watches it from his red wooden gate.")
+    args = ["--prompt", prompt, "--max-tokens", "40"]
+    python = run_inferlet(pie_server, python_component("speculative_decoding"), args)
+    rust = run_inferlet(pie_server, build("speculative_decoding"), args)
+    assert python.reason == rust.reason == "finished", (python.reason, rust.reason)
+    assert json.loads(python.messages[0]) == json.loads(rust.messages[0])
+    out = json.loads(python.messages[0])
+    assert out["text"] == hf_chat(prompt, 40) and out["accepted"] > 0
+    assert python.usage["forward_calls"] == rust.usage["forward_calls"] == out["steps"] < out["tokens"]
