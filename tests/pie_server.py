@@ -28,6 +28,7 @@ from pie.toolchain import build_inferlet
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "e2e-secret-token-0001"
+ADMIN = "e2e-admin-token-0001"  # server.admin_tokens: sees every user (/stats, /metrics)
 READY = re.compile(r"\(ws://(\S+)/ws\)")
 
 
@@ -37,7 +38,7 @@ def base_config() -> dict[str, dict]:
         "backend": {"dtype": "float32", "num_kv_pages": 1024},
         "control": {"alloc_wait_ms": 200.0},  # short: the fuzzers exhaust the pool on purpose
         "runtime": {"cpu_slice_ms": 1000, "memory_limit_mb": 64},
-        "server": {"max_upload_bytes": 67108864, "auth_tokens": [TOKEN]},
+        "server": {"max_upload_bytes": 67108864, "auth_tokens": [TOKEN], "admin_tokens": [ADMIN]},
     }
 
 

@@ -10,6 +10,8 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 
 import msgpack
 import pytest
@@ -19,7 +21,7 @@ from pie.client import PieClient
 from pie.server import rpc
 
 from conftest import hf_greedy, hf_probe_continuation
-from pie_server import TOKEN, Server, build, forward_batches, until, until_async
+from pie_server import ADMIN, TOKEN, Server, build, forward_batches, until, until_async
 
 PROMPTS = ["What is the capital of France?", "Name three colors.",
            "What is 2 + 2?", "Say hello in Spanish."]
@@ -407,3 +409,35 @@ def test_fused_passes_bad_input_and_teardown_in_flight_leak_nothing(server, prob
     until(lambda: server.scheduler()["queued"] == {}, what="nothing queued")
     until(lambda: (r := server.get("/stats")[1]["resources"])["kv_pages_free"] == r["kv_pages_total"]
           and r["embeds_free"] == r["embeds_total"], what="both pools full again")
+
+
+def test_metrics_scraped_during_a_run(server):
+    """GET /metrics on a real server, scraped before and while inferlets run: the calls,
+    batches and ends it counts move with the work, the pools match /stats, and without an
+    admin token it is refused (the tests' server has tokens)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape(token: str = ADMIN) -> dict:
+        request = urllib.request.Request(f"http://{server.address}/metrics", headers={"Authorization": f"Bearer {token}"})
+        text = urllib.request.urlopen(request, timeout=30).read().decode()
+        return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "replica"))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    before = scrape()
+    running = subprocess.Popen([sys.executable, "-m", "pie.cli", "run", "text_completion", "--server",
+                                f"http://{server.address}", "--token", TOKEN, "-q", "--", "--prompt", PROMPTS[0],
+                                "--max-tokens", "16"], stdout=subprocess.PIPE, text=True)
+    during = scrape()
+    assert running.wait(timeout=120) == 0
+    after = scrape()
+    calls = lambda m: sum(v for (name, _), v in m.items() if name == "pie_scheduler_calls_total")
+    assert before[("pie_backend_ready", ())] == 1
+    assert calls(before) <= calls(during) <= calls(after) and calls(after) > calls(before)
+    assert after[("pie_instances_ended_total", (("outcome", "finished"),))] >= \
+        before.get(("pie_instances_ended_total", (("outcome", "finished"),)), 0) + 1
+    assert after[("pie_scheduler_batch_size_count", ())] > before[("pie_scheduler_batch_size_count", ())]
+    stats = server.get("/stats")[1]["resources"]
+    assert after[("pie_kv_pages_total", ())] == stats["kv_pages_total"]
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        scrape(TOKEN)  # a user's token, not an admin's
+    assert refused.value.code == 401

@@ -438,7 +438,8 @@ def test_sglang_primitives_match_hf(sdk, pie_server, python_component, hf_model,
     expected = {"sum": [sum(c) for c in conditional], "mean": [sum(c) / len(c) for c in conditional],
                 "unconditional": [sum(a - b for a, b in zip(c, f)) / len(c) for c, f in zip(conditional, fresh)]}
     program = python_component("sglang_primitives") if sdk == "python" else build("sglang_primitives")
-    for normalize, scores in expected.items():
+    # Rust: the normalisation that takes the most passes (suite time); Python: each of them.
+    for normalize, scores in expected.items() if sdk == "python" else [("unconditional", expected["unconditional"])]:
         run = run_inferlet(pie_server, program, ["--question", question, *sum((["--choice", c] for c in choices), []),
                                                  "--normalize", normalize, "--max-tokens", "12"])
         assert run.reason == "finished", run.reason
@@ -501,11 +502,11 @@ def test_speculative_decoding_equals_its_rust_twin_and_greedy(pie_server, python
     same prompt-lookup drafts in the same passes and produce HF's greedy text."""
     prompt = ("Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the old "
               "river bank, and the farmer watches it from his red wooden gate.")
-    args = ["--prompt", prompt, "--max-tokens", "40"]
+    args = ["--prompt", prompt, "--max-tokens", "24"]
     python = run_inferlet(pie_server, python_component("speculative_decoding"), args)
     rust = run_inferlet(pie_server, build("speculative_decoding"), args)
     assert python.reason == rust.reason == "finished", (python.reason, rust.reason)
     assert json.loads(python.messages[0]) == json.loads(rust.messages[0])
     out = json.loads(python.messages[0])
-    assert out["text"] == hf_chat(prompt, 40) and out["accepted"] > 0
+    assert out["text"] == hf_chat(prompt, 24) and out["accepted"] > 0
     assert python.usage["forward_calls"] == rust.usage["forward_calls"] == out["steps"] < out["tokens"]

@@ -109,6 +109,7 @@ class Runtime:
         self.by_store: dict[int, HostState] = {}  # store context address -> its instance
         self.linker = build_linker(self.engine, controller, self._host_state)
         self.host_calls: dict[str, Counter[str]] = {}  # program name or hash -> calls by function
+        self.ended: Counter[str] = Counter()  # instances ended, by outcome (`outcome`)
         self.launches = itertools.count(1)
         if config.control.kv_pressure == "terminate-newest":
             controller.resources.evict = self._evict_newer
@@ -240,7 +241,8 @@ class Runtime:
                      if user is None or program in self.programs.builtins
                      or self.programs.visible(program, user)}
             live = sum(1 for i in self.instances.values() if user is None or i.info.user == user)
-        return {"instances": live, "host_calls": calls, **self.controller.stats(user)}
+        ended = {"ended": dict(self.ended)} if user is None else {}
+        return {"instances": live, **ended, "host_calls": calls, **self.controller.stats(user)}
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         with self.lock:
@@ -330,11 +332,21 @@ class Runtime:
                 self.instances.pop(instance.info.id, None)
                 program = instance.info.name or instance.info.program
                 self.host_calls.setdefault(program, Counter()).update(instance.host.calls)
+                self.ended[outcome(reason)] += 1
             instance.info.state = "terminated"
             log.info("instance %s (%s, user %s) ended: %s", instance.info.id[:8],
                      instance.info.name or instance.info.program[:12], instance.info.user, reason)
             usage = {**instance.session.usage(), "host_calls": sum(instance.host.calls.values())}
             instance.on_event(instance.info.id, "terminated", reason, usage)
+
+
+def outcome(reason: str) -> str:
+    """How an instance ended, from its end reason: finished, error (a limit, a failure, its
+    own error), trap, or terminated (by its client, the server, KV pressure)."""
+    for kind in ("finished", "error", "trap", "terminated"):
+        if reason.startswith(kind):
+            return kind
+    return "terminated"  # "server shutting down", a slow client's end, ...
 
 
 def store_key(store: object) -> int:

@@ -20,11 +20,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Header, WebSocket, WebSocketDisconnect
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from pie.config import ServerConfig
 from pie.server import rpc
 from pie.server.attachments import Attachments, Close, Outbox
+from pie.server.metrics import CONTENT_TYPE, render
 from pie.server.openai import add_openai_routes
 from pie.server.openai_responses import add_responses_routes
 from pie.server.response_store import ResponseStore
@@ -77,6 +78,16 @@ def create_app(state: ServerState) -> FastAPI:
             return JSONResponse({"status": "starting"}, status_code=503)
         everyone = not state.config.tokens or is_admin(state.config, given)
         return JSONResponse(state.runtime.stats(None if everyone else user))
+
+    @app.get("/metrics")
+    def metrics(authorization: str | None = Header(default=None)) -> Response:
+        """`/stats` in Prometheus' text format (pie/server/metrics.py); every user's, so only
+        for an admin token when the server has tokens."""
+        given = (authorization or "").removeprefix("Bearer ")
+        if state.config.tokens and not is_admin(state.config, given):
+            return JSONResponse({"error": "GET /metrics needs a token of server.admin_tokens"}, status_code=401)
+        runtime = state.runtime
+        return Response(render(lambda: None if runtime is None else runtime.stats(None)), media_type=CONTENT_TYPE)
 
     @app.websocket("/ws")
     async def rpc_endpoint(websocket: WebSocket) -> None:
