@@ -64,10 +64,9 @@ async fn main() -> Result<(), String> {
         .map(|(c, b)| format!("{}: {}", json_string(c), json_string(&b.text))).collect();
 
     ctx.fill(&format!("{}\nReason:", picked.text));
-    let reason = ctx.generate(&Sampler::greedy(), &Stop::new(max_tokens).eos(eos.clone()).string("\n")).await?;
+    let reason = ctx.gen(max_tokens, None, None, &["\n"]).await?;
     ctx.fill("\nConfidence (0-100): ");
-    let digits = Grammar::regex(ctx.queue(), "[0-9]{1,2}|100")?;
-    let confidence = ctx.generate_constrained(&digits, &Sampler::greedy(), 4).await?;
+    let confidence = ctx.gen(4, Some("[0-9]{1,2}|100"), None, &[]).await?;
     ctx.fill("\nVerdict as JSON: ");
     let schema = Grammar::json_schema(ctx.queue(), VERDICT)?;
     let verdict = ctx.generate_constrained(&schema, &Sampler::greedy(), max_tokens).await?;

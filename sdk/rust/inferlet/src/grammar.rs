@@ -8,7 +8,7 @@ use crate::bindings::grammar::{self, GrammarKind, Matcher};
 use crate::bindings::inference::{GrammarMask, LogitRules, Output};
 use crate::bindings::types::Error;
 use crate::context::{output, pass_sampler, Run};
-use crate::{Context, Queue, Sampler};
+use crate::{Context, Queue, Sampler, Stop};
 
 /// A compiled grammar and its parse state over the output so far.
 pub struct Grammar {
@@ -68,6 +68,28 @@ impl Context {
     pub fn run_constrained(&mut self, grammar: &Grammar, sampler: &Sampler, steps: u32, stop_tokens: &[u32],
                            streaming: bool) -> Result<Run<'_>, Error> {
         self.run_with_rules(sampler, &LogitRules::new(), Some(grammar), steps, stop_tokens, streaming)
+    }
+
+    /// SGLang's `gen`: greedy decoding of at most `max_tokens`, until EOS or one of `stop`,
+    /// constrained to match `regex` or to be exactly one of `choices` if given (unlike
+    /// [`Context::select`], which scores the choices); the text joins the context. `stop`
+    /// applies to unconstrained output (a grammar decides where constrained output ends).
+    /// The twin of the Python SDK's `Context.gen`.
+    pub async fn gen(&mut self, max_tokens: usize, regex: Option<&str>, choices: Option<&[&str]>,
+                     stop: &[&str]) -> Result<String, Error> {
+        let grammar = match (regex, choices) {
+            (Some(pattern), _) => Some(Grammar::regex(self.queue(), pattern)?),
+            (None, Some(options)) => Some(Grammar::choices(self.queue(), options)?),
+            (None, None) => None,
+        };
+        match grammar {
+            Some(grammar) => self.generate_constrained(&grammar, &Sampler::greedy(), max_tokens).await,
+            None => {
+                let stopping = stop.iter().fold(Stop::new(max_tokens).eos(self.queue().eos_tokens()),
+                                                |s, text| s.string(text));
+                self.generate(&Sampler::greedy(), &stopping).await
+            }
+        }
     }
 
     /// Decodes at most `max_tokens` tokens that the grammar allows, until the grammar is
