@@ -436,6 +436,8 @@ def test_metrics_scraped_during_a_run(server):
     assert after[("pie_instances_ended_total", (("outcome", "finished"),))] >= \
         before.get(("pie_instances_ended_total", (("outcome", "finished"),)), 0) + 1
     assert after[("pie_scheduler_batch_size_count", ())] > before[("pie_scheduler_batch_size_count", ())]
+    steps = after[("pie_backend_step_seconds_count", ())] - before[("pie_backend_step_seconds_count", ())]
+    assert steps > 0 and after[("pie_backend_step_seconds_sum", ())] > before[("pie_backend_step_seconds_sum", ())]
     stats = server.get("/stats")[1]["resources"]
     assert after[("pie_kv_pages_total", ())] == stats["kv_pages_total"]
     with pytest.raises(urllib.error.HTTPError) as refused:

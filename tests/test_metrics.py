@@ -13,7 +13,8 @@ STATS = {
     "ended": {"finished": 5, "trap": 1},
     "host_calls": {"text_completion": {"forward": 10, "sample": 4}},
     "scheduler": {"batches": {"pass": 4}, "calls": {"pass": 9}, "batch_sizes": {"1": 1, "2": 2, "4": 1},
-                  "mean_batch_size": 2.25, "mean_wait_ms": 1.5, "max_wait_ms": 4.0, "queued": {"pass": 2}},
+                  "mean_batch_size": 2.25, "mean_wait_ms": 1.5, "max_wait_ms": 4.0, "queued": {"pass": 2},
+                  "step_s_buckets": {"0.025": 1, "0.05": 3}, "steps": 4, "step_s_total": 0.15},
     "resources": {"kv_pages_free": 60, "kv_pages_total": 64, "embeds_free": 30, "embeds_total": 32,
                   "exports": [], "prefix_cache": {"cached_pages": 7, "lookups": 3, "lookup_tokens": 100,
                                                   "hit_tokens": 40, "hit_rate": 0.4, "saved_pages": 2,
@@ -41,6 +42,8 @@ def test_metrics_expose_the_stats_in_prometheus_format():
         [1, 3, 4, 4]
     assert got[("pie_scheduler_batch_size_sum", (r,))] == 9 and got[("pie_scheduler_batch_size_count", (r,))] == 4
     assert got[("pie_scheduler_wait_seconds_max", (r,))] == 0.004
+    assert got[("pie_backend_step_seconds_bucket", (("le", "0.05"), r))] == 3
+    assert got[("pie_backend_step_seconds_count", (r,))] == 4 and got[("pie_backend_step_seconds_sum", (r,))] == 0.15
     assert got[("pie_kv_pages_free", (r,))] == 60 and got[("pie_kv_pages_total", (r,))] == 64
     assert got[("pie_prefix_cache_hit_tokens_total", (r,))] == 40
     assert got[("pie_user_held", (r, ("resource", "kv_pages"), ("user", "token-ab12")))] == 4

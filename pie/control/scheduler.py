@@ -13,6 +13,7 @@ Markers (synchronize, deferred release) complete when they reach the head of the
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import os
@@ -99,6 +100,11 @@ def reads_result(command: Command) -> bool:
     return bool(command.item.get("out_embeds"))
 
 
+# Bounds of the model-step time histogram (/stats `step_s_buckets`, /metrics), seconds: a
+# decode step of the default model here takes ~25-45 ms, a long prefill seconds.
+STEP_BOUNDS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
 @dataclass
 class SchedulerStats:
     batches: Counter = field(default_factory=Counter)  # kind -> batches
@@ -106,10 +112,24 @@ class SchedulerStats:
     batch_sizes: Counter = field(default_factory=Counter)  # calls per batch -> batches
     wait_s_total: float = 0.0
     wait_s_max: float = 0.0
+    # Model steps (forward and pass batches): sent -> reply, the time the backend took plus
+    # the round trip; counted per bucket of STEP_BOUNDS_S (the last bucket: slower than all).
+    step_buckets: Counter = field(default_factory=Counter)
+    step_s_total: float = 0.0
+
+    def stepped(self, seconds: float) -> None:
+        self.step_buckets[bisect.bisect_left(STEP_BOUNDS_S, seconds)] += 1
+        self.step_s_total += seconds
 
     def as_dict(self) -> dict[str, Any]:
         calls = sum(self.calls.values())
+        steps = sum(self.step_buckets.values())
         return {
+            # steps at most each bound (cumulative, as Prometheus' histogram buckets), and all
+            "step_s_buckets": {f"{bound:g}": sum(n for i, n in self.step_buckets.items() if i <= b)
+                               for b, bound in enumerate(STEP_BOUNDS_S)},
+            "steps": steps,
+            "step_s_total": self.step_s_total,
             "batches": {str(k): v for k, v in self.batches.items()},
             "calls": {str(k): v for k, v in self.calls.items()},
             "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
@@ -534,6 +554,7 @@ class Scheduler:
             if batch and sent is not None and batch[0].kind in HEAVY:
                 self.last_forward_s = time.monotonic() - sent
                 self.costs.forwarded(self.last_forward_s, sum(c.tokens for c in batch))
+                self.stats.stepped(self.last_forward_s)
             elif batch and sent is not None and batch[0].kind == P.Kind.SWAP_KVPAGE:
                 self.costs.swapped(time.monotonic() - sent, sum(len(c.item["device"]) for c in batch))
         if batch is None:

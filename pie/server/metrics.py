@@ -73,6 +73,13 @@ class StatsCollector:
                                           labels=["replica"])
         histogram.add_metric([self.replica], buckets, sum_value=sum(size * n for size, n in sizes.items()))
         yield histogram
+        if "step_s_buckets" in scheduler:
+            steps = [(bound, count) for bound, count in scheduler["step_s_buckets"].items()]
+            steps.append(("+Inf", scheduler["steps"]))
+            step = HistogramMetricFamily("pie_backend_step_seconds", "Model steps (forward and pass batches): "
+                                         "sent to the backend -> its reply", labels=["replica"])
+            step.add_metric([self.replica], steps, sum_value=scheduler["step_s_total"])
+            yield step
         for name, key, what in (("pie_scheduler_wait_seconds_mean", "mean_wait_ms", "Mean time a call waited"),
                                 ("pie_scheduler_wait_seconds_max", "max_wait_ms", "Longest time a call waited")):
             family = GaugeMetricFamily(name, f"{what} in the scheduler before its batch left", labels=["replica"])
