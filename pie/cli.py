@@ -229,14 +229,14 @@ async def _run_on(url: str, token: str | None, program: str, data: bytes | None,
 
     async with PieClient(url, token) as client:
         target = await client.upload(data) if data is not None else program
-        instance = await client.launch(target, arguments, detached=detach, logs=not output.quiet,
-                                       on_log=None if detach or output.quiet else output.log)
+        instance = await client.launch(target, arguments, detached=detach, logs=not output.quiet)
         if detach:
             print(instance.id)
             console.print(f"[dim]{program}: detached; follow it with `pie attach {instance.id} "
                           f"--server {url}`[/]", highlight=False)
             return 0
         console.print(f"[dim]{program}: instance {instance.id}[/]")
+        output.take_logs(instance)
         return await output.follow(program, instance)
 
 
@@ -250,6 +250,14 @@ class Output:
 
     json: bool = False
     quiet: bool = False  # no log lines
+
+    def take_logs(self, instance) -> None:
+        """Print the instance's log lines from now on, those that came before first (they may
+        arrive with the launch reply, before the status line is printed)."""
+        for level, text in instance.logs:
+            self.log(level, text)
+        instance.logs.clear()
+        instance.on_log = self.log
 
     def log(self, level: str, text: str) -> None:
         if self.quiet:
@@ -303,7 +311,9 @@ def cmd_attach(args: argparse.Namespace) -> int:
     output = Output(args.json, args.quiet)
 
     async def follow(client: PieClient) -> int:
-        return await output.follow(args.instance, await client.attach(args.instance, output.log))
+        instance = await client.attach(args.instance)
+        output.take_logs(instance)
+        return await output.follow(args.instance, instance)
 
     return _with_client(args, follow)
 
