@@ -219,13 +219,18 @@ async def run(args: argparse.Namespace) -> dict:
     components = {"rust": build_inferlet(ROOT / "inferlets" / "hello").read_bytes(),
                   "python": build_python_inferlet(ROOT / "inferlets" / "python" / "hello.py").read_bytes()}
     python_tc = build_python_inferlet(ROOT / "inferlets" / "python" / "text_completion.py").read_bytes()
+    interpreter_component = build_python_inferlet(INTERPRETER).read_bytes()
+    with tempfile.TemporaryDirectory() as scratch:
+        return await measure(args, components, python_tc, interpreter_component, Path(scratch))
+
+
+async def measure(args: argparse.Namespace, components: dict[str, bytes], python_tc: bytes,
+                  interpreter_component: bytes, work: Path) -> dict:
+    """Every measurement, with `work` for the programs the rebuild and interpret rounds edit."""
     rounds = args.rounds or (QUICK_ROUNDS if args.quick else ROUNDS)
     launch_rounds, warm_per_round = (1, 2) if args.quick else (3, 7)
     max_tokens = 24 if args.quick else 64  # quick: enough for a forced tool call to reach its arguments
     made: list[str] = []
-    interpreter_component = build_python_inferlet(INTERPRETER).read_bytes()
-    work_dir = tempfile.TemporaryDirectory()
-    work = Path(work_dir.name)
     rebuild, rebuild_order = rebuild_times(1 if args.quick else 3, work)  # before the server: nothing else on the CPUs
     async with LocalServer(["--dtype", args.dtype]) as url:
         base = http_url(url)
@@ -238,7 +243,6 @@ async def run(args: argparse.Namespace) -> dict:
                 forget(made)
             interpreter = await client.upload(interpreter_component)
             interpret = await interpret_latency(client, interpreter, work / "edit_me.py", launch_rounds)
-            work_dir.cleanup()
             paths = Paths(client, http, base, model, await client.upload(python_tc), max_tokens)
             # Every run's (text, tokens), warm-up included: all must be the same.
             outputs: dict[str, list[tuple[str, int]]] = {k: [] for k in PATHS}

@@ -38,11 +38,7 @@ class WitWorld(wit_world.WitWorld):
 
 def build_python_inferlet(source: Path, console=None, cache: Path | None = None) -> Path:
     """Build `source` (my_inferlet.py) into a component; returns the cached component's path."""
-    source = Path(source).resolve()
-    if source.suffix != ".py":
-        raise ToolchainError(f"{source} is not a Python file (a Python inferlet is a .py module with `def main(args)`)")
-    if not source.is_file():
-        raise ToolchainError(f"no such file: {source}")
+    source = _checked_source(source)
     module = source.stem
     if not module.isidentifier():
         raise ToolchainError(f"{source.name}: the file name must be a Python module name")
@@ -68,6 +64,16 @@ def build_python_inferlet(source: Path, console=None, cache: Path | None = None)
     return component
 
 
+def _checked_source(source: Path) -> Path:
+    """`source` resolved, once it is known to be an existing .py file."""
+    source = Path(source).resolve()
+    if source.suffix != ".py":
+        raise ToolchainError(f"{source} is not a Python file (a Python inferlet is a .py module with `def main(args)`)")
+    if not source.is_file():
+        raise ToolchainError(f"no such file: {source}")
+    return source
+
+
 def _content_key(source: Path, tool: str) -> str:
     """A hash of everything the component is made from."""
     digest = hashlib.sha256()
@@ -82,11 +88,7 @@ def _content_key(source: Path, tool: str) -> str:
 def python_bundle(source: Path) -> str:
     """`source` and the other .py files of its folder as the interpreter's first argument:
     {"main": MODULE, "files": {MODULE: SOURCE, ...}} (sdk/python/runner/interpret.py)."""
-    source = Path(source).resolve()
-    if source.suffix != ".py":
-        raise ToolchainError(f"{source} is not a Python file (a Python inferlet is a .py module with `def main(args)`)")
-    if not source.is_file():
-        raise ToolchainError(f"no such file: {source}")
+    source = _checked_source(source)
     files = {path.stem: path.read_text() for path in sorted(source.parent.glob("*.py")) if path.stem.isidentifier()}
     text = json.dumps({"main": source.stem, "files": files})
     if len(text.encode()) > MAX_BUNDLE_BYTES:

@@ -36,8 +36,8 @@ def describe(e: BaseException, home: str = "") -> str:
     """One line for the end reason: `Type: message (at FILE:LINE in FUNCTION)`, the place
     being the innermost frame of a file under `home` (the inferlet's own code, not the
     SDK's or the standard library's), else the innermost frame."""
-    text = " ".join(str(e).split()) if not isinstance(e, Error) else f"{e.kind}: {' '.join(e.message.split())}"
-    head = text if isinstance(e, Error) else (f"{type(e).__name__}: {text}" if text else type(e).__name__)
+    text = " ".join(str(e).split())  # one line; an Error's text is already `kind: message`
+    head = text if isinstance(e, Error) else f"{type(e).__name__}: {text}" if text else type(e).__name__
     frames = _frames(e)
     own = [f for f in frames if home and f[0].startswith(home)] or frames
     if not own:

@@ -274,12 +274,7 @@ impl Context {
             stop_tokens: Vec::new(),
             input_tokens: tokens,
         })?;
-        let queue = self.queue.clone();
-        Ok(async move {
-            let result = PassWait { id, queue }.await.pop().expect("a pass's results are never empty");
-            check(&result)?;
-            Ok(result)
-        })
+        Ok(awaited(self.queue.clone(), id))
     }
 
     /// Runs every pending token, with `out` computed at the last of them; its result.
@@ -890,6 +885,13 @@ pub(crate) fn pass_sampler(s: &Sampler) -> inference::Sampler {
 }
 
 /// A failed pass's error.
+/// The final result of pass `id` on `queue`, checked (a failed pass is its error).
+pub(crate) async fn awaited(queue: Rc<Queue>, id: u64) -> Result<PassResult, Error> {
+    let result = PassWait { id, queue }.await.pop().expect("a pass's results are never empty");
+    check(&result)?;
+    Ok(result)
+}
+
 pub(crate) fn check(result: &PassResult) -> Result<(), Error> {
     match (&result.status, &result.failure) {
         (PassStatus::Failed, Some(e)) => Err(e.clone()),

@@ -8,8 +8,7 @@
 
 use crate::bindings::inference::{self, Output};
 use crate::bindings::types::{Error, ErrorKind};
-use crate::context::{check, output};
-use crate::executor::PassWait;
+use crate::context::{awaited, output};
 use crate::Context;
 
 /// How [`Context::select`] turns a choice's token log-probabilities into its score.
@@ -76,8 +75,8 @@ impl Context {
             Normalize::Sum => lp.iter().sum(),
             _ => lp.iter().sum::<f32>() / lp.len() as f32,
         }).collect();
-        for (i, id) in fresh.into_iter().enumerate() {
-            let alone = token_logprobs(wait(self, id).await?);
+        for (i, pass) in fresh.into_iter().enumerate() {
+            let alone = token_logprobs(pass.await?);
             let lp = &logprobs[i];
             scores[i] = lp.iter().zip(&alone).map(|(a, b)| a - b).sum::<f32>() / lp.len() as f32;
         }
@@ -86,9 +85,10 @@ impl Context {
     }
 
     /// Enqueues a pass over `tokens` alone (no context, no KV written) on this context's
-    /// queue; its id.
-    fn fresh_pass(&self, tokens: &[u32], outs: Vec<Output>) -> Result<u64, Error> {
-        inference::execute(self.queue().raw(), inference::ForwardPass {
+    /// queue; its result, awaited.
+    fn fresh_pass(&self, tokens: &[u32], outs: Vec<Output>)
+                  -> Result<impl std::future::Future<Output = Result<inference::PassResult, Error>>, Error> {
+        let id = inference::execute(self.queue().raw(), inference::ForwardPass {
             input_embeds: Vec::new(),
             positions: (0..tokens.len() as u32).collect(),
             input_kv_pages: Vec::new(),
@@ -99,7 +99,8 @@ impl Context {
             outputs: outs,
             stop_tokens: Vec::new(),
             input_tokens: tokens.to_vec(),
-        })
+        })?;
+        Ok(awaited(self.queue().clone(), id))
     }
 }
 
@@ -109,12 +110,6 @@ fn outputs(first: u32, tokens: &[u32]) -> Vec<Output> {
     tokens.iter().enumerate()
         .map(|(i, &t)| Output { index: first + i as u32, logprobs_of: vec![t], ..output(0) })
         .collect()
-}
-
-async fn wait(ctx: &Context, id: u64) -> Result<inference::PassResult, Error> {
-    let result = PassWait { id, queue: ctx.queue().clone() }.await.pop().expect("a pass's results are never empty");
-    check(&result)?;
-    Ok(result)
 }
 
 /// The log-probability each output asked for, in output order.
