@@ -244,6 +244,35 @@ def test_pie_run_shows_the_log_on_stderr_or_every_event_as_json(server, probe, t
     assert events[2]["end"] == "finished" and events[2]["usage"]["host_calls"] > 0 and len(events) == 3
 
 
+def test_text_stream_gives_the_whole_lists_text_a_token_at_a_time(server, probe, tokenizer):
+    """inferlet::TextStream (a window of recent tokens per push) adds up to what detokenizing
+    every token gives, holding a character split over byte tokens until it is whole, across
+    several moves of its window (60+ tokens, window 16)."""
+    text = ("Naïve café owners — 😀 say 你好, 世界! " * 3).strip()
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    assert len(ids) > 60
+
+    async def run():
+        async with PieClient(server.ws, TOKEN) as client:
+            instance = await client.launch(await client.upload(probe), ["textstream", ",".join(map(str, ids))])
+            return [m async for m in instance], await instance.wait()
+
+    messages, reason = asyncio.run(run())
+    assert reason == "finished"
+    out = json.loads(messages[0])
+    assert out["finish"] == tokenizer.decode(ids, skip_special_tokens=False) == text
+    held = 0
+    for k in range(1, len(ids) + 1):
+        streamed = "".join(out["pieces"][:k])
+        whole = tokenizer.decode(ids[:k], skip_special_tokens=False)
+        if whole.endswith("\ufffd"):
+            held += 1
+            assert whole.startswith(streamed)
+        else:
+            assert streamed == whole
+    assert held > 0  # some characters did span tokens
+
+
 def test_forked_context_continues_like_the_original(server, probe, hf_model, tokenizer):
     """Context::fork shares the full pages and copies the partial last one: both decode the
     same greedy tokens as HF transformers on the prompt."""

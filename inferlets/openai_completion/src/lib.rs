@@ -30,7 +30,7 @@
 //! Arguments: (--prompt TEXT | --message ROLE CONTENT ...) --max-tokens N [--temperature T] [--top-p P] [--seed S] [--stop TEXT ...] [--n N] [--logprobs K] [--ignore-eos] [--whole] [--grammar KIND SOURCE] [--logit-bias ID BIAS ...] [--presence-penalty P] [--frequency-penalty F] [--min-tokens N] [--stop-token ID ...] [--echo]
 //! Output: JSON lines: {"prompt_tokens": n}, then per choice {"index", "text", "logprobs"?} deltas and a final {"index", "finish_reason", "completion_tokens"}.
 
-use inferlet::{chat, join_all, ChatMessage, Context, Grammar, GrammarKind, LogitRules, Model, Sampler};
+use inferlet::{chat, join_all, ChatMessage, Context, Grammar, GrammarKind, LogitRules, Model, Sampler, TextStream};
 use inferlet::json::json_string;
 
 inferlet::main!(main);
@@ -167,10 +167,10 @@ async fn choice(index: usize, mut ctx: Context, r: &Request, eos: &[u32]) -> Res
     if r.logprobs.is_none() {
         return streamed(index, ctx, r, eos, &stops, sampler, grammar.as_ref()).await;
     }
-    // `generated`: the tokens whose text is the completion (an EOS passed over with
-    // --ignore-eos counts as a completion token but has no text, as in vLLM); `drawn`:
-    // every token drawn, which the penalties count.
-    let (mut generated, mut drawn, mut sent, mut finish) = (Vec::new(), Vec::new(), 0usize, "length");
+    // `text`: the completion's tokens and text (an EOS passed over with --ignore-eos counts
+    // as a completion token but has no text, as in vLLM); `drawn`: every token drawn, which
+    // the penalties count.
+    let (mut text, mut drawn, mut sent, mut finish) = (TextStream::new(&queue), Vec::new(), 0usize, "length");
     while drawn.len() < r.max_tokens {
         let k = r.logprobs.map(|k| k.clamp(1, 256).max(20)).unwrap_or(0);
         let rules = r.rules(&stops, &drawn);
@@ -210,11 +210,10 @@ async fn choice(index: usize, mut ctx: Context, r: &Request, eos: &[u32]) -> Res
             }
             continue;
         }
-        generated.push(token);
-        let text = queue.detokenize(&generated)?;
-        let cut = r.stops.iter().filter_map(|s| text.find(s.as_str())).min();
-        let end = cut.unwrap_or_else(|| safe_len(&text, &r.stops));
-        let line = format!("{{\"index\":{index},\"text\":{}{logprobs}", json_string(&text[sent.min(end)..end]));
+        text.push(&[token])?;
+        let cut = r.stops.iter().filter_map(|s| text.text().find(s.as_str())).min();
+        let end = cut.unwrap_or_else(|| safe_len(text.text(), &r.stops));
+        let line = format!("{{\"index\":{index},\"text\":{}{logprobs}", json_string(&text.text()[sent.min(end)..end]));
         inferlet::send(&(line + "}"));
         sent = sent.max(end);
         if cut.is_some() {
@@ -222,7 +221,7 @@ async fn choice(index: usize, mut ctx: Context, r: &Request, eos: &[u32]) -> Res
             break;
         }
     }
-    end_choice(index, &queue.detokenize(&generated)?, sent, finish, drawn.len(), r)
+    end_choice(index, &text.finish()?, sent, finish, drawn.len(), r)
 }
 
 /// A choice without log-probabilities: one host-side run (`Context::run_with_rules`),
@@ -231,7 +230,9 @@ async fn choice(index: usize, mut ctx: Context, r: &Request, eos: &[u32]) -> Res
 async fn streamed(index: usize, mut ctx: Context, r: &Request, eos: &[u32], stops: &[u32], sampler: Sampler,
                   grammar: Option<&Grammar>) -> Result<(), String> {
     let queue = ctx.queue().clone();
-    let (mut generated, mut count, mut sent, mut finish) = (Vec::new(), 0usize, 0usize, "length");
+    // Live, the text grows a token at a time (TextStream); otherwise it is decoded once.
+    let (mut generated, mut text) = (Vec::new(), TextStream::new(&queue));
+    let (mut count, mut sent, mut finish) = (0usize, 0usize, "length");
     if r.max_tokens > 0 {
         // Text goes out as it is drawn when the client streams or a stop string must be
         // watched for; otherwise the run reports its tokens once, when it ends.
@@ -252,15 +253,15 @@ async fn streamed(index: usize, mut ctx: Context, r: &Request, eos: &[u32], stop
                 if eos.contains(&token) {
                     continue;
                 }
-                generated.push(token);
                 if !live {
+                    generated.push(token);
                     continue;
                 }
-                let text = queue.detokenize(&generated)?;
-                let cut = r.stops.iter().filter_map(|s| text.find(s.as_str())).min();
-                let end = cut.unwrap_or_else(|| safe_len(&text, &r.stops));
+                text.push(&[token])?;
+                let cut = r.stops.iter().filter_map(|s| text.text().find(s.as_str())).min();
+                let end = cut.unwrap_or_else(|| safe_len(text.text(), &r.stops));
                 if end > sent {
-                    inferlet::send(&format!("{{\"index\":{index},\"text\":{}}}", json_string(&text[sent..end])));
+                    inferlet::send(&format!("{{\"index\":{index},\"text\":{}}}", json_string(&text.text()[sent..end])));
                 }
                 sent = sent.max(end);
                 if cut.is_some() {
@@ -272,7 +273,8 @@ async fn streamed(index: usize, mut ctx: Context, r: &Request, eos: &[u32], stop
         }
         run.finish()?;
     }
-    end_choice(index, &queue.detokenize(&generated)?, sent, finish, count, r)
+    let text = if generated.is_empty() { text.finish()? } else { queue.detokenize(&generated)? };
+    end_choice(index, &text, sent, finish, count, r)
 }
 
 /// The rest of the text (up to a stop string) and the choice's finish line.

@@ -17,6 +17,8 @@
 //! - `turns PROMPT TEXT...`: greedy-decodes 8 tokens after PROMPT, then 8 after each TEXT
 //!   filled into the same Context (each fill a pass that continues the live context); sends
 //!   `{"tokens": [every token of the sequence], "generated": [tokens decoded per turn]}`.
+//! - `textstream ID,ID,...`: pushes the token ids one at a time into an `inferlet::TextStream`;
+//!   sends `{"pieces": [the text each push added], "finish": the final text}`.
 //! - `objectives N`: marks N new queues latency (sends `latency: N ok` or `latency: K ok, then
 //!   ERROR`), then sends the result of a 300-byte group name, a job-size hint of 2^31 tokens
 //!   and one of 100 tokens, each `ok` or the error, one message each.
@@ -207,6 +209,18 @@ async fn main() -> Result<(), String> {
             }
             let tokens: Vec<String> = ctx.tokens().iter().map(u32::to_string).collect();
             inferlet::send(&format!("{{\"tokens\": [{}], \"generated\": [{}]}}", tokens.join(","), generated.join(",")));
+            Ok(())
+        }
+        Some("textstream") => {
+            let ids: Vec<u32> = args[1].split(',').map(|t| t.parse().map_err(|_| "textstream ID,ID,..."))
+                .collect::<Result<_, _>>()?;
+            let mut stream = inferlet::TextStream::new(&std::rc::Rc::new(queue));
+            let mut pieces = Vec::new();
+            for id in ids {
+                pieces.push(inferlet::json::json_string(stream.push(&[id])?));
+            }
+            let finish = inferlet::json::json_string(&stream.finish()?);
+            inferlet::send(&format!("{{\"pieces\": [{}], \"finish\": {finish}}}", pieces.join(",")));
             Ok(())
         }
         Some("objectives") => {

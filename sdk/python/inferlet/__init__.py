@@ -40,9 +40,10 @@ from inferlet.sampling import Sampler, Stop
 from inferlet.select import Selection
 from inferlet.snapshot_finder import SnapshotFinder
 from inferlet.stdio import LogStream
+from inferlet.text_stream import TextStream
 
 __all__ = ["Branch", "Context", "Error", "Future", "Grammar", "Model", "Queue", "Response", "Sampler",
-           "Selection", "Stop", "Subscription", "args", "beam_search", "broadcast", "chat",
+           "Selection", "Stop", "Subscription", "TextStream", "args", "beam_search", "broadcast", "chat",
            "generate_branches", "http_get", "http_post", "log", "receive", "run_main",
            "send", "store_delete", "store_get", "store_set", "subscribe", "wait_all",
            "wait_any"]

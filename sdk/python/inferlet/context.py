@@ -20,6 +20,7 @@ from inferlet.grammar import Grammar
 from inferlet.model import Queue
 from inferlet.sampling import Sampler, Stop
 from inferlet.select import Selection, select
+from inferlet.text_stream import TextStream
 
 
 class Page:
@@ -472,6 +473,7 @@ class Generation:
         self.ctx, self.sampler, self.stop = ctx, sampler, stop
         self.mask = None if grammar is None else inference.GrammarMask(matcher=grammar.id(), advance=True)
         self.generated: list[int] = []
+        self.text = TextStream(ctx.queue)  # what stop strings are looked for in
         self.seed = sampler.seed
         self.run = self._start() if stop.max_tokens > 0 else None
 
@@ -498,7 +500,8 @@ class Generation:
                         if t in stop.eos:
                             break
                         visible.append(t)
-                    cut = stop.cut(ctx.queue.detokenize(visible))
+                    self.text.push(visible[len(self.text.tokens):])
+                    cut = stop.cut(self.text.text)
                     if cut is not None and status == "running":
                         host(inference.cancel, ctx.queue.raw, pass_id)
             ctx._claim_unclaimed()

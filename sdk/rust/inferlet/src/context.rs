@@ -26,7 +26,7 @@ use crate::bindings::types::{Embed, Error, ErrorKind, KvPage};
 use crate::bindings::memory::{self, KvClass};
 use crate::bindings::{allocate, input_text, kvs};
 use crate::executor::{claim, PassWait};
-use crate::{ChatMessage, Queue, Sampler, Stop};
+use crate::{ChatMessage, Queue, Sampler, Stop, TextStream};
 
 /// A KV page, freed when the last context holding it drops it.
 struct Page {
@@ -439,6 +439,7 @@ impl Context {
     pub async fn generate(&mut self, sampler: &Sampler, stop: &Stop) -> Result<String, Error> {
         let mut sampler = sampler.clone();
         let mut generated: Vec<u32> = Vec::new();
+        let mut text = TextStream::new(&self.queue); // what stop strings are looked for in
         while generated.len() < stop.max_tokens {
             let steps = (stop.max_tokens - generated.len()).min(RUN_STEPS) as u32;
             let mut run = self.run(&sampler, steps, &stop.eos_tokens, !stop.strings.is_empty())?;
@@ -447,7 +448,8 @@ impl Context {
                 if cut.is_none() && !stop.strings.is_empty() {
                     let visible: Vec<u32> = generated.iter().chain(run.drawn()).copied()
                         .take_while(|t| !stop.eos_tokens.contains(t)).collect();
-                    cut = stop.cut(&run.queue().detokenize(&visible)?).map(str::to_string);
+                    text.push(&visible[text.tokens().len()..])?;
+                    cut = stop.cut(text.text()).map(str::to_string);
                     if cut.is_some() {
                         run.cancel()?;
                     }

@@ -38,6 +38,7 @@ mod rules;
 mod sampling;
 pub mod select;
 pub mod speculative;
+mod text_stream;
 
 pub use bindings::output_text::Sampler;
 pub use bindings::scheduling::Objective;
@@ -53,6 +54,7 @@ pub use lines::Line;
 pub use model::{Model, Queue};
 pub use sampling::Stop;
 pub use select::{Normalize, Selection};
+pub use text_stream::TextStream;
 
 use bindings::{messaging, runtime};
 

@@ -2,7 +2,7 @@
 //! `Action: tool[input]`, `Code: ...`).
 
 use crate::bindings::types::Error;
-use crate::{Context, Sampler};
+use crate::{Context, Sampler, TextStream};
 
 /// One decoded line.
 #[derive(Clone, Debug)]
@@ -23,23 +23,23 @@ impl Context {
     pub async fn decode_line(&mut self, max: usize, stops: &[char], mut watch: impl FnMut(&str, usize))
                              -> Result<Line, Error> {
         let eos = self.queue().eos_tokens();
-        let mut tokens = Vec::new();
-        while tokens.len() < max {
+        let mut line = TextStream::new(self.queue());
+        while line.tokens().len() < max {
             let token = self.decode_step(&Sampler::greedy()).await?;
             if eos.contains(&token) {
                 self.truncate(self.len() - 1); // still pending: nothing was run
                 break;
             }
-            tokens.push(token);
-            let text = self.queue().detokenize(&tokens)?;
-            watch(&text, tokens.len());
+            line.push(&[token])?;
+            let (text, n) = (line.text(), line.tokens().len());
+            watch(text, n);
             if let Some(at) = text.find(stops) {
                 let stop = text[at..].chars().next().unwrap();
                 let end = if stop == '\n' { at } else { at + stop.len_utf8() };
-                return Ok(Line { text: text[..end].to_string(), tokens: tokens.len(),
-                                 newline: text[at..].contains('\n') });
+                return Ok(Line { text: text[..end].to_string(), tokens: n, newline: text[at..].contains('\n') });
             }
         }
-        Ok(Line { text: self.queue().detokenize(&tokens)?, tokens: tokens.len(), newline: false })
+        let n = line.tokens().len();
+        Ok(Line { text: line.finish()?, tokens: n, newline: false })
     }
 }
