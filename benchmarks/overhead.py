@@ -20,7 +20,9 @@
   decoding 64 tokens each at once, one untimed warm-up wave, then per wave the CPU time
   (user + system) of this process (os.times()), of its scheduler thread and of the backend
   process (/proc/<id>/stat utime + stime), read around the wave, over the tokens the
-  instances report; the median over rounds.
+  instances report; the median over rounds. The same again with streaming: 16
+  `openai_completion`s (`--ignore-eos`, not `--whole`) waking per token to detokenize and
+  send the new text, as the OpenAI endpoints' streamed requests and Table 5 do.
 
 The runtime and control layer run in this process against a real `pie backend` process
 (the WebSocket server is left out: it adds one message per event, not per token).
@@ -91,9 +93,11 @@ def run_to_end(runtime: Runtime, program: str, args: list[str], timeout: float =
     return messages
 
 
-def run_wave(runtime: Runtime, prompts: list[str], tokens: int) -> int:
-    """`text_completion` on every prompt at once, to the end; the tokens they generated
-    (from each instance's usage: tokens drawn on the host, whatever calls drew them)."""
+def run_wave(runtime: Runtime, prompts: list[str], tokens: int, program: str = "text_completion",
+             extra: tuple[str, ...] = ()) -> int:
+    """`program` (text_completion or openai_completion) on every prompt at once, to the end;
+    the tokens they generated (from each instance's usage: tokens drawn on the host,
+    whatever calls drew them)."""
     done, reasons, generated = threading.Semaphore(0), [], []
 
     def on_event(_: str, kind: str, data: str, usage: dict | None) -> None:  # runtime.EventSink
@@ -103,12 +107,12 @@ def run_wave(runtime: Runtime, prompts: list[str], tokens: int) -> int:
             done.release()
 
     for p in prompts:
-        runtime.launch("text_completion", ["--prompt", p, "--max-tokens", str(tokens)], on_event)
+        runtime.launch(program, ["--prompt", p, "--max-tokens", str(tokens), *extra], on_event)
     for _ in prompts:
         if not done.acquire(timeout=TIMEOUT_S):
-            raise RuntimeError(f"text_completion x{len(prompts)}: not all ended in {TIMEOUT_S:.0f} s")
+            raise RuntimeError(f"{program} x{len(prompts)}: not all ended in {TIMEOUT_S:.0f} s")
     if reasons != ["finished"] * len(prompts):
-        raise RuntimeError(f"text_completion x{len(prompts)}: {reasons}")
+        raise RuntimeError(f"{program} x{len(prompts)}: {reasons}")
     return sum(generated)
 
 
@@ -275,9 +279,13 @@ def own_cpu_s() -> float:
 CPU_PARTS = ("control", "scheduler", "backend")
 
 
-def control_cpu(runtime: Runtime, backend_pid: int, instances: int, tokens: int, rounds: int) -> dict:
-    """CPU time per generated token while `instances` text_completions decode `tokens`
-    each at once: this process (the control process: runtime, control layer, inferlets;
+STREAMED = ("openai_completion", ("--ignore-eos",))  # a text delta sent per token
+
+
+def control_cpu(runtime: Runtime, backend_pid: int, instances: int, tokens: int, rounds: int,
+                program: str = "text_completion", extra: tuple[str, ...] = ()) -> dict:
+    """CPU time per generated token while `instances` of `program` decode `tokens` each at
+    once: this process (the control process: runtime, control layer, inferlets;
     os.times()), its scheduler thread alone and the backend process (/proc utime + stime),
     read around each wave, after one untimed warm-up wave; the median over rounds."""
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(instances)]
@@ -286,18 +294,18 @@ def control_cpu(runtime: Runtime, backend_pid: int, instances: int, tokens: int,
     def read() -> tuple[float, float, float]:
         return own_cpu_s(), cpu_s(os.getpid(), scheduler), cpu_s(backend_pid)
 
-    run_wave(runtime, prompts, tokens)  # warm-up
+    run_wave(runtime, prompts, tokens, program, extra)  # warm-up
     per_round = []
     for _ in range(rounds):
         before = read()
-        generated = run_wave(runtime, prompts, tokens)
+        generated = run_wave(runtime, prompts, tokens, program, extra)
         after = read()
         if not generated:
-            raise RuntimeError(f"text_completion x{instances}: no tokens generated")
+            raise RuntimeError(f"{program} x{instances}: no tokens generated")
         spent = {f"{part}_cpu_s": round(a - b, 4) for part, a, b in zip(CPU_PARTS, after, before)}
         per_round.append({"tokens": generated, **spent, **{
             f"{part}_ms_per_token": 1e3 * spent[f"{part}_cpu_s"] / generated for part in CPU_PARTS}})
-    out = {"instances": instances, "tokens_each": tokens, "tokens_asked": instances * tokens,
+    out = {"program": program, "instances": instances, "tokens_each": tokens, "tokens_asked": instances * tokens,
            "clock_ticks_per_s": os.sysconf("SC_CLK_TCK"), "rounds": per_round,
            "target_control_ms_per_token": CONTROL_CPU_TARGET_MS}
     for part in CPU_PARTS:
@@ -321,7 +329,7 @@ def main() -> None:
     config.backend.dtype = args.dtype
     model_dir = resolve_model_dir(config.model.path, config.paths.cache)
     builtins = {name: build_inferlet(ROOT / "inferlets" / name)
-                for name in ("hello", "text_completion", "probe")}
+                for name in ("hello", "text_completion", "openai_completion", "probe")}
     backend = BackendProcess(model_dir, extra_args=["--dtype", args.dtype])
     try:
         link, hs = backend.connect()
@@ -338,12 +346,13 @@ def main() -> None:
 
         results["launch"] = launches(runtime, [1, 4] if args.quick else [1, 4, 16, 64, 256], rounds)
 
-        cpu = results["control_cpu"] = control_cpu(runtime, backend.process.pid, 4 if args.quick else 16,
-                                                   8 if args.quick else 64, rounds)
-        print(f"CPU per generated token, {cpu['instances']} x {cpu['tokens_each']} tokens at once: control "
-              f"process {cpu['control_ms_per_token']:.3f} ms (target {CONTROL_CPU_TARGET_MS} ms), its "
-              f"scheduler thread {cpu['scheduler_ms_per_token']:.3f} ms, backend "
-              f"{cpu['backend_ms_per_token']:.3f} ms", flush=True)
+        for key, (program, extra) in (("control_cpu", ("text_completion", ())), ("control_cpu_streamed", STREAMED)):
+            cpu = results[key] = control_cpu(runtime, backend.process.pid, 4 if args.quick else 16,
+                                             8 if args.quick else 64, rounds, program, extra)
+            print(f"CPU per generated token, {cpu['instances']} {program} x {cpu['tokens_each']} tokens at "
+                  f"once: control process {cpu['control_ms_per_token']:.3f} ms (target "
+                  f"{CONTROL_CPU_TARGET_MS} ms), its scheduler thread {cpu['scheduler_ms_per_token']:.3f} ms, "
+                  f"backend {cpu['backend_ms_per_token']:.3f} ms", flush=True)
 
         results["per_token"] = []
         for batch in ([1, 2] if args.quick else [1, 8, 32]):

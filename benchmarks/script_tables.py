@@ -66,11 +66,13 @@ def overhead(data: Json) -> list[str]:
     lines += ["", f"Host calls per generated token: {calls['calls_per_token']:.2f} "
               f"({calls['calls']} calls over {calls['tokens']} tokens of one `text_completion`; issue 15: ≤ 2; "
               f"{', '.join(f'{k} {v}' for k, v in busiest)})."]
-    if cpu := data.get("control_cpu"):
+    for key, how in (("control_cpu", "decode"), ("control_cpu_streamed", "stream (a text delta per token)")):
+        if not (cpu := data.get(key)):
+            continue
         target = cpu["target_control_ms_per_token"]
-        lines += ["", f"CPU time per generated token while {cpu['instances']} `text_completion`s decode "
-                  f"{cpu['tokens_each']} tokens each at once (median of {len(cpu['rounds'])} waves, from "
-                  "`os.times()` and `/proc`):", "",
+        lines += ["", f"CPU time per generated token while {cpu['instances']} "
+                  f"`{cpu.get('program', 'text_completion')}`s {how} {cpu['tokens_each']} tokens each at once "
+                  f"(median of {len(cpu['rounds'])} waves, from `os.times()` and `/proc`):", "",
                   "| process | ms/token | target |", "|---|---|---|",
                   f"| control process | {_f(cpu['control_ms_per_token'])} | ≤ {_f(target)} "
                   f"({'met' if cpu['control_ms_per_token'] <= target else 'not met'}) |",

@@ -144,7 +144,15 @@ def test_overhead_quick(results):
         assert row["mean_forward_batch"] == pytest.approx(sum(row["forward_calls"]) / sum(row["forward_batches"]))
         assert 1 <= row["mean_forward_batch"] <= row["batch"], row
 
-    cpu = data["control_cpu"]
+    for key, program in (("control_cpu", "text_completion"), ("control_cpu_streamed", "openai_completion")):
+        check_control_cpu(data[key], program, rounds)
+
+    scheduler = data["scheduler"]
+    assert sum(scheduler["batches"].get(k, 0) for k in ("forward", "pass")) > 0, scheduler
+
+
+def check_control_cpu(cpu: dict, program: str, rounds: int) -> None:
+    assert cpu["program"] == program
     assert cpu["instances"] >= 2 and cpu["tokens_each"] >= 2
     assert cpu["tokens_asked"] == cpu["instances"] * cpu["tokens_each"]
     assert cpu["target_control_ms_per_token"] == 0.3 and cpu["clock_ticks_per_s"] > 0
@@ -161,9 +169,6 @@ def test_overhead_quick(results):
         per_round = sorted(r[f"{part}_ms_per_token"] for r in cpu["rounds"])
         assert per_round[0] <= cpu[f"{part}_ms_per_token"] <= per_round[-1], part  # the median
     assert cpu["control_ms_per_token"] > 0 and cpu["backend_ms_per_token"] > 0
-
-    scheduler = data["scheduler"]
-    assert sum(scheduler["batches"].get(k, 0) for k in ("forward", "pass")) > 0, scheduler
 
 
 def test_backend_quick(results):
