@@ -111,7 +111,8 @@ def draw_rows(logits: torch.Tensor, temperature: np.ndarray, top_k: np.ndarray,
     out = np.zeros(len(temperature), dtype=np.int64)
     greedy = np.flatnonzero(temperature == 0)
     if len(greedy):
-        out[greedy] = torch.argmax(logits[torch.from_numpy(greedy).to(logits.device)], dim=-1).cpu().numpy()
+        rows = logits if len(greedy) == len(out) else logits[torch.from_numpy(greedy).to(logits.device)]
+        out[greedy] = torch.argmax(rows, dim=-1).cpu().numpy()
     hot = np.flatnonzero(temperature != 0)
     if len(hot):
         probs = filtered_probs(logits[torch.from_numpy(hot).to(logits.device)], temperature[hot],
