@@ -124,6 +124,12 @@ class ControlConfig:
     batch_t_ms: float = 10.0
     srjf_lambda: float = 0.5
     max_dist_k: int = 256  # cap on k of get-next-dist
+    # A streaming run (inference.run with streaming) wakes its inferlet once per this many
+    # drawn tokens, and at its end (vLLM's --stream-interval). 1: every token. Each wake is
+    # a thread switch and ~3 host calls, ~0.55 ms of control CPU per token at 16 streams
+    # (benchmarks/results/overhead.json); 4 divides that by ~4 for text that arrives in
+    # bursts of 4 tokens and stop strings seen up to 3 tokens late (the SDKs cut the text).
+    stream_interval: int = 1
     # Chunked prefill: while some sequence decodes, a batch carries at most this many new
     # tokens and a longer prompt is prefilled over several batches, so decoders keep going
     # (docs/architecture.md, "Chunked prefill"). Without decoders a batch fills the
@@ -172,8 +178,8 @@ class ControlConfig:
             raise ConfigError(f"control.srjf_lambda must be >= 0, got {self.srjf_lambda}")
         _check_choice("control.kv_pressure", self.kv_pressure,
                       ("min-waste", "swap", "discard", "preserve", "wait", "terminate-newest"))
-        if self.batch_k < 1 or self.batch_t_ms <= 0 or self.max_dist_k < 1:
-            raise ConfigError("control.batch_k, batch_t_ms and max_dist_k must be positive")
+        if self.batch_k < 1 or self.batch_t_ms <= 0 or self.max_dist_k < 1 or self.stream_interval < 1:
+            raise ConfigError("control.batch_k, batch_t_ms, max_dist_k and stream_interval must be positive")
         if self.max_step_tokens < 16:
             raise ConfigError(f"control.max_step_tokens must be at least 16, got {self.max_step_tokens}")
         if self.latency_batch_tokens < self.max_step_tokens:

@@ -35,6 +35,7 @@ def test_partial_file_overrides_only_its_keys(tmp_path):
         ('[control]\nkv_pressure = "terminate-newest"\nalloc_wait_ms = 0\n', "needs control.alloc_wait_ms > 0"),
         ("[server]\ndrain_timeout_s = -1\n", "server.drain_timeout_s must be >= 0"),
         ("[server]\nmax_pending_messages = 0\n", "max_pending_messages must be positive"),
+        ("[control]\nstream_interval = 0\n", "stream_interval must be positive"),
     ],
 )
 def test_bad_config_is_a_clear_error(tmp_path, text, message):

@@ -339,3 +339,23 @@ def test_chunking_spares_passes_it_cannot_cut_and_fails_a_pass_whose_chunk_faile
     assert sizes[:3] == [3, 41, 17] and all(s == 1 for s in sizes[3:])
     d.close()
     p.close()
+
+
+def test_a_streaming_run_wakes_its_taker_once_per_stream_interval_and_at_its_end():
+    """control.stream_interval = 3: results are listed (and `take`'s waiter woken) when 3
+    tokens wait, and whatever is left when the run ends."""
+    from pie.control.passes import Pass, PassResults, Status
+    from pie.control.scheduler import CommandQueue
+
+    results = PassResults()
+    p = Pass(CommandQueue("i"), 1, 16, [1], [0], [], [], 0, [], 0, None, [], stream_every=3)
+    results.opened()
+    for token in (10, 11):
+        results.publish(p, Status.RUNNING, [token])
+        assert not results.done()
+    results.publish(p, Status.RUNNING, [12])
+    assert results.done() and results.take() == [(1, Status.RUNNING, [10, 11, 12], [], None)]
+    results.publish(p, Status.RUNNING, [13])
+    assert not results.done()
+    results.publish(p, Status.DONE, [14])
+    assert results.take() == [(1, Status.DONE, [13, 14], [], None)] and results.idle()

@@ -428,7 +428,8 @@ class InstanceSession:
         p = Pass(q, self.next_pass_id, self.page_size, list(token_ids), list(positions),
                  self.resources.embeds.resolve(embeds), self._pages(kv_pages),
                  last_len, self._pages(out_pages, writable=True), out_offset,
-                 mask, outputs, frozenset(stop_tokens), stream=stream, scope=self.resources.user)
+                 mask, outputs, frozenset(stop_tokens), stream=stream,
+                 stream_every=self.c.config.control.stream_interval, scope=self.resources.user)
         p.validate(self.limits, run_steps)
         self.next_pass_id += 1
         self.passes[p.pass_id] = p

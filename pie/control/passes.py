@@ -93,6 +93,7 @@ class Pass:
     outputs: list[Output]
     stop_tokens: frozenset[int] = frozenset()
     stream: bool = True  # a run reports each step's token (else once, at its end)
+    stream_every: int = 1  # a streaming run wakes its taker once per this many tokens (control.stream_interval)
     steps_left: int = 1
     kind: str = P.Kind.PASS  # what the scheduler batches by
     tokens: int = 0  # new tokens: counts toward max_batch_tokens
@@ -354,8 +355,8 @@ class PassResults:
             p.status, p.error = status, error
             if status is not Status.RUNNING:
                 self.open -= 1
-            if status is Status.RUNNING and not p.stream:
-                return  # kept for the end of the run: nobody is woken per token
+            if status is Status.RUNNING and (not p.stream or len(p.fresh) < p.stream_every):
+                return  # kept for the end of the run or the next wake: nobody is woken now
             if not p.listed:
                 p.listed = True
                 self.ready.append(p)
