@@ -6,11 +6,12 @@ Why: eager, the glue is ~20 Python-dispatched ops per layer, 600 per step. Fused
 decode step (benchmarks/quantization.py's "base", Xeon 2 vCPU, context 128) went from 22.0
 / 38.3 / 94.2 ms to 19.5 / 35.2 / 92.9 ms at batch 1 / 8 / 32, int8 weights from 12.8 /
 24.5 / 52.9 to 11.1 / 22.5 / 49.6. The fused calls round to bf16 where the torch ops do;
-steps of more than FUSED_MAX_TOKENS tokens (long prefills) keep the torch ops. The fused
-calls win up to 256 rows (Xeon with AMX, 2 vCPUs, 2026-11-28, per call at 128 / 256 rows:
-add+norm 95-103 vs 110-122 us and 181-184 vs 183-216 us, SiLU*up 92-104 vs 131-133 and
-202-221 vs 281-300, RoPE 33-36 vs 83-93 and 76-93 vs 173-258); at 512 the two measured
-runs disagreed. A batch-128 decode step's glue went from ~25 to ~14 ms.
+steps of more than FUSED_MAX_TOKENS tokens (prefills) keep the torch ops. The fused calls
+win at 128 rows (Xeon with AMX, 2 vCPUs, 2026-11-28, per call: add+norm 95-103 vs 110-122
+us, SiLU*up 92-104 vs 131-133, RoPE 33-36 vs 83-93), so a batch-128 decode step's glue went
+from ~25 to ~14 ms; at 256 add+norm was level. The limit stays below the prefill chunks
+(`backend.mlp_chunk_tokens`, 256 and up): add+norm's sum of squares is not bit-identical
+to torch's, and a chunked item must give its one-shot result (tests/test_scoring.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-FUSED_MAX_TOKENS = 256
+FUSED_MAX_TOKENS = 128
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
