@@ -150,12 +150,20 @@ void score(const float* q, const T* k_pool, const int64_t* slots, const bool* se
       }
     }
     {
+      // Summed in score_page's order (even and odd dims apart, then together), so a key
+      // scores the same bits whichever path its slot's alignment sends it down: a pass
+      // gives the same result alone or beside others (tests/test_scoring.py).
       const int64_t offset = slot % s.page_size;
       for (int64_t g = 0; g < s.group; ++g) {
-        float acc = 0.f;
+        float even = 0.f, odd = 0.f;
         const float* qg = q + g * s.dim;
-        for (int64_t d = 0; d < s.dim; ++d) acc += qg[d] * load(base + d * s.page_size + offset);
-        scores[g * n_k + j] = seen[j] ? acc * scale : -INFINITY;
+        int64_t d = 0;
+        for (; d + 1 < s.dim; d += 2) {
+          even += qg[d] * load(base + d * s.page_size + offset);
+          odd += qg[d + 1] * load(base + (d + 1) * s.page_size + offset);
+        }
+        if (d < s.dim) even += qg[d] * load(base + d * s.page_size + offset);
+        scores[g * n_k + j] = seen[j] ? (even + odd) * scale : -INFINITY;
       }
       ++j;
     }
