@@ -211,9 +211,11 @@ def _number_lists() -> tuple[object, object]:
     memmove = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)(
         ctypes._memmove_addr)  # type: ignore[attr-defined]
 
+    strides = {fmt: cell // array(fmt).itemsize for fmt in _NUMBER_FORMATS.values()}  # cells in items
+
     def view(buffer: bytearray | bytes, fmt: str, n: int) -> memoryview:
         """The n (> 0) payloads of a cell array as one strided view of format `fmt`."""
-        return memoryview(buffer)[payload: payload + n * cell].cast(fmt)[:: cell // array(fmt).itemsize]
+        return memoryview(buffer)[payload: payload + n * cell].cast(fmt)[:: strides[fmt]]
 
     def convert_from_c(self, c):  # type: ignore[no-untyped-def]
         fmt = _NUMBER_FORMATS.get(type(self.element))
