@@ -36,8 +36,10 @@ class Linear:
         self.weight = weight.contiguous()
         self.out_features = weight.shape[0]
         self.packed = None
+        # oneDNN's bf16 path needs AVX-512 (bw/vl/dq) or avx_ne_convert; on a plain AVX2 CPU
+        # (e.g. an AMD EPYC without AVX-512) the reorder raises, so bf16 stays on F.linear.
         if (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-                and torch.backends.mkldnn.is_available()):
+                and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, None)
         self.weight32 = self.weight.float() if prefill_fp32 and weight.dtype != torch.float32 else None
         self.gemv, self.gemv_max_tokens = None, 0
