@@ -79,7 +79,7 @@ def measure(variant: str, batches: list[int], tokens: int, dtype: str) -> dict:
         os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
     try:
         link, hs = backend.connect()
-        runtime = start_runtime(config, backend.endpoint, hs, builtins)
+        runtime = start_runtime(config, [backend.endpoint], hs, builtins)
         driver, tokenizer = DirectDriver(link, hs), TextTokenizer(hs)
         rows = [per_token(runtime, driver, tokenizer, hs.chat_template, batch, tokens, 1) for batch in batches]
         runtime.shutdown()

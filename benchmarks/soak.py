@@ -176,10 +176,14 @@ async def soak(url: str, token: str | None, instances: int, seconds: float, seed
 
     async def slot(index: int, rng: random.Random, deadline: float | None) -> None:
         async with PieClient(url, token) as client:
+            first = True
             while True:  # at least one workload: the warm-up round (deadline None) is one per slot
                 # The warm-up deals the workloads out in turn, so every one has run (and grown
-                # what it grows) before threads and fds are counted; then each slot draws.
-                name = list(WORKLOADS)[index % len(WORKLOADS)] if deadline is None else rng.choice(list(WORKLOADS))
+                # what it grows) before threads and fds are counted; the soak deals its first
+                # round out the same way (a short soak on a slow machine runs only that one,
+                # and every workload must have a latency); then each slot draws.
+                name = list(WORKLOADS)[index % len(WORKLOADS)] if first else rng.choice(list(WORKLOADS))
+                first = False
                 start = time.perf_counter()
                 try:
                     await asyncio.wait_for(WORKLOADS[name](client, rng, tally, programs), 600)

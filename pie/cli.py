@@ -130,6 +130,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     overrides = {"host": args.host, "port": args.port}
     config.server = dataclasses.replace(
         config.server, **{k: v for k, v in overrides.items() if v is not None})
+    if args.replicas is not None or args.pin_replicas:
+        config.backend = dataclasses.replace(
+            config.backend, replicas=config.backend.replicas if args.replicas is None else args.replicas,
+            pin_replicas=config.backend.pin_replicas or args.pin_replicas)
     _warn_shared_without_quotas(config)
     return serve(config, _model_dir(config), args.config, _backend_overrides(args), console,
                  verbose=args.verbose)
@@ -435,6 +439,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(serve)
     serve.add_argument("--host", help="address to listen on (default: server.host)")
     serve.add_argument("--port", type=int, help="port to listen on; 0 = any free port (default: server.port)")
+    serve.add_argument("--replicas", type=int, metavar="N",
+                       help="backend processes, each with its own pools (default: backend.replicas)")
+    serve.add_argument("--pin-replicas", action="store_true",
+                       help="give each replica an equal share of the cores (backend.pin_replicas)")
     serve.set_defaults(func=cmd_serve)
 
     run = sub.add_parser("run", help="run an inferlet and print its messages",

@@ -77,9 +77,18 @@ class BackendConfig:
     # Replay decode steps from captured CUDA graphs (pie/backend/cuda_graphs.py; 4.7 vs 30.7 ms
     # per batch-1 step on one H200); needs device = "cuda" and attention = "flashinfer".
     cuda_graphs: bool = False
+    # Backend processes `pie serve` spawns (`--replicas N`): each loads the model and has
+    # its own KV and embed pools, scheduler and prefix cache; an instance runs on one, placed
+    # by control.placement (docs/scale-out.md).
+    replicas: int = 1
+    # Give each replica an equal share of the cores `pie serve` may run on (its CPU affinity),
+    # instead of every replica's threads using all of them.
+    pin_replicas: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("backend.device", self.device, ("cpu", "cuda"))
+        if self.replicas < 1:
+            raise ConfigError(f"backend.replicas must be at least 1, got {self.replicas}")
         _check_choice("backend.dtype", self.dtype, ("auto", "bfloat16", "float32"))
         _check_choice("backend.weight_dtype", self.weight_dtype, ("model", "int8"))
         _check_choice("backend.prefill_dtype", self.prefill_dtype, ("auto", "model", "float32"))
@@ -171,8 +180,18 @@ class ControlConfig:
     # Largest HTTP response body an inferlet may fetch; a larger one fails with an `io` error
     # (read in pieces, never whole).
     http_max_response_bytes: int = 8 * 2**20
+    # Which backend replica (backend.replicas > 1) a new instance runs on: "cache-aware" = the
+    # one whose earlier launches share the longest prefix of its arguments (their prompts'
+    # KV is likely in that replica's prefix cache), unless replicas' live instances differ
+    # by more than placement_imbalance, then the least loaded; "least-loaded" = always the
+    # one with the fewest live instances (pie/control/placement.py).
+    placement: str = "cache-aware"
+    placement_imbalance: int = 4
 
     def __post_init__(self) -> None:
+        _check_choice("control.placement", self.placement, ("cache-aware", "least-loaded"))
+        if self.placement_imbalance < 0:
+            raise ConfigError(f"control.placement_imbalance must be >= 0, got {self.placement_imbalance}")
         _check_choice("control.scheduler", self.scheduler, ("adaptive", "eager", "k", "t", "srjf"))
         if self.srjf_lambda < 0:
             raise ConfigError(f"control.srjf_lambda must be >= 0, got {self.srjf_lambda}")

@@ -87,12 +87,20 @@ class Server:
     def scheduler(self) -> dict:
         return self.get("/stats")[1]["scheduler"]
 
-    def backend_pid(self) -> int:
-        """The backend process (`pie backend`), a child of `pie serve`."""
+    def backend_pids(self) -> list[int]:
+        """The backend processes (`pie backend`, one per replica), children of `pie serve`."""
         children = subprocess.run(["pgrep", "-P", str(self.process.pid), "-f", "pie.cli backend"],
                                   capture_output=True, text=True).stdout.split()
-        (pid,) = children
-        return int(pid)
+        return [int(pid) for pid in children]
+
+    def backend_pid(self) -> int:
+        (pid,) = self.backend_pids()
+        return pid
+
+    @staticmethod
+    def cmdline(pid: int) -> str:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
 
     @contextlib.contextmanager
     def backend_paused(self):

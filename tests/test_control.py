@@ -232,7 +232,7 @@ def test_a_dropped_queue_runs_its_calls_and_gives_its_quota_back(tmp_path, model
         backend.hold.set()
         assert _wait(pending) and q1.error is None  # it ran
         assert _wait(a.synchronize(q3))
-        assert q1 not in controller.scheduler.queues and q2 in controller.scheduler.queues
+        assert q1 not in controller.replicas[0].scheduler.queues and q2 in controller.replicas[0].scheduler.queues
         a.close()
     finally:
         controller.shutdown()
@@ -471,7 +471,7 @@ def controller_on_fake_backend(config, tmp_path, model_dir):
         num_kv_pages=8, num_embeds=100, vocab_size=49152, hidden_size=576, max_batch_tokens=64,
         tokenizer_json=(model_dir / "tokenizer.json").read_text(), eos_token_ids=[2],
         bos_token_id=1, chat_template="", dtype="float32", device="cpu")
-    return Controller(config, endpoint, handshake), backend
+    return Controller(config, [endpoint], handshake), backend
 
 
 def test_instance_session_validates_before_enqueueing(tmp_path, model_dir):
@@ -505,8 +505,8 @@ def test_instance_session_validates_before_enqueueing(tmp_path, model_dir):
             assert e.value.kind == kind and text in e.value.message
         assert a.resources.classes == {}  # a refused set-kv-class changed nothing
         a.close()
-        assert controller.resources.pages.available == 8
-        assert controller.resources.embeds.available == 100
+        assert controller.replicas[0].resources.pages.available == 8
+        assert controller.replicas[0].resources.embeds.available == 100
     finally:
         controller.shutdown()
         backend.close()

@@ -230,7 +230,7 @@ def make_runtime(tmp_path, model_dir, builtins):
             page_size=16, num_kv_pages=8, num_embeds=8, vocab_size=49152, hidden_size=576,
             max_batch_tokens=64, tokenizer_json=(model_dir / "tokenizer.json").read_text(),
             eos_token_ids=[2], bos_token_id=1, chat_template="", dtype="float32", device="cpu")
-        rt = start_runtime(config, f"ipc://{tmp_path}/no-backend-{len(started)}.sock", handshake,
+        rt = start_runtime(config, [f"ipc://{tmp_path}/no-backend-{len(started)}.sock"], handshake,
                            builtins)
         started.append(rt)
         return rt

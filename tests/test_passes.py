@@ -220,13 +220,13 @@ def test_teardown_waits_for_the_batch_in_flight_before_freeing_pages(fake):
     backend.hold.clear()
     submit(a, q, [1, 2, 3], run=4, out=a.alloc_kvpage(q, 1))
     submit(a, q, [4], out=[])  # queued behind it
-    total = controller.resources.pages.size
+    total = controller.replicas[0].resources.pages.size
     wait_for(lambda: backend.batches)
     a.close()
-    assert controller.resources.pages.available == total - 1  # still held by the batch
+    assert controller.replicas[0].resources.pages.available == total - 1  # still held by the batch
     backend.hold.set()
-    wait_for(lambda: controller.resources.pages.available == total)
-    assert controller.resources.embeds.available == controller.resources.embeds.size
+    wait_for(lambda: controller.replicas[0].resources.pages.available == total)
+    assert controller.replicas[0].resources.embeds.available == controller.replicas[0].resources.embeds.size
     assert not q.pending and not a.passes or all(p.queue.closed for p in a.passes.values())
 
 

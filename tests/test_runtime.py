@@ -49,7 +49,7 @@ def runtime(tmp_path, model_dir):
         max_batch_tokens=64, tokenizer_json=(model_dir / "tokenizer.json").read_text(),
         eos_token_ids=[2], bos_token_id=1, chat_template="", dtype="float32", device="cpu")
     builtins = {name: build_inferlet(ROOT / "inferlets" / name) for name in ("hello", "probe")}
-    rt = start_runtime(config, f"ipc://{tmp_path}/no-backend.sock", handshake, builtins)
+    rt = start_runtime(config, [f"ipc://{tmp_path}/no-backend.sock"], handshake, builtins)
     yield rt
     rt.shutdown()
 

@@ -98,6 +98,9 @@ class FakeRuntime:
         self.stats_for.append(user)
         return {"instances": len(self.live), "users": {}}
 
+    def replica_health(self) -> list[dict]:
+        return [{"replica": 0, "status": "ok"}]
+
     def launch(self, program, arguments, on_event, user="anonymous", on_log=None) -> InstanceInfo:
         if program not in self.BUILTINS and not self.programs.exists(program):
             raise UnknownProgram(f"no program {program!r}")
@@ -249,7 +252,8 @@ async def test_health_and_rpc_wait_for_the_backend_handshake():
             state.runtime, state.model = FakeRuntime(), "fake-model"
             response = await http.get(base + "/health")
             assert response.status_code == 200
-            assert response.json() == {"status": "ok", "model": "fake-model"}
+            assert response.json() == {"status": "ok", "model": "fake-model",
+                                       "replicas": [{"replica": 0, "status": "ok"}]}
 
 
 # --- authentication ------------------------------------------------------------------------

@@ -75,7 +75,7 @@ class BackendProcess:
     """A `pie backend` child process on a private ipc:// endpoint."""
 
     def __init__(self, model_dir: Path, config_path: str | None = None, extra_args: list[str] = (),
-                 log_file: Path | None = None):
+                 log_file: Path | None = None, cpus: list[int] | None = None):
         self.tmpdir = tempfile.TemporaryDirectory(prefix="pie-")
         self.endpoint = f"ipc://{self.tmpdir.name}/backend.sock"
         self.command = [sys.executable, "-m", "pie.cli", "backend", "--model", str(model_dir),
@@ -83,11 +83,20 @@ class BackendProcess:
         if config_path:
             self.command += ["--config", config_path]
         self.log_file = log_file
+        self.cpus = cpus  # the cores it may run on (backend.pin_replicas); None: all
         self.process = self._spawn()
 
     def _spawn(self) -> subprocess.Popen:
         out = open(self.log_file, "ab") if self.log_file else None
-        return subprocess.Popen(self.command, stdout=out, stderr=out or None, env=os.environ.copy())
+        env = os.environ.copy()
+        pin = None
+        if self.cpus is not None:
+            cpus = self.cpus
+            env["OMP_NUM_THREADS"] = str(len(cpus))  # torch's threads: one per core it has
+
+            def pin() -> None:
+                os.sched_setaffinity(0, cpus)
+        return subprocess.Popen(self.command, stdout=out, stderr=out or None, env=env, preexec_fn=pin)
 
     def restart(self) -> None:
         """A fresh backend on the same endpoint, after the previous one died."""

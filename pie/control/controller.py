@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import threading
 import time
 
 from pie import __version__
@@ -22,9 +23,10 @@ from pie.control.messaging import Inbox, KeyValueStore, MessageBus
 from pie.control.passes import Limits, Output, Pass, PassResults
 from pie.control.policies import Objective
 from pie.control.quotas import ANONYMOUS, Charges, QuotaBook
-from pie.control.reclaimer import Reclaimer
-from pie.control.resources import InstanceResources, ResourceManager
-from pie.control.scheduler import MARKER, Command, CommandQueue, Scheduler
+from pie.control.placement import Placement
+from pie.control.replica import Replica
+from pie.control.resources import InstanceResources
+from pie.control.scheduler import MARKER, Command, CommandQueue
 from pie.control.tokenizer import TextTokenizer
 
 MAX_ALLOC = 1 << 16  # most pages or embeds one call may ask for
@@ -33,54 +35,95 @@ JOB_SIZE_CONTEXTS = 64  # a job-size hint is at most this many context lengths
 
 
 class Controller:
-    def __init__(self, config: PieConfig, endpoint: str, handshake: P.HandshakeReply):
+    """The control layer of one model over `backend.replicas` backend processes (one
+    `Replica` each, pie/control/replica.py), with what all replicas share."""
+
+    def __init__(self, config: PieConfig, endpoints: list[str], handshake: P.HandshakeReply):
         self.config, self.hs = config, handshake
         control = config.control
-        self.resources = ResourceManager(
-            handshake.num_kv_pages, handshake.num_embeds, control.alloc_wait_ms / 1000,
-            prefix_cache_page_size=handshake.page_size if control.prefix_cache else 0,
-            num_host_pages=handshake.num_host_kv_pages)
+        self.replicas = [Replica(i, config, endpoint, handshake) for i, endpoint in enumerate(endpoints)]
+        self.placement = Placement(control.placement, control.placement_imbalance, len(endpoints))
+        self.placing = threading.Lock()  # placement reads and moves every replica's `live`
+        self.exporting = threading.Lock()  # an export name is checked on all replicas, then made
         self.quotas = QuotaBook(config.quota)
         self.launches = itertools.count(1)  # an instance's launch order (allocation waiters)
-        self.scheduler = Scheduler(endpoint, config.control, handshake.max_batch_tokens,
-                                   self.resources.prefix_cache)
-        self.reclaimer = Reclaimer(self.resources, self.scheduler, control.kv_pressure, handshake.page_size)
         self.tokenizer = TextTokenizer(handshake)
         self.grammars = GrammarCompiler(handshake)
         self.bus = MessageBus(config.server.max_pending_messages, config.server.max_pending_bytes)
         self.kvs = KeyValueStore(config.control.kvs_max_bytes, config.quota)
         self.http = HttpClient(config.control)
 
-    def session(self, instance_id: str, arguments: list[str], user: str = ANONYMOUS) -> "InstanceSession":
-        """A new instance's session, charged to `user` (fails over quota.user.instances)."""
+    def session(self, instance_id: str, arguments: list[str], user: str = ANONYMOUS,
+                program: str = "") -> "InstanceSession":
+        """A new instance's session, charged to `user` (fails over quota.user.instances) and
+        placed on a serving replica (fails when none serves)."""
         charges = self.quotas.open(user)
         charges.charge("instances")
-        session = InstanceSession(self, instance_id, arguments, charges, user)
-        self.scheduler.arriving(instance_id)
+        with self.placing:
+            replica = self.placement.choose(self.replicas, program, arguments)
+            if replica is None:
+                charges.refund("instances")
+                raise HostError(ErrorKind.OUT_OF_RESOURCES, "no backend replica is serving: " + "; ".join(
+                    f"replica {r.index}: {r.failure}" for r in self.replicas))
+            replica.live += 1
+            replica.launched += 1
+        session = InstanceSession(self, replica, instance_id, arguments, charges, user)
+        replica.scheduler.arriving(instance_id)
         return session
 
+    def closed(self, replica: Replica) -> None:
+        with self.placing:
+            replica.live -= 1
+
+    def find_export(self, user: str, name: str) -> Replica | None:
+        """The replica holding `user`'s export `name` (for a precise error elsewhere)."""
+        return next((r for r in self.replicas if r.resources.has_export(user, name)), None)
+
     def stats(self, user: str | None = None) -> dict:
-        """Scheduler and pool statistics, and what users hold: every user's (user None, for
-        admins) or only `user`'s. Pool totals are shared by all and shown to all."""
-        cache = self.resources.prefix_cache
-        with self.resources.lock:  # cached pages nobody holds count as free: an allocation takes them
-            pools = {"kv_pages_free": self.resources.pages.available + (cache.evictable() if cache else 0),
-                     "kv_pages_total": self.resources.pages.size,
-                     "embeds_free": self.resources.embeds.available,
-                     "embeds_total": self.resources.embeds.size}
-        pools["exports"] = self.resources.exports_of(user)
+        """Scheduler and pool statistics, all replicas together and per replica, and what
+        users hold: every user's (user None, for admins) or only `user`'s. Pool totals are
+        shared by all and shown to all."""
+        replicas = [r.stats(user) for r in self.replicas]
         users = self.quotas.usage(user)
         with self.kvs.lock:
             for name, account in users.items():
                 account["kvs_bytes"] = self.kvs.used_by[name]
-        pools["prefix_cache"] = cache.stats() if cache is not None else None
-        pools["reclaim"] = self.reclaimer.stats()
-        return {"scheduler": self.scheduler.snapshot_stats(), "resources": pools,
-                "users": users, "broadcasts_dropped": self.bus.dropped}
+        return {"scheduler": merged([r["scheduler"] for r in replicas]),
+                "resources": merged([r["resources"] for r in replicas]),
+                "replicas": replicas, "users": users, "broadcasts_dropped": self.bus.dropped}
 
     def shutdown(self) -> None:
-        self.scheduler.stop()
+        for replica in self.replicas:
+            replica.scheduler.stop()
         self.http.close()
+
+
+def merged(parts: list[dict]) -> dict:
+    """Statistics of several replicas as one: counts summed, maxima kept, means and rates
+    recomputed from their sums (one replica: its own, unchanged)."""
+    if len(parts) == 1:
+        return parts[0]
+    out: dict = {}
+    for key, first in parts[0].items():
+        values = [p.get(key) for p in parts]
+        if isinstance(first, dict):
+            out[key] = merged([v or {} for v in values])
+        elif isinstance(first, bool) or not isinstance(first, (int, float)):
+            out[key] = first
+        elif key.startswith("max_"):
+            out[key] = max(v or 0 for v in values)
+        else:
+            out[key] = sum(v or 0 for v in values)
+    for key, v in ((k, v) for p in parts[1:] for k, v in p.items()):
+        out.setdefault(key, v)  # a key only a later replica has (a kind of call)
+    if "mean_batch_size" in out:  # a scheduler's
+        calls, batches = sum(out["calls"].values()), sum(out["batches"].values())
+        out["mean_batch_size"] = calls / max(1, batches)
+        waited = sum(p["mean_wait_ms"] * sum(p["calls"].values()) for p in parts)
+        out["mean_wait_ms"] = waited / max(1, calls)
+    if "hit_rate" in out:  # a prefix cache's
+        out["hit_rate"] = out["hit_tokens"] / out["lookup_tokens"] if out["lookup_tokens"] else 0.0
+    return out
 
 
 def _invalid(message: str) -> HostError:
@@ -90,9 +133,10 @@ def _invalid(message: str) -> HostError:
 class InstanceSession:
     """One instance's view of the system; all methods run on that instance's thread."""
 
-    def __init__(self, controller: Controller, instance_id: str, arguments: list[str],
-                 charges: Charges, user: str = ANONYMOUS):
+    def __init__(self, controller: Controller, replica: Replica, instance_id: str,
+                 arguments: list[str], charges: Charges, user: str = ANONYMOUS):
         self.c = controller
+        self.replica = replica  # where its pages, embeds and queues live, for life
         self.instance_id = instance_id
         self.user = user  # owns the instance's exports, keys and topics (their namespace)
         self.arguments = arguments
@@ -149,7 +193,7 @@ class InstanceSession:
     def create_queue(self, model: str) -> CommandQueue:
         self._check_model(model)
         self.charges.charge("queues")
-        queue = self.c.scheduler.create_queue(self.instance_id)
+        queue = self.replica.scheduler.create_queue(self.instance_id)
         # Dropped queues stay listed while calls of theirs wait: they count toward
         # runtime.max_pending_calls until they have run.
         self.queues = [q for q in self.queues if not (q.released and not q.pending)] + [queue]
@@ -163,7 +207,7 @@ class InstanceSession:
         self.charges.refund("queues")
         if q.objective is Objective.LATENCY:
             self.charges.refund("latency_queues")
-        self.c.scheduler.release_queue(q)
+        self.replica.scheduler.release_queue(q)
 
     def synchronize(self, q: CommandQueue) -> HostFuture:
         return self._submit(Command(MARKER, q, HostFuture()))
@@ -237,10 +281,10 @@ class InstanceSession:
         return count
 
     def alloc_kvpage(self, q: CommandQueue, count: int) -> list[int]:
-        return self.c.resources.alloc_pages(self.resources, self._count(count))
+        return self.replica.resources.alloc_pages(self.resources, self._count(count))
 
     def alloc_emb(self, q: CommandQueue, count: int) -> list[int]:
-        return self.c.resources.alloc_embeds(self.resources, self._count(count))
+        return self.replica.resources.alloc_embeds(self.resources, self._count(count))
 
     def set_kv_class(self, pages: list[int], kv_class: str) -> None:
         """What the reclaimer may do with the pages while the instance waits on I/O."""
@@ -254,33 +298,33 @@ class InstanceSession:
 
     def pause(self, paused: bool) -> None:
         """The instance's thread blocks on I/O (True) or runs again (False)."""
-        self.c.resources.pause(self.resources, paused)
+        self.replica.resources.pause(self.resources, paused)
 
     def _bring_back(self) -> None:
         """Pages the reclaimer swapped out come back to the device before a call names them."""
         if self.resources.away:
-            self.c.reclaimer.restore(self.resources)
+            self.replica.reclaimer.restore(self.resources)
 
     def _pages(self, ids: list[int], writable: bool = False) -> list[int]:
         """Physical ids of the instance's pages (on the device: `_bring_back`); `writable`:
         none may be shared."""
         self._bring_back()
         if writable:
-            return self.c.resources.writable_pages(self.resources, ids)
-        return self.c.resources.device_pages(self.resources, ids)
+            return self.replica.resources.writable_pages(self.resources, ids)
+        return self.replica.resources.device_pages(self.resources, ids)
 
     def dealloc_kvpage(self, q: CommandQueue, pages: list[int]) -> None:
-        physical = self.c.resources.take_pages(self.resources, pages)
+        physical = self.replica.resources.take_pages(self.resources, pages)
         self._release_after(q, physical, [])
 
     def dealloc_emb(self, q: CommandQueue, embeds: list[int]) -> None:
-        physical = self.c.resources.take_embeds(self.resources, embeds)
+        physical = self.replica.resources.take_embeds(self.resources, embeds)
         self._release_after(q, [], physical)
 
     def _release_after(self, q: CommandQueue, pages: list[int], embeds: list[int]) -> None:
         """Physical release waits for the queue's earlier commands, which may still use them."""
         self._submit(Command(MARKER, q, HostFuture(), silent=True,
-                             on_head=lambda: self.c.resources.release(pages, embeds)))
+                             on_head=lambda: self.replica.resources.release(pages, embeds)))
 
     def copy_kvpage(self, q: CommandQueue, src: int, dst: int, src_offset: int,
                     dst_offset: int, length: int) -> None:
@@ -300,13 +344,27 @@ class InstanceSession:
         if not name:
             raise _invalid("export name must not be empty")
         self._bring_back()
-        self.c.resources.export(self.resources, pages, name, persistent)
+        with self.c.exporting:  # one namespace of export names over every replica
+            holder = self.c.find_export(self.user, name)
+            if holder is not None and holder is not self.replica:
+                raise HostError(ErrorKind.ALREADY_EXISTS, f"an export named {name!r} exists (on backend "
+                                f"replica {holder.index}; this instance runs on replica {self.replica.index})")
+            self.replica.resources.export(self.resources, pages, name, persistent)
 
     def import_kvpage(self, name: str) -> list[int]:
-        return self.c.resources.import_(self.resources, name)
+        try:
+            return self.replica.resources.import_(self.resources, name)
+        except HostError as e:
+            holder = self.c.find_export(self.user, name) if e.kind is ErrorKind.NOT_FOUND else None
+            if holder is None:
+                raise
+            raise HostError(ErrorKind.NOT_FOUND, f"export {name!r} is on backend replica {holder.index} "
+                            f"and this instance runs on replica {self.replica.index}: KV pages do not "
+                            f"move between replicas (backend.replicas = {len(self.c.replicas)}); run the "
+                            f"instances that share pages as one program, or with backend.replicas = 1") from None
 
     def unexport_kvpage(self, name: str) -> None:
-        self.c.resources.unexport(self.resources, name)
+        self.replica.resources.unexport(self.resources, name)
 
     # --- forward ---------------------------------------------------------------------------
 
@@ -468,7 +526,7 @@ class InstanceSession:
         if p is None or p.queue is not q:
             raise HostError(ErrorKind.INVALID_HANDLE, f"pass {pass_id} is not a pass of this "
                             f"queue whose result is still to be taken")
-        self.c.scheduler.cancel(p)
+        self.replica.scheduler.cancel(p)
 
     def results_ready(self, q: CommandQueue) -> PassResults:
         if q.instance_id != self.instance_id:
@@ -495,14 +553,15 @@ class InstanceSession:
             raise HostError(ErrorKind.OUT_OF_RESOURCES,
                             f"{limit} calls of this instance wait for the backend "
                             f"(runtime.max_pending_calls); await some results before enqueuing more")
-        return self.c.scheduler.submit(command)
+        return self.replica.scheduler.submit(command)
 
     # --- teardown --------------------------------------------------------------------------
 
     def close(self) -> None:
         """Release everything the instance held: queues, pages, embeds, exports, topics."""
-        self.c.scheduler.close_instance(self.instance_id)
+        self.replica.scheduler.close_instance(self.instance_id)
         # Pages and embeds go back only once no batch in flight can still write them.
-        self.c.scheduler.when_settled(self.instance_id,
-                                      lambda: self.c.resources.release_instance(self.resources))
+        self.replica.scheduler.when_settled(self.instance_id,
+                                            lambda: self.replica.resources.release_instance(self.resources))
         self.c.bus.drop_instance(self.instance_id)
+        self.c.closed(self.replica)

@@ -360,6 +360,10 @@ class ResourceManager:
             self.exports[key] = Export(physical, inst.user, None if persistent else inst.instance_id,
                                        inst.charges)
 
+    def has_export(self, user: str, name: str) -> bool:
+        with self.lock:
+            return namespace(user, name) in self.exports
+
     def import_(self, inst: InstanceResources, name: str) -> list[int]:
         with self.lock:
             export = self.exports.get(namespace(inst.user, name))

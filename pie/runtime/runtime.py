@@ -34,6 +34,7 @@ from pie.config import PieConfig
 from pie.control.controller import Controller, InstanceSession
 from pie.control.errors import HostError
 from pie.control.quotas import ANONYMOUS
+from pie.control.replica import Replica
 from pie.runtime import wasmtime_compat
 from pie.runtime.bindings import build_linker
 from pie.runtime.host import Budgets, HostState, LimitExceeded, Terminated
@@ -114,7 +115,8 @@ class Runtime:
         self.ended: Counter[str] = Counter()  # instances ended, by outcome (`outcome`)
         self.launches = itertools.count(1)
         if config.control.kv_pressure == "terminate-newest":
-            controller.resources.evict = self._evict_newer
+            for replica in controller.replicas:
+                replica.resources.evict = self._evict_newer
         self.lock = threading.Lock()
         self.running = True
         self.accepting = True  # False once the server drains: launches are refused
@@ -167,8 +169,8 @@ class Runtime:
                 raise LaunchRefused(f"{len(self.instances)} instances are live, the limit is "
                                     f"runtime.max_instances = {self.config.runtime.max_instances}")
             try:
-                session = self.controller.session(instance_id, list(arguments), user)
-            except HostError as e:  # over quota.user.instances
+                session = self.controller.session(instance_id, list(arguments), user, digest)
+            except HostError as e:  # over quota.user.instances, or no replica serving
                 raise LaunchRefused(e.message) from None
             host = HostState(session, lambda message: on_event(instance_id, "message", message, None),
                              self._budgets(user),
@@ -190,10 +192,11 @@ class Runtime:
             instance.end_reason = instance.end_reason or reason
         instance.host.cancelled.set()
 
-    def terminate_all(self, reason: str, timeout_s: float = 10.0) -> int:
-        """End every instance with `reason` and wait for their teardown; returns how many."""
+    def terminate_all(self, reason: str, timeout_s: float = 10.0, replica: Replica | None = None) -> int:
+        """End every instance (on `replica` only, when given) with `reason` and wait for their
+        teardown; returns how many."""
         with self.lock:
-            instances = list(self.instances.values())
+            instances = [i for i in self.instances.values() if replica in (None, i.session.replica)]
         for instance in instances:
             with instance.lock:
                 instance.end_reason = instance.end_reason or reason
@@ -218,8 +221,10 @@ class Runtime:
         requester's thread, which then waits for their teardown to refill the pool."""
         with self.lock:
             me = self.instances.get(requester)
+            # Only instances on the requester's replica hold pages of its pool.
             newer = sorted((i for i in self.instances.values()
-                            if me is not None and i.order > me.order and i.end_reason is None),
+                            if me is not None and i.order > me.order and i.end_reason is None
+                            and i.session.replica is me.session.replica),
                            key=lambda i: -i.order)
         held_by = {"kv pages": lambda r: r.pages, "embeds": lambda r: r.embeds}[pool]
         for victim in newer:
@@ -229,6 +234,12 @@ class Runtime:
                 self.terminate(victim.info.id, f"error: terminated to free {pool} for an older instance "
                                                f"(control.kv_pressure = terminate-newest)")
                 shortfall -= held
+
+    def replica_health(self) -> list[dict]:
+        """Each backend replica: ok, or failed with why (being restarted, or given up)."""
+        return [{"replica": r.index, "status": "ok"} if r.serving else
+                {"replica": r.index, "status": "failed", "reason": r.failure}
+                for r in self.controller.replicas]
 
     def list_instances(self) -> list[InstanceInfo]:
         with self.lock:
@@ -403,10 +414,11 @@ def _failure_summary(text: str, config: PieConfig, panic: str | None = None) -> 
     return f"error: {line}"
 
 
-def start_runtime(config: PieConfig, endpoint: str, handshake: P.HandshakeReply,
+def start_runtime(config: PieConfig, endpoints: list[str], handshake: P.HandshakeReply,
                   builtins: dict[str, Path] | None = None) -> Runtime:
-    """The control layer and the runtime for one backend, with built-in programs loaded."""
-    controller = Controller(config, endpoint, handshake)
+    """The control layer and the runtime over the backends at `endpoints` (replicas of one
+    model, `handshake` their common reply), with built-in programs loaded."""
+    controller = Controller(config, endpoints, handshake)
     runtime = Runtime(config, controller)
     for name, path in (builtins or {}).items():
         runtime.programs.add_builtin(name, path)

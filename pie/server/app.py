@@ -40,12 +40,24 @@ class ServerState:
     config: ServerConfig
     runtime: Runtime | None = None  # set once the backend handshake is done
     model: str | None = None
-    failure: str | None = None  # set if the backend dies: /health reports it
     draining: bool = False  # shutting down: running instances finish, no new launches
     responses: ResponseStore = field(init=False)  # /v1/responses kept for previous_response_id
 
     def __post_init__(self) -> None:
         self.responses = ResponseStore(self.config.max_stored_responses)
+
+    def replicas(self) -> list[dict]:
+        """Each backend replica's state for /health: ok, or failed with why (it is being
+        restarted, or its restarts failed)."""
+        return [] if self.runtime is None else self.runtime.replica_health()
+
+    @property
+    def failure(self) -> str | None:
+        """Why nothing can be served: every backend replica is down."""
+        replicas = self.replicas()
+        if replicas and all(r["status"] == "failed" for r in replicas):
+            return "; ".join(r["reason"] for r in replicas)
+        return None
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -57,13 +69,18 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     def health() -> JSONResponse:
+        """200 while at least one backend replica serves ("ok", or "degraded" when others are
+        down); 503 while starting, draining, or when no replica serves ("failed")."""
         if state.failure is not None:
             return JSONResponse({"status": "failed", "reason": state.failure}, status_code=503)
         if state.runtime is None:
             return JSONResponse({"status": "starting"}, status_code=503)
         if state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
-        return JSONResponse({"status": "ok", "model": state.model})
+        replicas = state.replicas()
+        # Some replicas down: still serving (launches go to the others), "degraded".
+        status = "ok" if all(r["status"] == "ok" for r in replicas) else "degraded"
+        return JSONResponse({"status": status, "model": state.model, "replicas": replicas})
 
     @app.get("/stats")
     def stats(authorization: str | None = Header(default=None)) -> JSONResponse:
