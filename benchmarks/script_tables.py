@@ -1,5 +1,5 @@
 """RESULTS.md sections for Pie's own benchmark scripts (backend, quantization, placement,
-overhead, frontends, prefix_cache, api_serve, prefill_only, max_input, objectives, semantic_variables, shared_prompt, shared_prefix_attention, workflows, soak, drain): each writes its JSON in its own shape, so each gets a small table here.
+overhead, frontends, prefix_cache, api_serve, prefill_only, max_input, objectives, semantic_variables, shared_prompt, shared_prefix_attention, workflows, soak, drain, replicas, router_sim): each writes its JSON in its own shape, so each gets a small table here.
 
 Why a table per script rather than one generic dump: those files carry every sample; the
 reader of RESULTS.md needs the medians and the ratio that each script exists to measure
@@ -180,6 +180,38 @@ def drain(data: Json) -> list[str]:
         run = data[name]
         lines.append(f"| {name} | {run['drain_timeout_s']} s | {run['running_at_signal']} | "
                      f"{', '.join(f'{n} × {r}' for r, n in run['reasons'].items())} | {_f(run['signal_to_exit_s'])} s |")
+    return lines
+
+
+def replicas(data: Json) -> list[str]:
+    rate, rounds, f = data["tokens_per_s"], data["tokens_per_s_rounds"], data["failure"]
+    lines = [f"{data['instances']} `text_completion`s × {data['tokens']} tokens launched at once; one backend "
+             f"replica on one core vs two replicas on one core each (pinned, or Ray actors of one CPU; the "
+             f"control process unpinned), "
+             f"{_dtype(data)}; medians of rounds.", "",
+             "| side | tokens/s | rounds | launches per replica |", "|---|---|---|---|"]
+    for side in rate:
+        lines.append(f"| {side} | {_f(rate[side])} | {', '.join(_f(r) for r in rounds[side])} | "
+                     f"{data['launched_per_replica'][side]} |")
+    ray = (f" On a local Ray cluster (`2x1-ray`): **{data['ray_speedup']:.2f}×** (efficiency "
+           f"{data['ray_scaling_efficiency']:.2f})." if "ray_speedup" in data else "")
+    lines += ["", f"Two replicas: **{data['speedup']:.2f}×** one (scaling efficiency {data['scaling_efficiency']:.2f}).{ray}",
+              "", f"Replica 1 killed mid-wave ({f['instances']} instances, {f['on_killed_replica_at_kill']} on it): "
+              f"{f['ended_with_error']} ended with an error, {f['finished']} finished"
+              f"{' with the undisturbed text' if f['finished_same_text'] else ' (text differs from an undisturbed run)'}; "
+              f"serving on both again after {_f(f['recovery_s'])} s; the next wave: {f['after']['finished']} finished. "
+              f"Reasons: {'; '.join(f'`{r}`' for r in f['error_reasons'])}."]
+    return lines
+
+
+def router_sim(data: Json) -> list[str]:
+    lines = [f"`pie.control.placement` simulated: {data['replicas']} replicas, {data['launches']:,} launches, "
+             f"~{data['live']:,} live, {data['prompts']} shared system prompts (Zipf), a replica's prefix cache "
+             f"{data['cache_blocks']} blocks of 64 bytes.", "",
+             "| policy | block hit rate | load imbalance (max / mean live) | p99 | decision |", "|---|---|---|---|---|"]
+    for name, row in data["policies"].items():
+        lines.append(f"| {name} | {row['hit_rate']:.3f} | {row['imbalance_mean']:.2f} | {row['imbalance_p99']:.2f} | "
+                     f"{_f(row['decision_us'])} µs |")
     return lines
 
 
@@ -365,6 +397,8 @@ SCRIPTS: dict[str, tuple[str, Callable[[Json], list[str]]]] = {
     "workflows": ("Agentic workflows: Helium's optimizer as an inferlet", workflows),
     "soak": ("Soak", soak),
     "drain": ("Graceful drain", drain),
+    "replicas": ("Backend replicas: one vs two, and one killed", replicas),
+    "router_sim": ("Placement over many replicas, simulated", router_sim),
 }
 
 

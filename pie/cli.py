@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.logging import RichHandler
 
 from pie.config import ConfigError, PieConfig, load_config
+from pie.transport import TransportError
 
 if TYPE_CHECKING:
     from pie.client import PieClient
@@ -130,10 +131,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     overrides = {"host": args.host, "port": args.port}
     config.server = dataclasses.replace(
         config.server, **{k: v for k, v in overrides.items() if v is not None})
-    if args.replicas is not None or args.pin_replicas:
-        config.backend = dataclasses.replace(
-            config.backend, replicas=config.backend.replicas if args.replicas is None else args.replicas,
-            pin_replicas=config.backend.pin_replicas or args.pin_replicas)
+    backend = {"replicas": args.replicas, "replica_cores": args.replica_cores, "ray": args.ray}
+    config.backend = dataclasses.replace(config.backend, **{k: v for k, v in backend.items() if v is not None})
     _warn_shared_without_quotas(config)
     return serve(config, _model_dir(config), args.config, _backend_overrides(args), console,
                  verbose=args.verbose)
@@ -421,7 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     backend = sub.add_parser("backend", help="run the inference process (normally spawned by `pie serve`)")
     _add_common(backend)
-    backend.add_argument("--endpoint", required=True, help="ZeroMQ address to bind, e.g. ipc:///tmp/pie.sock")
+    backend.add_argument("--endpoint", required=True,
+                         help="ZeroMQ address to bind, e.g. ipc:///tmp/pie.sock, or tcp://0.0.0.0:5555 for a "
+                              "remote backend (needs backend.secret_file or PIE_BACKEND_SECRET off loopback)")
     backend.set_defaults(func=cmd_backend)
 
     generate = sub.add_parser("generate", help="generate text by driving a backend directly (no inferlets)")
@@ -441,8 +442,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="port to listen on; 0 = any free port (default: server.port)")
     serve.add_argument("--replicas", type=int, metavar="N",
                        help="backend processes, each with its own pools (default: backend.replicas)")
-    serve.add_argument("--pin-replicas", action="store_true",
-                       help="give each replica an equal share of the cores (backend.pin_replicas)")
+    serve.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
+                       help="start the replicas as Ray actors: on a local Ray cluster, or on the one at "
+                            "ADDRESS (default: backend.ray)")
+    serve.add_argument("--replica-cores", type=int, metavar="K",
+                       help="pin replica i to the i-th run of K cores (default: backend.replica_cores; 0 = off)")
     serve.set_defaults(func=cmd_serve)
 
     run = sub.add_parser("run", help="run an inferlet and print its messages",
@@ -505,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         console.print(f"[red]error:[/] {e}")
         return 2
-    except FileNotFoundError as e:
+    except (FileNotFoundError, TransportError) as e:
         console.print(f"[red]error:[/] {e}")
         return 1
     except KeyboardInterrupt:

@@ -81,14 +81,37 @@ class BackendConfig:
     # its own KV and embed pools, scheduler and prefix cache; an instance runs on one, placed
     # by control.placement (docs/scale-out.md).
     replicas: int = 1
-    # Give each replica an equal share of the cores `pie serve` may run on (its CPU affinity),
-    # instead of every replica's threads using all of them.
-    pin_replicas: bool = False
+    # Pin each replica to this many cores of those `pie serve` may run on (its CPU affinity):
+    # replica i gets the i-th run of them, and as many torch threads. 0: no pinning, every
+    # replica's threads may use every core.
+    replica_cores: int = 0
+    # Backends already running elsewhere (`pie backend --endpoint tcp://HOST:PORT`), attached
+    # by address as more replicas after the `replicas` spawned ones (replicas = 0: remote
+    # ones only). Off loopback, both ends need the same secret (docs/scale-out.md).
+    endpoints: list[str] = field(default_factory=list)
+    # A file holding the shared secret of tcp:// links (or PIE_BACKEND_SECRET): CURVE keys
+    # derived from it authenticate and encrypt every frame (pie/transport.py).
+    secret_file: str = ""
+    # A remote replica is asked every 2 s whether it answers; no answer in this long (a long
+    # batch may be ahead of the question) fails it and ends the instances on it.
+    remote_timeout_s: float = 30.0
+    # Start the `replicas` as Ray actors on this cluster instead of as child processes
+    # (`pie serve --ray [ADDRESS]`): "local" starts a local Ray cluster, else a Ray address
+    # ("HOST:6379", "auto"); "" = off (pie/server/ray_replicas.py).
+    ray: str = ""
 
     def __post_init__(self) -> None:
         _check_choice("backend.device", self.device, ("cpu", "cuda"))
-        if self.replicas < 1:
-            raise ConfigError(f"backend.replicas must be at least 1, got {self.replicas}")
+        if self.replicas < 0 or self.replicas + len(self.endpoints) < 1:
+            raise ConfigError(f"backend.replicas must be at least 1 (or 0 with backend.endpoints), got "
+                              f"{self.replicas}")
+        if self.remote_timeout_s <= 0:
+            raise ConfigError(f"backend.remote_timeout_s must be positive, got {self.remote_timeout_s}")
+        for endpoint in self.endpoints:
+            if not endpoint.startswith(("tcp://", "ipc://")):
+                raise ConfigError(f"backend.endpoints: {endpoint!r} is not a tcp:// or ipc:// address")
+        if self.replica_cores < 0:
+            raise ConfigError(f"backend.replica_cores must be >= 0 (0: no pinning), got {self.replica_cores}")
         _check_choice("backend.dtype", self.dtype, ("auto", "bfloat16", "float32"))
         _check_choice("backend.weight_dtype", self.weight_dtype, ("model", "int8"))
         _check_choice("backend.prefill_dtype", self.prefill_dtype, ("auto", "model", "float32"))

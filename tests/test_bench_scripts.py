@@ -455,10 +455,39 @@ def test_every_script_takes_quick_and_out():
     committed benchmarks/results/)."""
     for script in ("overhead", "backend", "quantization", "placement", "frontends", "prefix_cache", "api_serve",
                    "prefill_only", "max_input", "objectives", "semantic_variables", "shared_prompt",
-                   "shared_prefix_attention", "workflows", "soak", "drain"):
+                   "shared_prefix_attention", "workflows", "soak", "drain", "replicas", "router_sim"):
         done = subprocess.run([sys.executable, f"benchmarks/{script}.py", "--help"], cwd=ROOT,
                               capture_output=True, text=True, timeout=120, check=False)
         assert done.returncode == 0 and "--out" in done.stdout and "--quick" in done.stdout, script
+
+
+def test_replicas_quick(results):
+    """One replica vs two, each on a core of its own, and one of two killed mid-wave."""
+    data = results("replicas")
+    check_meta(data["meta"])
+    rates = data["tokens_per_s"]
+    assert set(rates) == {"1x1", "2x1"} and all(r > 0 for r in rates.values())
+    assert data["speedup"] == pytest.approx(rates["2x1"] / rates["1x1"])
+    assert data["launched_per_replica"]["1x1"] == [2 * data["instances"]]  # warm-up and measured waves
+    assert len(data["launched_per_replica"]["2x1"]) == 2 and min(data["launched_per_replica"]["2x1"]) >= 1
+    f = data["failure"]
+    assert f["on_killed_replica_at_kill"] >= 1 and f["ended_with_error"] == f["on_killed_replica_at_kill"]
+    assert f["finished"] == f["instances"] - f["ended_with_error"] and f["finished_same_text"]
+    assert all("backend replica 1 process exited" in r for r in f["error_reasons"])
+    assert f["after"]["finished"] == f["instances"] and [r["status"] for r in f["replicas_after"]] == ["ok", "ok"]
+    assert (results.out / "replicas.png").stat().st_size > 0
+
+
+def test_router_sim_quick(results):
+    """The real placement code over simulated replicas: cache-aware placement finds more
+    cached prefix than load-only policies, and its load bound keeps imbalance near theirs."""
+    data = results("router_sim")
+    rows = data["policies"]
+    assert set(rows) == {"random", "round-robin", "least-loaded", "cache-aware/4", "cache-aware/16", "cache-aware/64"}
+    assert rows["cache-aware/4"]["hit_rate"] > rows["least-loaded"]["hit_rate"]
+    assert rows["least-loaded"]["imbalance_mean"] <= rows["random"]["imbalance_mean"]
+    assert rows["cache-aware/4"]["imbalance_mean"] <= rows["cache-aware/64"]["imbalance_mean"]
+    assert all(0 <= r["hit_rate"] <= 1 and r["imbalance_mean"] >= 1 for r in rows.values())
 
 
 def test_results_md_has_a_section_per_script(results):

@@ -10,6 +10,7 @@ import dataclasses
 import os
 import signal
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -18,8 +19,8 @@ from pie.client import PieClient
 from pie.control.backend_link import BackendError
 from pie.control.controller import merged
 from pie.control.placement import BLOCK_BYTES, Placement, PrefixMemory, blocks
-from pie.server.serve import common_handshake, cpu_shares
-from tests.pie_server import ADMIN, TOKEN, Server, until, until_async
+from pie.server.backends import common_handshake, cpu_shares
+from tests.pie_server import ADMIN, TOKEN, Server, base_config, to_toml, until, until_async
 
 
 @dataclass
@@ -93,7 +94,7 @@ def test_statistics_of_replicas_merge_into_one():
     assert merged([a]) is a
 
 
-def test_replicas_must_agree_and_pinning_needs_a_core_each():
+def test_replicas_must_agree_and_pinning_needs_the_cores():
     hello = P.HandshakeReply(
         protocol_version=P.PROTOCOL_VERSION, model_name="m", traits=[], page_size=16, num_kv_pages=8,
         num_embeds=100, vocab_size=10, hidden_size=4, max_batch_tokens=64, tokenizer_json="{}",
@@ -102,10 +103,11 @@ def test_replicas_must_agree_and_pinning_needs_a_core_each():
     other = P.HandshakeReply(**{**dataclasses.asdict(hello), "num_kv_pages": 16})
     with pytest.raises(BackendError, match="replica 1 differs from replica 0 in num_kv_pages"):
         common_handshake([hello, other])
-    cores = len(os.sched_getaffinity(0))
-    assert sum(len(s) for s in cpu_shares(cores)) == cores
-    with pytest.raises(BackendError, match="a core per replica"):
-        cpu_shares(cores + 1)
+    cores = sorted(os.sched_getaffinity(0))
+    assert cpu_shares(len(cores), 1) == [[c] for c in cores]
+    assert cpu_shares(1, len(cores)) == [cores]
+    with pytest.raises(BackendError, match=f"needs {len(cores) + 1} cores"):
+        cpu_shares(len(cores) + 1, 1)
 
 
 # --- a real server with two replicas ------------------------------------------------------------
@@ -192,3 +194,266 @@ def test_two_replicas_place_serve_and_survive_one_dying(tmp_path, hf_chat):
             assert r["resources"]["embeds_free"] == r["resources"]["embeds_total"]
     finally:
         server.stop()
+
+
+# --- remote backends: the link's security (pie/transport.py) ------------------------------------
+
+SECRET = b"a-shared-secret-of-32-bytes-0001"
+
+
+def test_endpoints_off_loopback_need_a_secret(tmp_path, monkeypatch):
+    from pie.transport import TransportError, check_endpoint, is_loopback, load_secret
+
+    assert is_loopback("ipc:///tmp/x.sock") and is_loopback("tcp://127.0.0.1:5555") and is_loopback("tcp://[::1]:5")
+    assert not is_loopback("tcp://0.0.0.0:5555") and not is_loopback("tcp://*:5555")
+    assert not is_loopback("tcp://backend.example:5555")
+    check_endpoint("tcp://127.0.0.1:5555", None)
+    with pytest.raises(TransportError, match="reachable from other machines: set backend.secret_file"):
+        check_endpoint("tcp://0.0.0.0:5555", None)
+    check_endpoint("tcp://0.0.0.0:5555", SECRET)
+    monkeypatch.delenv("PIE_BACKEND_SECRET", raising=False)
+    assert load_secret("") is None
+    (tmp_path / "secret").write_bytes(SECRET + b"\n")
+    assert load_secret(str(tmp_path / "secret")) == SECRET
+    (tmp_path / "short").write_text("short")
+    with pytest.raises(TransportError, match="at least 16 bytes"):
+        load_secret(str(tmp_path / "short"))
+    with pytest.raises(TransportError, match="cannot be read"):
+        load_secret(str(tmp_path / "missing"))
+    monkeypatch.setenv("PIE_BACKEND_SECRET", "from-the-environment-0001")
+    assert load_secret(str(tmp_path / "secret")) == b"from-the-environment-0001"
+
+
+class FakeRemote:
+    """A ROUTER socket on loopback tcp answering every request with `answer(payload)`, with
+    CURVE when it has a secret (the backend's transport, without a model)."""
+
+    def __init__(self, secret: bytes | None, answer):
+        import threading
+
+        import zmq
+
+        from pie.transport import secure_server
+
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.auth = secure_server(self.socket, self.context, secret) if secret else None
+        port = self.socket.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.answer, self.running = answer, True
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while self.running:
+            if self.socket.poll(50):
+                *envelope, payload = self.socket.recv_multipart()
+                self.socket.send_multipart([*envelope, self.answer(payload)])
+
+    def close(self) -> None:
+        self.running = False
+        self.thread.join(5)
+        self.socket.close()
+        if self.auth:
+            self.auth.stop()
+        self.context.term()
+
+
+def handshake_reply(payload: bytes) -> bytes:
+    request_id, _, _ = P.decode_envelope(payload)
+    return P.encode(request_id, P.HandshakeReply(
+        protocol_version=P.PROTOCOL_VERSION, model_name="m", traits=[], page_size=16, num_kv_pages=8,
+        num_embeds=100, vocab_size=10, hidden_size=4, max_batch_tokens=64, tokenizer_json="{}",
+        eos_token_ids=[2], bos_token_id=1, chat_template="", dtype="float32", device="cpu"))
+
+
+@pytest.mark.parametrize("case", ["same secret", "wrong secret", "no client secret", "garbage"])
+def test_the_link_authenticates_with_the_shared_secret(case):
+    from pie.control.backend_link import BackendLink
+
+    remote = FakeRemote(None if case == "garbage" else SECRET,
+                        (lambda payload: b"\x93not a reply") if case == "garbage" else handshake_reply)
+    client_secret = {"same secret": SECRET, "wrong secret": b"another-secret-of-32-bytes-00002",
+                     "no client secret": None, "garbage": None}[case]
+    link = BackendLink(remote.endpoint, secret=client_secret)
+    try:
+        request = link.send(P.HandshakeRequest())
+        if case == "same secret":
+            assert link.wait(request, timeout_s=30).model_name == "m"
+            return
+        expected = {"wrong secret": "handshake with .* failed: the two ends' backend secrets differ",
+                    "no client secret": "handshake with .* failed: the two ends' backend secrets differ, or one has none",
+                    "garbage": "sent a malformed reply"}[case]
+        with pytest.raises(BackendError, match=expected):
+            link.wait(request, timeout_s=30)
+    finally:
+        link.close()
+        remote.close()
+
+
+class RemoteBackend:
+    """`pie backend --endpoint tcp://127.0.0.1:PORT` run by hand, as on another machine."""
+
+    def __init__(self, tmp: Path, port: int, secret: bytes):
+        import subprocess
+        import sys
+
+        config = tmp / "remote.toml"  # the test server's backend table: replicas must be alike
+        config.write_text(to_toml({"backend": base_config()["backend"]}))
+        env = {**os.environ, "PIE_BACKEND_SECRET": secret.decode()}
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.process = subprocess.Popen([sys.executable, "-m", "pie.cli", "backend", "--endpoint", self.endpoint,
+                                         "--config", str(config)], env=env)
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait(30)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_remote_replica_with_a_wrong_secret_waits_then_serves_then_is_lost(tmp_path, hf_chat, monkeypatch):
+    """A local replica beside a remote one over tcp with CURVE: a wrong secret leaves the
+    server serving on the local one (degraded, saying why); the remote one, restarted with
+    the right secret, is found and serves greedy output equal to HF's; killed, the
+    instances on it end, and the server goes on."""
+    port = free_port()
+    remote = RemoteBackend(tmp_path, port, b"the-wrong-secret-for-this-0001")
+    monkeypatch.setenv("PIE_BACKEND_SECRET", SECRET.decode())
+    server = None
+    try:
+        server = Server(tmp_path, {"backend": {"replicas": 1, "endpoints": [remote.endpoint],
+                                               "remote_timeout_s": 5.0}, "control": {"placement": "least-loaded"}})
+        status, health = server.get("/health")
+        assert status == 200 and health["status"] == "degraded"  # serving on the local replica
+        # (while the remote one loads, the reason is that it does not answer; then why)
+        until(lambda: "backend secrets differ" in server.get("/health")[1]["replicas"][1]["reason"],
+              what="the wrong secret named", interval_s=0.5)
+        remote.kill()
+        remote = RemoteBackend(tmp_path, port, SECRET)
+        until(lambda: server.get("/health")[1]["status"] == "ok", interval_s=0.5,
+              what=lambda: f"the remote replica found: {server.get('/health')[1]}")
+        prompts = ["Name three colors.", "What is 2 + 2?"]
+
+        async def two() -> list[tuple[list[str], str]]:
+            return await asyncio.gather(*(generate(server, ["--prompt", p, "--max-tokens", "16"]) for p in prompts))
+
+        for (messages, reason), prompt in zip(asyncio.run(two()), prompts):
+            assert reason == "finished" and messages == [hf_chat(prompt, 16)]
+        assert [r["launched"] for r in replicas(server)] == [1, 1]
+
+        async def lost() -> str:
+            async with PieClient(server.ws, TOKEN) as client:
+                await client.launch("text_completion", STORY)  # on replica 0 (least loaded, lowest index)
+                on_remote = await client.launch("text_completion", STORY)
+                await until_async(lambda: replicas(server)[1]["instances"] == 1, what="one on the remote")
+                remote.kill()
+                return await on_remote.wait()
+
+        reason = asyncio.run(lost())
+        assert reason.startswith("error: backend replica 1 (tcp://") and " is lost: " in reason
+        status, health = server.get("/health")
+        assert status == 200 and health["status"] == "degraded"
+    finally:
+        if server is not None:
+            server.stop()
+        remote.kill()
+
+
+def test_replicas_as_ray_actors_serve_and_come_back(tmp_path, hf_chat):
+    """`backend.ray = "local"`: two replicas as actors of a local Ray cluster, attached over
+    tcp with a secret made for the run; a replica's backend killed comes back (its actor
+    restarts it) and serves again, while the instance that ran on it ends saying why."""
+    pytest.importorskip("ray", reason="Ray is a dev extra (pip install -e '.[dev]')")
+    import subprocess
+
+    server = Server(tmp_path, {"backend": {"replicas": 2, "ray": "local", "remote_timeout_s": 10.0},
+                               "control": {"placement": "least-loaded"}})
+    try:
+        status, health = server.get("/health")
+        assert status == 200 and [r["status"] for r in health["replicas"]] == ["ok", "ok"]
+        assert all(r["endpoint"].startswith("tcp://") for r in replicas(server))
+        prompts = ["Name three colors.", "What is 2 + 2?"]
+
+        async def two() -> list[tuple[list[str], str]]:
+            return await asyncio.gather(*(generate(server, ["--prompt", p, "--max-tokens", "16"]) for p in prompts))
+
+        for (messages, reason), prompt in zip(asyncio.run(two()), prompts):
+            assert reason == "finished" and messages == [hf_chat(prompt, 16)]
+        assert [r["launched"] for r in replicas(server)] == [1, 1]
+
+        async def lost() -> str:
+            async with PieClient(server.ws, TOKEN) as client:
+                doomed = await client.launch("text_completion", STORY)
+                await until_async(lambda: replicas(server)[0]["instances"] == 1, what="placed on replica 0")
+                port = replicas(server)[0]["endpoint"].rsplit(":", 1)[1]
+                pids = subprocess.run(["pgrep", "-f", f"pie.cli backend .*tcp://0.0.0.0:{port}"],
+                                      capture_output=True, text=True).stdout.split()
+                os.kill(int(pids[0]), signal.SIGKILL)
+                return await doomed.wait()
+
+        reason = asyncio.run(lost())
+        assert reason.startswith("error: backend replica 0 (tcp://") and "connection to the backend" in reason
+        until(lambda: server.get("/health")[1]["status"] == "ok", what="the actor's backend back", interval_s=0.5)
+        [(messages, reason)] = [asyncio.run(generate(server, ["--prompt", prompts[0], "--max-tokens", "16"]))]
+        assert reason == "finished" and messages == [hf_chat(prompts[0], 16)]
+    finally:
+        server.stop()
+
+
+def test_a_backend_that_answers_garbage_fails_the_batch_not_the_scheduler():
+    """A peer whose frames are no replies: the batch in flight fails with the reason, and the
+    scheduler goes on (the next call fails the same way instead of hanging)."""
+    from pie.config import ControlConfig
+    from pie.control.errors import HostError
+    from pie.control.scheduler import Scheduler
+    from tests.test_control import _wait, sample
+
+    remote = FakeRemote(None, lambda payload: b"\x93not a reply")
+    scheduler = Scheduler(remote.endpoint, ControlConfig(), max_batch_tokens=64)
+    try:
+        queue = scheduler.create_queue("i")
+        for _ in range(2):
+            future = scheduler.submit(sample(queue))
+            assert _wait(future)
+            with pytest.raises(HostError, match=f"the backend at {remote.endpoint} sent a malformed reply"):
+                future.result()
+        assert scheduler.thread.is_alive()
+    finally:
+        scheduler.stop()
+        remote.close()
+
+
+def test_a_remote_backend_that_never_answers_is_named():
+    from pie.server.backends import reach
+
+    port = free_port()  # nothing listens there
+    reason = reach(f"tcp://127.0.0.1:{port}", None, 1.0)
+    assert reason.startswith(f"no answer from tcp://127.0.0.1:{port} in 1 s")
+
+
+@pytest.mark.parametrize("case", ["unreachable ray", "open backend"])
+def test_what_cannot_be_served_safely_is_refused_at_start(tmp_path, monkeypatch, case):
+    """An unreachable Ray cluster, a backend asked to listen off loopback without a secret:
+    a precise error and exit status 1 at once (no model loaded, nothing left running)."""
+    import subprocess
+    import sys
+
+    monkeypatch.delenv("PIE_BACKEND_SECRET", raising=False)
+    port = free_port()
+    if case == "unreachable ray":
+        (tmp_path / "pie.toml").write_text(f'[backend]\nray = "127.0.0.1:{port}"\n')
+        argv = ["serve", "--port", "0", "--config", str(tmp_path / "pie.toml")]
+        expected = f"cannot reach the Ray cluster at 127.0.0.1:{port}"
+    else:
+        argv = ["backend", "--endpoint", f"tcp://0.0.0.0:{port}"]
+        expected = "reachable from other machines: set backend.secret_file"
+    done = subprocess.run([sys.executable, "-m", "pie.cli", *argv], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and expected in " ".join((done.stdout + done.stderr).split()), done.stderr[-2000:]

@@ -23,17 +23,24 @@ import zmq
 from pie import protocol as P
 from pie.backend.engine import Engine
 from pie.config import BackendConfig
+from pie.transport import check_endpoint, for_endpoint, load_secret, secure_server
 
 log = logging.getLogger("pie.backend")
 
 
 class BackendServer:
-    def __init__(self, engine: Engine, endpoint: str):
+    """`secret`: serve over CURVE, admitting only the control side's key (pie/transport.py);
+    without one, a tcp endpoint off loopback is refused."""
+
+    def __init__(self, engine: Engine, endpoint: str, secret: bytes | None = None):
+        check_endpoint(endpoint, secret)
+        secret = for_endpoint(endpoint, secret)
         self.engine = engine
         self.endpoint = endpoint
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        self.auth = secure_server(self.socket, self.context, secret) if secret is not None else None
         self.socket.bind(endpoint)
         self.running = True
 
@@ -62,6 +69,8 @@ class BackendServer:
                 self.socket.send_multipart(reply)
             self.socket.send_multipart([*envelope, P.encode(P.IDLE_REQUEST_ID, P.Idle())])
         self.socket.close()
+        if self.auth is not None:
+            self.auth.stop()
         self.context.term()
 
     def handle_frame(self, payload: bytes) -> bytes:
@@ -89,14 +98,16 @@ def run_backend(model_dir: Path, config: BackendConfig, endpoint: str) -> None:
     """Entry point of `pie backend`: load the model, bind, serve until SIGINT/SIGTERM."""
     if config.threads:
         torch.set_num_threads(config.threads)
+    secret = load_secret(config.secret_file)
+    check_endpoint(endpoint, secret)  # before minutes of loading, not after
     started = time.monotonic()
     engine = Engine(model_dir, config)
-    server = BackendServer(engine, endpoint)
+    server = BackendServer(engine, endpoint, secret)
     signal.signal(signal.SIGTERM, server.stop)
     signal.signal(signal.SIGINT, server.stop)
     log.info(
-        "backend ready on %s (%s, %s%s, %s; loaded in %.1f s)",
-        endpoint, model_dir.name, engine.config.dtype,
+        "backend ready on %s%s (%s, %s%s, %s; loaded in %.1f s)",
+        endpoint, " (CURVE, shared secret)" if for_endpoint(endpoint, secret) else "", model_dir.name, engine.config.dtype,
         " with int8 weights" if config.weight_dtype == "int8"
         else ", prefills in float32" if engine.config.prefill_dtype == "float32" else "", config.device,
         time.monotonic() - started,

@@ -18,6 +18,10 @@ from pathlib import Path
 import zmq
 
 from pie import protocol as P
+from pie.transport import for_endpoint, handshake_failure, secure_client, watch_handshakes
+
+
+BACKEND_RESTARTS = 3  # restarts of a dead backend (spawned or a Ray actor's) before giving up
 
 
 class BackendError(RuntimeError):
@@ -29,12 +33,16 @@ class BackendTimeout(BackendError):
 
 
 class BackendLink:
-    def __init__(self, endpoint: str, timeout_s: float = 120.0):
+    """`secret`: the CURVE secret of a remote backend's link (pie/transport.py)."""
+
+    def __init__(self, endpoint: str, timeout_s: float = 120.0, secret: bytes | None = None):
         self.endpoint = endpoint
         self.timeout_ms = int(timeout_s * 1000)
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        secure_client(self.socket, for_endpoint(endpoint, secret))
+        self.monitor = watch_handshakes(self.socket)
         self.socket.connect(endpoint)
         self.ids = itertools.count(1)
         self.idle_signals = 0
@@ -55,9 +63,16 @@ class BackendLink:
         deadline = time.monotonic() + (self.timeout_ms / 1000 if timeout_s is None else timeout_s)
         while True:
             remaining = int((deadline - time.monotonic()) * 1000)
-            if remaining <= 0 or not self.socket.poll(remaining):
-                raise BackendTimeout(f"no reply from the backend at {self.endpoint} in time")
-            reply_id, kind, reply = P.decode_reply(self.socket.recv())
+            if remaining <= 0 or not self.socket.poll(min(remaining, 250)):
+                if failure := handshake_failure(self.monitor, self.endpoint):
+                    raise BackendError(failure)
+                if remaining <= 0:
+                    raise BackendTimeout(f"no reply from the backend at {self.endpoint} in time")
+                continue
+            try:
+                reply_id, kind, reply = P.decode_reply(self.socket.recv())
+            except P.ProtocolError as e:
+                raise BackendError(f"the backend at {self.endpoint} sent a malformed reply: {e}") from None
             if kind is P.Kind.IDLE:
                 self.idle_signals += 1
                 continue
@@ -67,6 +82,8 @@ class BackendLink:
                 return reply
 
     def close(self) -> None:
+        self.socket.disable_monitor()
+        self.monitor.close()
         self.socket.close()
         self.context.term()
 
@@ -83,7 +100,7 @@ class BackendProcess:
         if config_path:
             self.command += ["--config", config_path]
         self.log_file = log_file
-        self.cpus = cpus  # the cores it may run on (backend.pin_replicas); None: all
+        self.cpus = cpus  # the cores it may run on (backend.replica_cores); None: all
         self.process = self._spawn()
 
     def _spawn(self) -> subprocess.Popen:

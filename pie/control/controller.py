@@ -38,10 +38,13 @@ class Controller:
     """The control layer of one model over `backend.replicas` backend processes (one
     `Replica` each, pie/control/replica.py), with what all replicas share."""
 
-    def __init__(self, config: PieConfig, endpoints: list[str], handshake: P.HandshakeReply):
+    def __init__(self, config: PieConfig, endpoints: list[str], handshake: P.HandshakeReply,
+                 secret: bytes | None = None):
         self.config, self.hs = config, handshake
         control = config.control
-        self.replicas = [Replica(i, config, endpoint, handshake) for i, endpoint in enumerate(endpoints)]
+        # `secret`: the tcp links' shared secret (pie/transport.py): the configured one, or
+        # the one made for a run's Ray replicas.
+        self.replicas = [Replica(i, config, endpoint, handshake, secret) for i, endpoint in enumerate(endpoints)]
         self.placement = Placement(control.placement, control.placement_imbalance, len(endpoints))
         self.placing = threading.Lock()  # placement reads and moves every replica's `live`
         self.exporting = threading.Lock()  # an export name is checked on all replicas, then made

@@ -21,7 +21,8 @@ from pie.control.scheduler import Scheduler
 
 
 class Replica:
-    def __init__(self, index: int, config: PieConfig, endpoint: str, handshake: P.HandshakeReply):
+    def __init__(self, index: int, config: PieConfig, endpoint: str, handshake: P.HandshakeReply,
+                 secret: bytes | None = None):
         control = config.control
         self.index = index
         self.endpoint = endpoint
@@ -30,7 +31,7 @@ class Replica:
             prefix_cache_page_size=handshake.page_size if control.prefix_cache else 0,
             num_host_pages=handshake.num_host_kv_pages)
         self.scheduler = Scheduler(endpoint, control, handshake.max_batch_tokens,
-                                   self.resources.prefix_cache)
+                                   self.resources.prefix_cache, secret)
         self.reclaimer = Reclaimer(self.resources, self.scheduler, control.kv_pressure, handshake.page_size)
         self.live = 0  # instances placed here and not yet closed (placement's load)
         self.launched = 0  # instances ever placed here

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from pie import protocol as P
 from pie.config import ControlConfig
@@ -33,6 +34,7 @@ from pie.control.future import HostFuture
 from pie.control.passes import Pass, PassResults, Status, encode, fail, settle
 from pie.control.policies import HEAVY, Head, Objective, ReadyView, policy_for
 from pie.control.prefix_cache import PrefixCache
+from pie.transport import for_endpoint, secure_client
 
 log = logging.getLogger("pie.control")
 
@@ -161,7 +163,7 @@ class Costs:
 
 class Scheduler:
     def __init__(self, endpoint: str, config: ControlConfig, max_batch_tokens: int,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, secret: bytes | None = None):
         self.config = config
         self.policy = policy_for(config)
         self.max_batch_tokens = max_batch_tokens
@@ -184,11 +186,13 @@ class Scheduler:
         self.settle_callbacks: list[tuple[set[int], Callable[[], Any]]] = []
         self.request_ids = itertools.count(1)
         self.endpoint = endpoint
+        self.secret = secret  # the link's CURVE secret (pie/transport.py), for a remote backend
         self.wake_read, self.wake_write = os.pipe()
         os.set_blocking(self.wake_read, False)
         self.running = True
         self.failure: str | None = None
         self.reconnect = False  # set by recover(): the loop replaces its socket
+        self.disconnected: str | None = None  # set when the link dropped (`_connect`), until recover()
         self.thread = threading.Thread(target=self._loop, name="pie-scheduler", daemon=True)
         self.thread.start()
 
@@ -266,31 +270,49 @@ class Scheduler:
 
     # --- the scheduler thread -------------------------------------------------------------
 
-    def _connect(self, context: zmq.Context) -> zmq.Socket:
+    def _connect(self, context: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
+        """The link and a monitor of its disconnections: a backend that ended (or was
+        replaced at the same address: a remote one restarted between two of the watchdog's
+        pings) took the batch in flight and its KV cache with it (`disconnected`)."""
         socket = context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
+        secure_client(socket, for_endpoint(self.endpoint, self.secret))
+        monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         socket.connect(self.endpoint)
-        return socket
+        return socket, monitor
 
     def _loop(self) -> None:
         context = zmq.Context()
-        socket = self._connect(context)
+        socket, monitor = self._connect(context)
         poller = zmq.Poller()
         poller.register(socket, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         poller.register(self.wake_read, zmq.POLLIN)
         try:
             while self.running:
                 if self.reconnect:
                     self.reconnect = False
-                    poller.unregister(socket)
+                    for old in (socket, monitor):
+                        poller.unregister(old)
+                    socket.disable_monitor()
+                    monitor.close()
                     socket.close()
-                    socket = self._connect(context)
+                    socket, monitor = self._connect(context)
                     poller.register(socket, zmq.POLLIN)
+                    poller.register(monitor, zmq.POLLIN)
                 timeout_ms = self._dispatch(socket)
                 for source, _ in poller.poll(timeout_ms):
-                    if source is socket:
+                    if source is monitor:
+                        recv_monitor_message(monitor)
+                        self.disconnected = (f"the connection to the backend at {self.endpoint} was lost "
+                                             f"(its process ended or was replaced)")
+                    elif source is socket:
                         while socket.poll(0):
-                            self._on_reply(socket.recv())
+                            frame = socket.recv()
+                            try:
+                                self._on_reply(frame)
+                            except P.ProtocolError as e:
+                                self._on_malformed(f"the backend at {self.endpoint} sent a malformed reply: {e}")
                     else:
                         try:
                             os.read(self.wake_read, 4096)
@@ -300,6 +322,8 @@ class Scheduler:
             log.exception("scheduler stopped")
             self.fail_all(f"scheduler failed: {e}")
         finally:
+            socket.disable_monitor()
+            monitor.close()
             socket.close()
             context.term()
 
@@ -324,7 +348,7 @@ class Scheduler:
         """A new backend serves the endpoint: accept calls again, on a fresh socket (so
         nothing queued for the dead backend reaches the new one)."""
         with self.lock:
-            self.failure = None
+            self.failure = self.disconnected = None
             self.backend_idle = True
             self.reconnect = True
         os.write(self.wake_write, b"x")
@@ -573,6 +597,20 @@ class Scheduler:
             resolve_batch(batch, reply)
         self._drop_failed_parents(batch)
         self._settled(request_id)
+
+    def _on_malformed(self, reason: str) -> None:
+        """A frame that is no reply (a broken or impostor backend): its request id cannot be
+        read, so every batch in flight fails with the reason; the loop goes on."""
+        log.error(reason)
+        with self.lock:
+            lost = dict(self.in_flight)
+            self.in_flight.clear()
+            self.sent_at.clear()
+            self.backend_idle = True
+        for request_id, batch in lost.items():
+            for command in batch:
+                _abandon(command, HostError(ErrorKind.INFERENCE_FAILED, reason))
+            self._settled(request_id)
 
     def _drop_failed_parents(self, batch: list[Command]) -> None:
         """A failed prefill chunk fails its pass: the rest of it, waiting at the head of

@@ -415,10 +415,11 @@ def _failure_summary(text: str, config: PieConfig, panic: str | None = None) -> 
 
 
 def start_runtime(config: PieConfig, endpoints: list[str], handshake: P.HandshakeReply,
-                  builtins: dict[str, Path] | None = None) -> Runtime:
+                  builtins: dict[str, Path] | None = None, secret: bytes | None = None) -> Runtime:
     """The control layer and the runtime over the backends at `endpoints` (replicas of one
-    model, `handshake` their common reply), with built-in programs loaded."""
-    controller = Controller(config, endpoints, handshake)
+    model, `handshake` their common reply; `secret` for tcp ones), with built-in programs
+    loaded."""
+    controller = Controller(config, endpoints, handshake, secret)
     runtime = Runtime(config, controller)
     for name, path in (builtins or {}).items():
         runtime.programs.add_builtin(name, path)

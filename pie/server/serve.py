@@ -13,25 +13,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
-import os
 import signal
 from pathlib import Path
 
 import uvicorn
 from rich.console import Console
 
-from pie import protocol as P
 from pie.config import PieConfig
-from pie.control.backend_link import BackendError, BackendProcess
-from pie.control.replica import Replica
+from pie.control.backend_link import BackendError
 from pie.runtime.runtime import Runtime, start_runtime
 from pie.server.app import ServerState, create_app, ws_max_size
+from pie.server.backends import Backends
 from pie.toolchain import REPO, ToolchainError, build_inferlet
+from pie.transport import TransportError
 
 BUILTIN_INFERLETS = ("hello", "text_completion", "openai_completion")  # crates in inferlets/
-BACKEND_RESTARTS = 3  # attempts after a backend crash before giving up
 # `pie run` finds the address of the server it started in this line (see local.py).
 READY_LINE = "Pie serving {model} on http://{host}:{port} (ws://{host}:{port}/ws)"
 
@@ -64,7 +61,7 @@ async def _serve(config: PieConfig, model_dir: Path, config_path: str | None,
         loop.add_signal_handler(sig, stop.request)
     serving = asyncio.create_task(server.serve())
     stopping = asyncio.ensure_future(stop.first.wait())
-    backends: list[BackendProcess] = []
+    backends = Backends(config, model_dir, config_path, backend_args)
     runtime = None
     try:
         while not server.started:  # bound and listening (uvicorn logs why if it cannot bind)
@@ -72,40 +69,33 @@ async def _serve(config: PieConfig, model_dir: Path, config_path: str | None,
                 return 1
             await asyncio.sleep(0.02)
         host, port = server.servers[0].sockets[0].getsockname()[:2]
-        n = config.backend.replicas
-        shares = cpu_shares(n) if config.backend.pin_replicas else [None] * n
-        backends = [BackendProcess(model_dir, config_path, backend_args, cpus=cpus) for cpus in shares]
-        what = f"{n} backend replicas" if n > 1 else "the backend"
-        with console.status(f"starting {what} ({model_dir.name}, {config.backend.dtype})") as status:
-            handshakes = asyncio.ensure_future(asyncio.gather(*(asyncio.to_thread(b.connect) for b in backends)))
+        await backends.start(console)
+        with console.status(f"starting {backends.describe()} ({model_dir.name}, {config.backend.dtype})") as status:
+            handshakes = asyncio.ensure_future(backends.handshake())
             builtins = asyncio.ensure_future(asyncio.to_thread(_build_builtins, config, console))
             await asyncio.wait({handshakes, serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
             if not handshakes.done():  # asked to stop while the backends were loading
-                for backend in backends:
-                    backend.stop()
+                await backends.stop()
                 await asyncio.gather(handshakes, builtins, return_exceptions=True)
                 return 0
-            replies = []
-            for link, hello in handshakes.result():
-                link.close()  # each replica's scheduler opens its own link to its endpoint
-                replies.append(hello)
-            hello = common_handshake(replies)
+            hello, failures = handshakes.result()
             status.update("starting the runtime")
-            runtime = await asyncio.to_thread(start_runtime, config, [b.endpoint for b in backends],
-                                              hello, await builtins)
+            runtime = await asyncio.to_thread(start_runtime, config, backends.endpoints, hello, await builtins,
+                                              backends.secret)
+            for replica, failure in zip(runtime.controller.replicas, failures):
+                replica.failure = failure  # a remote replica not (yet) serving: watched below
         for sock in server.servers[0].sockets:  # inferlets may not call this server itself
             runtime.controller.http.protect(*sock.getsockname()[:2])
         state.model, state.runtime = hello.model_name, runtime
         print(READY_LINE.format(model=hello.model_name, host=host, port=port), flush=True)
-        watchdogs = [asyncio.create_task(_watch_backend(b, r, runtime, console))
-                     for b, r in zip(backends, runtime.controller.replicas)]
+        watchdogs = backends.watch(runtime, hello, console)
         await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
         for watchdog in watchdogs:
             watchdog.cancel()
         if stopping.done():
             await _drain(runtime, state, config.server.drain_timeout_s, stop, console)
         return 0
-    except BackendError as e:
+    except (BackendError, TransportError) as e:
         console.print(f"[red]error:[/] {e}")
         return 1
     finally:
@@ -114,65 +104,7 @@ async def _serve(config: PieConfig, model_dir: Path, config_path: str | None,
         await asyncio.gather(serving, return_exceptions=True)
         if runtime is not None:
             runtime.shutdown()
-        for backend in backends:
-            backend.stop()
-
-
-def cpu_shares(n: int) -> list[list[int]]:
-    """backend.pin_replicas: the cores this process may use, split into n equal runs."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < n:
-        raise BackendError(f"backend.pin_replicas needs a core per replica: {n} replicas, "
-                           f"{len(cpus)} cores available")
-    k = len(cpus) // n
-    return [cpus[i * k:(i + 1) * k] for i in range(n)]
-
-
-def common_handshake(replies: list[P.HandshakeReply]) -> P.HandshakeReply:
-    """The replicas' common handshake: they must serve the same model with the same pools,
-    or an instance's limits would depend on where it was placed."""
-    first = replies[0]
-    for i, reply in enumerate(replies[1:], 1):
-        differ = [f for f in dataclasses.fields(first) if getattr(reply, f.name) != getattr(first, f.name)]
-        if differ:
-            names = ", ".join(f.name for f in differ)
-            raise BackendError(f"backend replica {i} differs from replica 0 in {names}: replicas must "
-                               f"load the same model with the same configuration")
-    return first
-
-
-async def _watch_backend(backend: BackendProcess, replica: Replica, runtime: Runtime,
-                         console: Console) -> None:
-    """If a replica's backend process dies: fail every call pending on it with the reason,
-    end the inferlets running on it (their KV cache died with it) and drop its exports, then
-    restart the backend on the same endpoint and serve again. Instances on other replicas
-    keep running; new launches go elsewhere meanwhile, and /health is 503 only while no
-    replica serves."""
-    name = f"backend replica {replica.index}" if len(runtime.controller.replicas) > 1 else "the backend"
-    while True:
-        while backend.process.poll() is None:
-            await asyncio.sleep(0.5)
-        reason = f"{name} process exited with code {backend.process.returncode}"
-        console.print(f"[red]error:[/] {reason}; restarting it (inferlets running on it end: their KV "
-                      "cache is lost)")
-        # One message whichever ends an inferlet first: its failed call or the termination.
-        lost = f"{reason} (KV cache lost; the backend was restarted)"
-        replica.fail(lost)
-        await asyncio.to_thread(runtime.terminate_all, f"error: {lost}", replica=replica)
-        runtime.controller.placement.forget(replica.index)
-        for attempt in range(1, BACKEND_RESTARTS + 1):
-            backend.restart()
-            try:
-                link, _ = await asyncio.to_thread(backend.connect)
-                link.close()
-                break
-            except BackendError as e:
-                console.print(f"[red]error:[/] {name} restart {attempt}/{BACKEND_RESTARTS} failed: {e}")
-        else:
-            replica.failure = f"{reason}; {BACKEND_RESTARTS} restarts failed: restart `pie serve`"
-            return
-        replica.recover()
-        console.print(f"{name} restarted; serving again")
+        await backends.stop()
 
 
 def _build_builtins(config: PieConfig, console: Console) -> dict[str, Path]:
