@@ -39,7 +39,9 @@ def test_chunked_items_give_the_one_shot_results(model_dir, dtype):
     matmul differently from a 540-row one, and logits differ by about one bf16 step (0.125
     at magnitude 16-32): measured 0.003 in a probability of 0.047 and 0.14 in a
     log-probability of -23, so bf16 is held to two such steps.
-    Beside a 4-token pass in one batch, each gives what it gives alone, bit for bit."""
+    Beside a 4-token pass in one batch, each gives what it gives alone: bit for bit where the
+    matmul library gives a row the same bits whatever rows are beside it (`_row_invariant_matmul`),
+    within 1e-4 elsewhere (as chunked vs one-shot; measured 1.05e-5 on an AMD EPYC)."""
     from pie.backend.engine import Engine
     from pie.config import BackendConfig
     from pie.control.passes import Output, Pass, encode
@@ -77,8 +79,22 @@ def test_chunked_items_give_the_one_shot_results(model_dir, dtype):
         assert torch.allclose(keys1[layer].float(), keys0[layer].float(),
                               atol=bf16_tolerance if dtype == "bfloat16" else 1e-5, rtol=0), layer
     alone, mixed = replies1[1], replies1[2]
-    assert mixed.logprobs[:16] == alone.logprobs[:16] and mixed.logprobs[16:] == replies1[3].logprobs
-    assert mixed.dist_probs == alone.dist_probs
+    if _row_invariant_matmul():
+        assert mixed.logprobs[:16] == alone.logprobs[:16] and mixed.logprobs[16:] == replies1[3].logprobs
+        assert mixed.dist_probs == alone.dist_probs
+    else:  # the logits matmul of a batch's output rows sums a row differently with other rows beside it
+        for got, want in ((mixed.logprobs, alone.logprobs[:16] + replies1[3].logprobs),
+                          (mixed.dist_probs, alone.dist_probs)):
+            assert np.frombuffer(got, np.float32) == pytest.approx(np.frombuffer(want, np.float32), abs=1e-4, rel=0)
+
+
+def _row_invariant_matmul() -> bool:
+    """Whether this machine's fp32 matmul gives a row the same bits with 3 or 4 rows in the
+    product (the logits of a few output rows). MKL on the Xeons this test was written on:
+    yes; on an AMD EPYC with AVX2 only: no, a row differs by up to 5e-5 in a logit."""
+    generator = torch.Generator().manual_seed(0)
+    w, x = torch.randn(49152, 576, generator=generator), torch.randn(4, 576, generator=generator)
+    return torch.equal(torch.nn.functional.linear(x[:3], w), torch.nn.functional.linear(x, w)[:3])
 
 
 def test_a_no_kv_item_that_finds_the_scratch_full_runs_alone(model_dir):
