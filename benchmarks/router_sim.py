@@ -9,9 +9,9 @@ placement code is the one `pie serve --replicas N` runs; only the replicas are m
   exponential time (mean concurrency `--live`); each carries one of `--prompts` shared
   system prompts (Zipf popularity, s = 1.1; `--prompt-bytes` long) and a user turn of its own
   (`--turn-bytes`);
-- a replica's cache: an LRU of `--cache-blocks` 64-byte blocks (a prompt block cached there
-  is a hit when a later launch placed there starts with it), filled by every launch placed
-  on the replica.
+- a replica's cache: `--cache-blocks` 64-byte blocks, least recently used first and a
+  prefix's tail before its head (as a radix cache evicts leaves), filled by every launch
+  placed on the replica (a block is a hit when a later launch placed there starts with it).
 Policies: `random`, `round-robin`, `least-loaded`, and `cache-aware` at several
 `control.placement_imbalance` bounds. Reported per policy: the block hit rate (share of
 launched prompt blocks found in the chosen replica's cache), load imbalance (the largest
@@ -31,7 +31,6 @@ import random
 import statistics
 import sys
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -40,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: the `benchmarks` package is in the repository root
 
 from benchmarks.run_info import command_line, machine_settings, write_results
-from pie.control.placement import Placement, blocks
+from pie.control.placement import Placement, PrefixMemory, blocks
 
 RESULTS = ROOT / "benchmarks" / "results"
 IMBALANCES = (4, 16, 64)
@@ -51,29 +50,6 @@ class SimReplica:
     index: int
     live: int = 0
     serving: bool = True
-
-
-class Cache:
-    """A replica's prefix cache as an LRU of block keys."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.keys: OrderedDict[bytes, None] = OrderedDict()
-
-    def hits(self, keys: list[bytes]) -> int:
-        n = 0
-        for key in keys:
-            if key not in self.keys:
-                break
-            n += 1
-        return n
-
-    def fill(self, keys: list[bytes]) -> None:
-        for key in keys:
-            self.keys[key] = None
-            self.keys.move_to_end(key)
-        while len(self.keys) > self.capacity:
-            self.keys.popitem(last=False)
 
 
 def workload(launches: int, prompts: int, prompt_bytes: int, turn_bytes: int, live: int,
@@ -96,7 +72,7 @@ def workload(launches: int, prompts: int, prompt_bytes: int, turn_bytes: int, li
 def simulate(policy: str, imbalance: int, launches: list, replicas: int, cache_blocks: int, seed: int) -> dict:
     rng = random.Random(seed)
     nodes = [SimReplica(i) for i in range(replicas)]
-    caches = [Cache(cache_blocks) for _ in range(replicas)]
+    caches = [PrefixMemory(cache_blocks) for _ in range(replicas)]  # a cache that evicts leaves first
     placement = Placement(policy if policy in ("cache-aware", "least-loaded") else "least-loaded", imbalance, replicas)
     departures: list[tuple[float, int]] = []
     hit = total = 0
@@ -114,9 +90,9 @@ def simulate(policy: str, imbalance: int, launches: list, replicas: int, cache_b
             chosen = placement.choose(nodes, "chat", arguments)
         decide_s += time.perf_counter() - started
         keys = blocks("chat", arguments)
-        hit += caches[chosen.index].hits(keys)
+        hit += caches[chosen.index].matched(keys)
         total += len(keys)
-        caches[chosen.index].fill(keys)
+        caches[chosen.index].remember(keys)
         chosen.live += 1
         heapq.heappush(departures, (leave, chosen.index))
         mean = sum(n.live for n in nodes) / replicas
