@@ -102,8 +102,9 @@ async def throughput(tmp: Path, side: str, round_: int, instances: int, tokens: 
             await wave(client, prompts(instances, 1000 + round_), tokens)  # warm-up
             measured = await wave(client, prompts(instances, round_), tokens)
             replicas = get(url, "/stats")[1]["replicas"]
+            model = get(url, "/health")[1]["model"]
     assert all(r == "finished" for r in measured["reasons"]), measured["reasons"]
-    return {**measured, "launched": [r["launched"] for r in replicas]}
+    return {**measured, "launched": [r["launched"] for r in replicas], "model": model}
 
 
 def backend_pid(server_pid: int, endpoint: str) -> int:
@@ -197,6 +198,7 @@ async def run(rounds: int, instances: int, tokens: int, sides: list[str]) -> dic
             "ray_scaling_efficiency": median["2x1-ray"] / (2 * median["1x1"])} if "2x1-ray" in median else {}),
         "launched_per_replica": {side: results[-1]["launched"] for side, results in per_side.items()},
         "failure": killed,
+        "model": per_side["1x1"][0]["model"],
     }
 
 
@@ -216,6 +218,7 @@ def main() -> None:
     data = asyncio.run(run(rounds, instances, tokens, sides))
     data["meta"] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": command_line(),
                     "quick": args.quick, "rounds": rounds, "order": "rotated per round", "dtype": DTYPE,
+                    "model": data.pop("model"),
                     **machine_settings()}
     write_results(args.out, data)
     plot(data, Path(args.out).with_suffix(".png"))
