@@ -16,7 +16,7 @@ BF16 = torch.bfloat16
 def gemv():
     module = bf16_gemv_module()
     if not module.supported():
-        pytest.skip("this CPU has no AVX-512 BF16: Linear uses oneDNN for every size here")
+        pytest.skip("this CPU has no AVX-512 BF16: Linear uses oneDNN (F.linear without AVX-512) for every size here")
     return module
 
 
