@@ -130,6 +130,16 @@ async def generate(server: Server, arguments: list[str]) -> tuple[list[str], str
         return [m async for m in instance], await instance.wait()
 
 
+def hf_greedy_at_once(server: Server, prompts: list[str], hf_chat, tokens: int = 16) -> None:
+    """One text_completion per prompt, launched together: each finishes with HF's greedy text."""
+    async def all_of_them() -> list[tuple[list[str], str]]:
+        return await asyncio.gather(*(generate(server, ["--prompt", p, "--max-tokens", str(tokens)])
+                                      for p in prompts))
+
+    for (messages, reason), prompt in zip(asyncio.run(all_of_them()), prompts):
+        assert reason == "finished" and messages == [hf_chat(prompt, tokens)]
+
+
 def test_two_replicas_place_serve_and_survive_one_dying(tmp_path, hf_chat):
     server = Server(tmp_path, {"backend": {"replicas": 2}})
     try:
@@ -137,11 +147,7 @@ def test_two_replicas_place_serve_and_survive_one_dying(tmp_path, hf_chat):
         assert status == 200 and [r["status"] for r in health["replicas"]] == ["ok", "ok"]
         prompts = ["What is the capital of France?", "Name three colors.", "What is 2 + 2?"]
 
-        async def three() -> list[tuple[list[str], str]]:
-            return await asyncio.gather(*(generate(server, ["--prompt", p, "--max-tokens", "16"]) for p in prompts))
-
-        for (messages, reason), prompt in zip(asyncio.run(three()), prompts):
-            assert reason == "finished" and messages == [hf_chat(prompt, 16)]
+        hf_greedy_at_once(server, prompts, hf_chat)
         launched = [r["launched"] for r in replicas(server)]
         assert min(launched) >= 1 and sum(launched) == 3  # both replicas took launches
 
@@ -342,11 +348,7 @@ def test_a_remote_replica_with_a_wrong_secret_waits_then_serves_then_is_lost(tmp
               what=lambda: f"the remote replica found: {server.get('/health')[1]}")
         prompts = ["Name three colors.", "What is 2 + 2?"]
 
-        async def two() -> list[tuple[list[str], str]]:
-            return await asyncio.gather(*(generate(server, ["--prompt", p, "--max-tokens", "16"]) for p in prompts))
-
-        for (messages, reason), prompt in zip(asyncio.run(two()), prompts):
-            assert reason == "finished" and messages == [hf_chat(prompt, 16)]
+        hf_greedy_at_once(server, prompts, hf_chat)
         assert [r["launched"] for r in replicas(server)] == [1, 1]
 
         async def lost() -> str:
@@ -382,11 +384,7 @@ def test_replicas_as_ray_actors_serve_and_come_back(tmp_path, hf_chat):
         assert all(r["endpoint"].startswith("tcp://") for r in replicas(server))
         prompts = ["Name three colors.", "What is 2 + 2?"]
 
-        async def two() -> list[tuple[list[str], str]]:
-            return await asyncio.gather(*(generate(server, ["--prompt", p, "--max-tokens", "16"]) for p in prompts))
-
-        for (messages, reason), prompt in zip(asyncio.run(two()), prompts):
-            assert reason == "finished" and messages == [hf_chat(prompt, 16)]
+        hf_greedy_at_once(server, prompts, hf_chat)
         assert [r["launched"] for r in replicas(server)] == [1, 1]
 
         async def lost() -> str:

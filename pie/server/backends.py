@@ -131,11 +131,8 @@ async def _watch_spawned(backend: BackendProcess, replica: Replica, runtime: Run
         reason = f"{name} process exited with code {backend.process.returncode}"
         console.print(f"[red]error:[/] {reason}; restarting it (inferlets running on it end: their KV "
                       "cache is lost)")
-        # One message whichever ends an inferlet first: its failed call or the termination.
         lost = f"{reason} (KV cache lost; the backend was restarted)"
-        replica.fail(lost)
-        await asyncio.to_thread(runtime.terminate_all, f"error: {lost}", replica=replica)
-        runtime.controller.placement.forget(replica.index)
+        await _lose(replica, runtime, lost)
         for attempt in range(1, BACKEND_RESTARTS + 1):
             backend.restart()
             try:
@@ -149,6 +146,14 @@ async def _watch_spawned(backend: BackendProcess, replica: Replica, runtime: Run
             return
         replica.recover()
         console.print(f"{name} restarted; serving again")
+
+
+async def _lose(replica: Replica, runtime: Runtime, reason: str) -> None:
+    """A replica's backend and KV cache are gone: its calls fail, its instances end (one
+    message whichever ends an inferlet first), and placement forgets what it cached."""
+    replica.fail(reason)
+    await asyncio.to_thread(runtime.terminate_all, f"error: {reason}", replica=replica)
+    runtime.controller.placement.forget(replica.index)
 
 
 def reach(endpoint: str, secret: bytes | None, timeout_s: float) -> P.HandshakeReply | str:
@@ -195,9 +200,7 @@ async def _watch_remote(replica: Replica, runtime: Runtime, console: Console, se
         elif why is not None and replica.serving:
             console.print(f"[red]error:[/] {name}: {why}; inferlets running on it end")
             lost = f"{name} is lost: {why} (KV cache lost)"
-            replica.fail(lost)
-            await asyncio.to_thread(runtime.terminate_all, f"error: {lost}", replica=replica)
-            runtime.controller.placement.forget(replica.index)
+            await _lose(replica, runtime, lost)
         elif why is not None:
             replica.failure = why
         await asyncio.sleep(REMOTE_PING_S)
