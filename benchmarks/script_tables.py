@@ -215,6 +215,20 @@ def router_sim(data: Json) -> list[str]:
     return lines
 
 
+def dtypes(data: Json) -> list[str]:
+    meta, prefill = data["meta"], data["prefill"]
+    lines = [f"The backend in bf16 and in fp32, alternating; `backend.dtype = auto` picks **{meta['dtype']}** on this "
+             f"CPU (bf16 on one with AVX2 + FMA and no AVX-512 means bf16 weights widened to fp32). Resident memory "
+             f"after loading: bf16 {data['memory_mb']['bfloat16']} MB, fp32 {data['memory_mb']['float32']} MB.", "",
+             "| step | bf16 | fp32 | fp32 time / bf16 time |", "|---|---|---|---|",
+             f"| prefill, {prefill['tokens']} tokens | {_f(prefill['bfloat16_tokens_per_s'])} tok/s | "
+             f"{_f(prefill['float32_tokens_per_s'])} tok/s | {prefill['bf16_over_fp32']:.2f}× |"]
+    for row in data["decode"]:
+        lines.append(f"| decode, batch {row['batch']}, context {row['context']} | {_f(row['bfloat16_step_ms'])} ms | "
+                     f"{_f(row['float32_step_ms'])} ms | {row['fp32_over_bf16_time']:.2f}× |")
+    return lines
+
+
 def quantization(data: Json) -> list[str]:
     meta, quality, speed = data["meta"], data["quality"], data["speed"]
     lines = [f"`backend.weight_dtype = \"int8\"` (int8 weights, per-token int8 activations) beside the model's "
@@ -382,6 +396,7 @@ def workflows(data: Json) -> list[str]:
 
 SCRIPTS: dict[str, tuple[str, Callable[[Json], list[str]]]] = {
     "backend": ("Backend step vs HF transformers", backend),
+    "dtypes": ("bf16 against fp32 on this CPU (what backend.dtype = auto picks)", dtypes),
     "quantization": ("Int8 weights: speed and quality", quantization),
     "placement": ("Thread placement", placement),
     "overhead": ("Control-layer overhead, host calls, control CPU and launch latency", overhead),

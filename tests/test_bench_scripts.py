@@ -194,6 +194,7 @@ def test_backend_quick(results):
         assert row["hf_over_pie_time"] == pytest.approx(row["hf_step_ms"] / row["pie_step_ms"])
 
 
+@pytest.mark.slow
 def test_frontends_quick(results):
     data = results("frontends")
     meta = data["meta"]
@@ -236,6 +237,7 @@ def test_frontends_quick(results):
     assert all(text.startswith('{"story": "') for text in data["outputs"]["openai-tools"])  # the call's arguments
 
 
+@pytest.mark.slow
 def test_soak_quick(results):
     data = results("soak")
     check_meta(data["meta"])
@@ -252,6 +254,22 @@ def test_soak_quick(results):
     assert not leaks["leaked"] and leaks["threads_before"] > 0 and leaks["fds_before"] > 0, leaks
 
 
+@pytest.mark.slow
+def test_dtypes_quick(results):
+    """Both dtypes measured in one run, every decode batch with its ratio; meta says what
+    backend.dtype = auto picks on this CPU."""
+    from pie.backend.dtype import resolve_dtype
+
+    data = results("dtypes")
+    check_meta(data["meta"], systems=["bfloat16", "float32"])
+    assert data["meta"]["dtype"] == resolve_dtype("auto", "cpu") and data["meta"]["compared"] == ["bfloat16", "float32"]
+    assert [row["batch"] for row in data["decode"]] == [1, 2]
+    for row in data["decode"]:
+        assert row["steps"] == 4 and row["fp32_over_bf16_time"] == row["float32_step_ms"] / row["bfloat16_step_ms"]
+    assert data["memory_mb"]["bfloat16"] > 0 and data["memory_mb"]["float32"] > 0
+
+
+@pytest.mark.slow
 def test_quantization_quick(results):
     data = results("quantization")
     meta = data["meta"]
@@ -276,6 +294,7 @@ def test_quantization_quick(results):
         assert row["base_over_int8_time"] == pytest.approx(row["base_step_ms"] / row["int8_step_ms"])
 
 
+@pytest.mark.slow
 def test_placement_quick(results):
     data = results("placement")
     meta = data["meta"]
@@ -291,6 +310,7 @@ def test_placement_quick(results):
         assert 0 < row["mean_forward_batch"] <= row["batch"]
 
 
+@pytest.mark.slow
 def test_drain_quick(results):
     data = results("drain")
     meta = data["meta"]
@@ -309,6 +329,7 @@ def test_drain_quick(results):
     assert data["cut"]["drain_timeout_s"] < data["finish"]["drain_timeout_s"]
 
 
+@pytest.mark.slow
 def test_prefix_cache_quick(results):
     """The conversation on two servers, cache on and off: the "on" one copied pages."""
     data = results("prefix_cache")
@@ -321,6 +342,7 @@ def test_prefix_cache_quick(results):
     assert stats["hit_tokens"] > 0 and stats["lookups"] >= 3 * 9 * data["meta"]["rounds"]
 
 
+@pytest.mark.slow
 def test_api_serve_quick(results):
     """Every policy at every rate on its own server; the same requests for each; the
     sustained rates and their ratios follow from the rows; nothing was killed."""
@@ -340,6 +362,7 @@ def test_api_serve_quick(results):
     assert Path(results.out / "api_serve.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_prefill_only_quick(results):
     """Every policy at every rate on its own server, the same requests for each, every
     request scored; the sustained rates follow from the rows."""
@@ -358,6 +381,7 @@ def test_prefill_only_quick(results):
     assert Path(results.out / "prefill_only.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_max_input_quick(results):
     """Both modes at both lengths, the need = tensor peak + scratch, the longest inputs follow
     from the rows and the budget, and whether the log-probabilities were equal is recorded
@@ -377,6 +401,7 @@ def test_max_input_quick(results):
     assert Path(results.out / "max_input.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_objectives_quick(results):
     """Both systems every round, in rotated order; every chat turn answered; the medians and
     ratios follow from the runs."""
@@ -393,6 +418,7 @@ def test_objectives_quick(results):
     assert Path(results.out / "objectives.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_semantic_variables_quick(results):
     """Both of Pie's sides ran every application each round, in rotated order, each run
     produced text; the medians and ratios follow from the runs."""
@@ -406,6 +432,7 @@ def test_semantic_variables_quick(results):
     assert Path(results.out / "semantic_variables.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_shared_prompt_quick(results):
     """Every side ran each round in rotated order (noshare at full length only); requests/s
     and the ratios follow from the medians."""
@@ -422,6 +449,7 @@ def test_shared_prompt_quick(results):
     assert Path(results.out / "shared_prompt.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_shared_prefix_attention_quick(results):
     """Both sides timed every round, in rotated order; speedups follow from the medians; the
     shared path's outputs equal the plain path's."""
@@ -433,6 +461,7 @@ def test_shared_prefix_attention_quick(results):
         assert row["speedup"] == row["off_ms"] / row["on_ms"] and row["max_abs_diff"] < 1e-2
 
 
+@pytest.mark.slow
 def test_workflows_quick(results):
     """Every side ran each round in rotated order; the ratios follow from the medians;
     helium ran fewer calls than it declared. (Its outputs equal the naive plan's in fp32:
@@ -461,6 +490,7 @@ def test_every_script_takes_quick_and_out():
         assert done.returncode == 0 and "--out" in done.stdout and "--quick" in done.stdout, script
 
 
+@pytest.mark.slow
 def test_replicas_quick(results):
     """One replica vs two, each on a core of its own, and one of two killed mid-wave."""
     data = results("replicas")
@@ -490,17 +520,26 @@ def test_router_sim_quick(results):
     assert all(0 <= r["hit_rate"] <= 1 and r["imbalance_mean"] >= 1 for r in rows.values())
 
 
-def test_results_md_has_a_section_per_script(results):
+@pytest.mark.parametrize("source", ["committed", pytest.param("quick", marks=pytest.mark.slow)])
+def test_results_md_has_a_section_per_script(source, results, tmp_path):
     """RESULTS.md renders every script's JSON next to the engine comparisons: its title, the
-    command that made it, and the figure it exists for, taken from the file."""
+    command that made it, and the figure it exists for, taken from the file. From the
+    committed results (fast), and from every script's quick run of this commit (slow: it
+    runs them all)."""
     from benchmarks import report
     from benchmarks.__main__ import SCRIPTS, WORKLOADS
     from benchmarks.script_tables import _f as report_f
 
-    data = {script: results(script) for script in SCRIPTS}
+    committed = ROOT / "benchmarks" / "results"
+    if source == "quick":
+        data, folder = {script: results(script) for script in SCRIPTS}, results.out
+    else:
+        data, folder = {script: json.loads((committed / f"{script}.json").read_text()) for script in SCRIPTS}, tmp_path
+        for script in SCRIPTS:
+            shutil.copy(committed / f"{script}.json", folder)
     # The GPU run's file, as benchmarks/cuda_check.sh wrote it (no GPU here to make one).
-    shutil.copy(ROOT / "benchmarks" / "results" / "backend-cuda.json", results.out)
-    text = report.render(results.out, results.out / "RESULTS.md", WORKLOADS)
+    shutil.copy(committed / "backend-cuda.json", folder)
+    text = report.render(folder, folder / "RESULTS.md", WORKLOADS)
     for script, (title, _) in [*report.SCRIPTS.items(), ("backend-cuda", report.GPU_FILES["backend-cuda"])]:
         assert f"## {title}" in text and f"`{script}.json`" in text, script
     assert "both on one NVIDIA H200; Pie's attention flashinfer with CUDA graphs for decode; random weights" in text

@@ -1,5 +1,5 @@
-"""The bf16 decode linear (csrc/bf16_gemv.cpp) against float64 arithmetic on the same bf16
-inputs, and `Linear`'s choice between it and oneDNN."""
+"""The bf16 decode linear (csrc/bf16_gemv.cpp: AVX-512 BF16, or its AVX2 + FMA twin) against
+float64 arithmetic on the same bf16 inputs, and `Linear`'s choice between it and oneDNN."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ BF16 = torch.bfloat16
 def gemv():
     module = bf16_gemv_module()
     if not module.supported():
-        pytest.skip("this CPU has no AVX-512 BF16: Linear uses oneDNN (F.linear without AVX-512) for every size here")
+        pytest.skip("this CPU has neither AVX-512 BF16 nor AVX2 + FMA: bf16 Linear uses oneDNN or F.linear at every size")
     return module
 
 
@@ -28,11 +28,13 @@ def check_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
     assert bool(((y.double() - exact).abs() <= bound).all())
 
 
-@pytest.mark.parametrize("rows", range(1, 17))
+@pytest.mark.parametrize("rows", range(1, 33))
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (7, 64), (131, 32)])
 def test_gemv_matches_exact_products(gemv, rows, n, k):
-    """Every token count the kernel takes; row counts that leave partial blocks of 4 / 2
-    rows and of 64-row tasks."""
+    """Every token count the kernel takes (16 with AVX-512 BF16, 32 with AVX2: two passes of
+    at most 16); row counts that leave partial blocks of 4 / 3 / 2 rows and of 64-row tasks."""
+    if rows > gemv.max_tokens():
+        pytest.skip(f"this build takes at most {gemv.max_tokens()} rows")
     torch.manual_seed(rows * n + k)
     x, w = torch.randn(rows, k).to(BF16), (torch.randn(n, k) / k ** 0.5).to(BF16)
     check_close(gemv.gemv(x, w), x, w)
@@ -41,7 +43,7 @@ def test_gemv_matches_exact_products(gemv, rows, n, k):
 def test_gemv_rejects_what_it_cannot_do(gemv):
     w = torch.randn(64, 576).to(BF16)
     cases = [
-        (torch.randn(17, 576).to(BF16), w, "17 rows"),
+        (torch.randn(gemv.max_tokens() + 1, 576).to(BF16), w, f"{gemv.max_tokens() + 1} rows"),
         (torch.randn(1, 576), w, "x must be a contiguous bfloat16"),
         (torch.randn(1, 576).to(BF16), torch.randn(64, 576), "weight must be a contiguous bfloat16"),
         (torch.randn(1, 512).to(BF16), w, "x has 512 columns"),
@@ -54,15 +56,21 @@ def test_gemv_rejects_what_it_cannot_do(gemv):
 
 
 def test_linear_uses_the_kernel_for_decode_sizes_only(gemv):
-    """Up to max_tokens rows the kernel, above it oneDNN: both close to the exact product.
+    """Up to max_tokens rows the kernel, above it oneDNN (an fp32 copy of the weight on a CPU
+    without oneDNN's bf16): both close to the exact product.
     A weight whose width is no multiple of 32 never takes the kernel."""
     torch.manual_seed(0)
     layer = Linear((torch.randn(96, 576) / 24).to(BF16))
-    assert layer.gemv is gemv and layer.gemv_max_tokens == gemv.max_tokens() == 16
-    for rows in (1, 16, 17, 70):
+    top = gemv.max_tokens()
+    assert layer.gemv is gemv and layer.gemv_max_tokens == top and top == (16 if gemv.native_bf16() else 32)
+    for rows in (1, 16, top, top + 1, 70):
         x = torch.randn(rows, 576).to(BF16)
         check_close(layer(x), x, layer.weight)
     assert layer(torch.empty(0, 576, dtype=BF16)).shape == (0, 96)  # no rows: oneDNN's empty result
+    # Without oneDNN's bf16 kernels (no AVX-512) the steps past the kernel's take an fp32 copy.
+    assert (layer.weight32 is not None) == (layer.packed is None)
+    if layer.packed is None:
+        assert layer.fp32_from == top + 1 and torch.equal(layer.weight32, layer.weight.float())
     odd = Linear(torch.randn(8, 40).to(BF16))
     assert odd.gemv is None
     x = torch.randn(1, 40).to(BF16)

@@ -56,7 +56,7 @@ def test_fused_decode_is_bit_identical_to_the_python_loop(model_dir):
     config = BackendConfig(dtype="bfloat16", num_kv_pages=32, num_embeds=16)
     fused = Engine(model_dir, config)
     if fused.model.fused_decode is None:
-        pytest.skip("this CPU has no AVX-512 BF16: the Python loop is the only decode path")
+        pytest.skip("this CPU has neither AVX-512 BF16 nor AVX2 + FMA: the Python loop is the only decode path")
     eager = Engine(model_dir, config)
     eager.model.fused_decode = None
     fused_hidden, fused_tokens, calls = run_steps(fused)

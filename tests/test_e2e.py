@@ -94,6 +94,7 @@ def test_sixteen_concurrent_inferlets_are_batched(server, expected):
     assert batches < forwards, "forward calls were not batched"
 
 
+@pytest.mark.slow  # restarts a server; tests/test_benchmarks.py runs eager end to end, test_policies its rules
 def test_eager_policy_gives_identical_results(tmp_path, server, expected):
     eager = Server(tmp_path, {"control": {"scheduler": "eager"}})
     try:

@@ -369,6 +369,7 @@ def test_a_remote_replica_with_a_wrong_secret_waits_then_serves_then_is_lost(tmp
         remote.kill()
 
 
+@pytest.mark.slow  # starts a Ray cluster (~25 s); the spawned and tcp replicas above are the fast e2e path
 def test_replicas_as_ray_actors_serve_and_come_back(tmp_path, hf_chat):
     """`backend.ray = "local"`: two replicas as actors of a local Ray cluster, attached over
     tcp with a secret made for the run; a replica's backend killed comes back (its actor

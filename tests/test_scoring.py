@@ -28,7 +28,7 @@ def hf_logprobs(hf_model, ids: list[int], candidates: list[int]) -> list[float]:
     return torch.log_softmax(logits, -1)[candidates].tolist()
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_chunked_items_give_the_one_shot_results(model_dir, dtype):
     """`backend.mlp_chunk_tokens` (chunked_forward.py): a 520-token prefix written to pages,
     then a 540-token scoring pass over it that keeps no KV; each run 256 tokens at a time.

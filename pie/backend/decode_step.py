@@ -5,7 +5,7 @@ KV write, attention, SiLU * up) plus the slicing between them: ~270 calls and ~2
 14 ms batch-1 step on the Xeon of 2026-11-26 (2 vCPUs; the linears, ~9.6 ms, are at the
 memory bandwidth). The C++ loop runs the same kernels in the same order, so its result is
 bit-identical to the Python loop's (tests/test_decode_step.py). Steps of at most
-`max_tokens` (16) tokens take it: decode steps, and prompts short enough that the bf16
+`max_tokens` (16; 32 on AVX2 CPUs) tokens take it: decode steps, and prompts short enough that the bf16
 linear (pie/backend/linear.py) beats oneDNN; everything else (longer prefills, fp32, int8,
 biases, other attention backends) keeps the Python loop. A 12-token prompt's forward: 34.7
 -> 27.4 ms with the 16-token linear and this loop.
@@ -33,7 +33,8 @@ class FusedDecode:
 
     @staticmethod
     def usable(layers: list, dtype: torch.dtype, device: torch.device) -> bool:
-        """bf16 on CPU with the AVX-512 BF16 linear for every projection and no biases."""
+        """bf16 on CPU with the bf16 linear (AVX-512 BF16, or its AVX2 twin) for every
+        projection and no biases."""
         if dtype != torch.bfloat16 or device.type != "cpu":
             return False
         linears = [getattr(layer, name) for layer in layers for name in ("qkv", "o", "gate_up", "down")]

@@ -5,9 +5,19 @@ arithmetic (AMX, or AVX-512 BF16) computes in it; elsewhere oneDNN emulates bf16
 and a prefill, which is compute-bound, slows down far more than decode speeds up. Measured on
 a CPU without bf16 hardware (issue 16; vLLM's serving client, 8 concurrent, 128-token
 prompts): fp32 prefilled 2.8x faster than bf16 (mean time to first token 1.46 s vs 4.03 s)
-and decoded 9% slower (137 vs 125 ms per token). So: bf16 where the CPU has bf16 arithmetic,
-fp32 where it has not; bf16 on CUDA. The dtype chosen is in the handshake (`pie status`,
-`GET /health`) and in every benchmark result's meta, next to the CPU flags.
+and decoded 9% slower (137 vs 125 ms per token).
+
+So: bf16 where the CPU has bf16 arithmetic; bf16 *weights* with fp32 arithmetic on a CPU with
+AVX2 + FMA and no AVX-512 (e.g. an AMD EPYC before Zen 4): there oneDNN has no bf16 path at
+all, our kernel (csrc/bf16_gemv.cpp) widens the bf16 weight to fp32 for steps of up to 32
+tokens, and larger steps multiply an fp32 copy of it (pie/backend/linear.py). Measured on
+such an EPYC (2 vCPUs, backend decode step at context 128, benchmarks/dtypes.py): 25 / 77 /
+131 / 245 ms at batch 1 / 8 / 16 / 32 against fp32's 77 / 228 / 299 / 386, a 512-token
+prefill at the same speed (226 vs 221 tok/s), 1.9 GB resident against 2.5 GB (the KV pool
+is bf16 too). fp32 elsewhere (AVX-512 without BF16 is unmeasured with this mix:
+its 33-63-token steps would take oneDNN's emulated bf16); bf16 on CUDA. The dtype chosen is
+in the handshake (`pie status`, `GET /health`) and in every benchmark result's meta, next to
+the CPU flags.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ from pathlib import Path
 log = logging.getLogger("pie.backend")
 
 BF16_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})  # /proc/cpuinfo flags of bf16 arithmetic
+WIDENING_FLAGS = frozenset({"avx2", "fma"})  # csrc/bf16_gemv.cpp's bf16 -> fp32 loop
 
 
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
@@ -33,13 +44,16 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
 
 
 def resolve_dtype(name: str, device: str, flags: frozenset[str] | None = None) -> str:
-    """`name` unless it is "auto"; then bfloat16 on CUDA or on a CPU with bf16 arithmetic,
-    float32 otherwise."""
+    """`name` unless it is "auto"; then bfloat16 on CUDA, on a CPU with bf16 arithmetic and on
+    one with AVX2 + FMA but no AVX-512; float32 otherwise."""
     if name != "auto":
         return name
     if device == "cuda":
         return "bfloat16"
-    return "bfloat16" if (cpu_flags() if flags is None else flags) & BF16_FLAGS else "float32"
+    flags = cpu_flags() if flags is None else flags
+    if flags & BF16_FLAGS or (WIDENING_FLAGS <= flags and "avx512f" not in flags):
+        return "bfloat16"
+    return "float32"
 
 
 def fp32_prefill_is_faster(rows: int = 256, repeats: int = 8) -> bool:

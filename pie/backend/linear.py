@@ -3,7 +3,7 @@
 On CPU in bf16 the weight is prepacked once into oneDNN's blocked layout (AMX/AVX-512
 kernels): measured 1.3-1.5x faster than F.linear across batch sizes here (DESIGN §6).
 Steps of at most 16 tokens (decode, short prompts) go instead to our AVX-512 BF16 loop
-(csrc/bf16_gemv.cpp) where the CPU has the instructions: it streams each weight once with
+(csrc/bf16_gemv.cpp; on AVX2-only CPUs its AVX2 + FMA twin, bf16 widened to fp32): it streams each weight once with
 software prefetch, and the 120 layer linears of a SmolLM2-135M step took 8.7 / 11.1 / 16.3 /
 21.4 / 27.2 ms at 1 / 4 / 8 / 12 / 16 tokens against oneDNN's 14.0 / 15.6 / 23.9 / 25.2 / 30.0
 (Xeon, avx512_bf16, 2 vCPUs; weights not in cache). Past 16 tokens oneDNN's blocked kernels
@@ -30,30 +30,39 @@ PREFILL_MIN_TOKENS = 64  # from here on fp32 matmuls won on the Xeon that motiva
 
 class Linear:
     """`prefill_fp32`: also keep an fp32 copy of the weight and multiply steps of at least
-    PREFILL_MIN_TOKENS tokens in fp32 (`backend.prefill_dtype`, pie/backend/dtype.py)."""
+    PREFILL_MIN_TOKENS tokens in fp32 (`backend.prefill_dtype`, pie/backend/dtype.py).
+
+    A bf16 weight on a CPU without oneDNN's bf16 kernels (no AVX-512: e.g. an AMD EPYC with
+    AVX2 only) always keeps the fp32 copy for steps the few-token kernel does not take:
+    there F.linear in bf16 ran 3-7x slower than in fp32 at 16-64 rows (0.87 vs 2.8 ms at 16,
+    1.3 vs 9.5 ms at 32, one 576 x 1536 weight, 2 vCPUs), while the kernel streams the
+    half-size bf16 weight for decode steps."""
 
     def __init__(self, weight: torch.Tensor, prefill_fp32: bool = False):
         self.weight = weight.contiguous()
         self.out_features = weight.shape[0]
         self.packed = None
+        bf16_cpu = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
         # oneDNN's bf16 path needs AVX-512 (bw/vl/dq) or avx_ne_convert; on a plain AVX2 CPU
-        # (e.g. an AMD EPYC without AVX-512) the reorder raises, so bf16 stays on F.linear.
-        if (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-                and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        # the reorder raises, so bf16 goes to the kernel below and to the fp32 copy.
+        if bf16_cpu and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, None)
-        self.weight32 = self.weight.float() if prefill_fp32 and weight.dtype != torch.float32 else None
         self.gemv, self.gemv_max_tokens = None, 0
-        if self.packed is not None and weight.shape[1] % 32 == 0:
+        if bf16_cpu and weight.shape[1] % 32 == 0:
             from pie.backend.kernels import bf16_gemv_module
 
             module = bf16_gemv_module()
             if module.supported():
                 self.gemv, self.gemv_max_tokens = module, module.max_tokens()
+        no_onednn = bf16_cpu and self.packed is None
+        self.weight32 = self.weight.float() if (prefill_fp32 or no_onednn) and weight.dtype != torch.float32 else None
+        # Steps of at least this many tokens use weight32 (when there is one).
+        self.fp32_from = self.gemv_max_tokens + 1 if no_onednn else PREFILL_MIN_TOKENS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if 0 < x.shape[0] <= self.gemv_max_tokens and x.dtype == torch.bfloat16:
             return self.gemv.gemv(x.contiguous(), self.weight)  # type: ignore[union-attr]
-        if self.weight32 is not None and x.shape[0] >= PREFILL_MIN_TOKENS:
+        if self.weight32 is not None and x.shape[0] >= self.fp32_from:
             return F.linear(x.float(), self.weight32).to(x.dtype)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
