@@ -32,11 +32,11 @@ def completion(prompt: str, tokens: int) -> list[str]:
 async def test_sigterm_lets_running_instances_finish(tmp_path, hf_chat):
     """What was running finishes whole: each completion is HF's greedy one, not cut short."""
     prompts = ("Tell a long story about a dragon.", "Describe the sea at length.")
-    expected = [[hf_chat(p, 96)] for p in prompts]
+    expected = [[hf_chat(p, 48)] for p in prompts]
     server = Server(tmp_path, {"server": {"drain_timeout_s": 120.0}})
     try:
         async with PieClient(server.ws, TOKEN) as client:
-            running = [await client.launch("text_completion", completion(p, 96)) for p in prompts]
+            running = [await client.launch("text_completion", completion(p, 48)) for p in prompts]
             server.process.send_signal(signal.SIGTERM)
             await _until(lambda: server.get("/health") == (503, {"status": "draining"}))
             with pytest.raises(RpcError, match="launch_refused.*shutting down"):
