@@ -169,11 +169,6 @@ class ControlConfig:
     # a 2,000-token prompt prefills (1.6x here; 128: 4.4x; unchunked: 64x) at +67% on that
     # prompt's time to first token (benchmarks/results/interference.json, Xeon 2 vCPU).
     max_step_tokens: int = 64
-    # Chunked prefill's budget is max_step_tokens for each prompt waiting beside the
-    # decoders (up to the backend's max_batch_tokens) instead of max_step_tokens in all: a
-    # lone long prompt is chunked as before, while many short arrivals no longer queue for
-    # a shared 64-token slice (benchmarks/workloads/serving.py measures both).
-    step_tokens_per_prompt: bool = False
     # While a latency queue (scheduling.set-queue-objective) is open, other queues' prompts
     # go in chunks of at most this many tokens a batch, so a latency call waits for one such
     # batch at most, while prompts still prefill at near full speed (benchmarks/objectives.py).

@@ -122,33 +122,6 @@ def test_while_a_latency_queue_is_open_other_prompts_go_in_chunks(make):
         assert [c.queue.instance_id for c in batch][:1] == (["chat"] if latency == "waiting" else ["map"])
 
 
-def test_step_tokens_per_prompt_gives_each_waiting_prompt_its_own_chunk(make):
-    """Four decoders beside three 100-token prompts: by default the batch carries 64 new
-    tokens in all (the decoders, then the first prompt's 60-token chunk); with
-    control.step_tokens_per_prompt, 64 per waiting prompt (192: the first prompt whole and
-    88 of the second). One prompt alone gets 64 either way (the interference bound)."""
-    from conftest import sampling_pass
-
-    def batch_of(per_prompt: bool, prompts: int) -> list[int]:
-        s = make(max_batch_tokens=4096, step_tokens_per_prompt=per_prompt)
-        for i in range(4):
-            q = s.create_queue(f"decoder {i}")
-            call = sampling_pass([5], 10, [i], 16)
-            call.queue = q
-            s.submit(call)
-        for i in range(prompts):
-            q = s.create_queue(f"prompt {i}")
-            call = sampling_pass([100 + j for j in range(100)], 0, list(range(10 + 8 * i, 18 + 8 * i)), 16)
-            call.queue = q
-            s.submit(call)
-        with s.lock:
-            return [c.tokens for c in s._form_batch(P.Kind.PASS)]
-
-    assert batch_of(False, 3) == [1, 1, 1, 1, 60]
-    assert batch_of(True, 3) == [1, 1, 1, 1, 100, 88]
-    assert sum(batch_of(True, 1)) == sum(batch_of(False, 1)) == 64
-
-
 def test_a_latency_call_caps_the_others_share_of_its_batch(make):
     """control.latency_step_tokens = 24: beside a waiting latency decode, 20 decoders of
     other queues go (20 tokens) and a 900-token prompt does not (the 4 tokens of room left

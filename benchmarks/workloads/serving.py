@@ -50,9 +50,6 @@ RAMP_S = 1.0  # client start delays spread over about this long (Poisson arrival
 # (levels × requests × 64 tokens keeps a round under a minute per system here).
 FULL = {1: 6, 8: 3, 32: 2}
 QUICK = {1: 1, 2: 2}  # a smoke run: every path (a closed loop included), no figures
-# Pie restarted with other settings beside its default (full runs): the chunked-prefill
-# budget per waiting prompt (control.step_tokens_per_prompt), for its time to first token.
-PIE_VARIANTS = {"pie (step tokens per prompt)": "[control]\nstep_tokens_per_prompt = true\n"}
 
 
 @dataclass
@@ -276,21 +273,13 @@ async def run(bench: Bench) -> Result:
     rounds: dict[tuple[int, str], list[dict[str, float]]] = {}
     work: dict[tuple[int, str], dict[str, list[float]]] = {}
     samples: dict[tuple[int, str], dict[str, list[list[float]]]] = {}
-    variants = PIE_VARIANTS if bench.restart_pie is not None and not bench.quick and "pie" in bench.endpoints else {}
-    pie_now = ""  # the settings the running Pie has
     for r in range(bench.rounds):
         for level, per_client in requests.items():
-            for name in rotated([*bench.endpoints, *variants], r):  # no system always first
+            for name in rotated(list(bench.endpoints), r):  # no system always first
                 bench.log(f"serving: round {r + 1}/{bench.rounds}, {level} clients × {per_client} requests, {name}")
-                if name.startswith("pie") and variants.get(name, "") != pie_now:
-                    pie_now = variants.get(name, "")
-                    await bench.restart_pie(pie_now)  # type: ignore[misc]
-                    for level_ in requests:  # its pools grow at the first wide batch, as at warm-up
-                        await closed_loop(bench.endpoints["pie"], level_, 1, 4, f"warmup/{level_}", ramp_s)
                 if not bench.quick:
                     await bench.settle()
-                endpoint = bench.endpoints["pie" if name.startswith("pie") else name]
-                streams, wall = await closed_loop(endpoint, level, per_client, max_tokens,
+                streams, wall = await closed_loop(bench.endpoints[name], level, per_client, max_tokens,
                                                   f"round {r}/{level}", ramp_s)
                 rounds.setdefault((level, name), []).append(summary(streams, wall))
                 counts = work.setdefault((level, name), {})

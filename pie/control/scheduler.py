@@ -476,8 +476,7 @@ class Scheduler:
 
         Chunked prefill: while decoding passes (at most DECODE_TOKENS new tokens) wait and
         are at least as many as the prefills beside them, a batch carries at most
-        `control.max_step_tokens` new tokens (that many per waiting prompt with
-        `control.step_tokens_per_prompt`), decoders first; a longer pass sends its leading
+        `control.max_step_tokens` new tokens, decoders first; a longer pass sends its leading
         tokens as a chunk (`Pass.split`) and keeps the rest at the head of its queue, so a
         long prompt no longer stalls every decoder for its whole prefill. Otherwise a batch
         fills the backend's max_batch_tokens: when prefills outnumber decoders (a wave's
@@ -492,11 +491,8 @@ class Scheduler:
         # Latency queues are never held behind a long prefill of another class: while one
         # is open, the others' prompts go in chunks of control.latency_batch_tokens.
         latency = any(q.objective is Objective.LATENCY for q in self.queues)
-        prompts = len(queues) - decoders
-        decoding = 0 < decoders >= prompts
-        share = max(1, prompts) if self.config.step_tokens_per_prompt else 1
-        step = (min(self.max_batch_tokens, self.config.max_step_tokens * share) if decoding
-                else self.config.latency_batch_tokens)
+        decoding = 0 < decoders >= len(queues) - decoders
+        step = self.config.max_step_tokens if decoding else self.config.latency_batch_tokens
         passes = kind == P.Kind.PASS and not single
         chunking = passes and (decoding or latency)
         # A latency call waits to go: the others' share of its batch is capped.
