@@ -18,15 +18,15 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
+from functools import partial
 from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: the `benchmarks` package is in the repository root
 
-from benchmarks.backend import PieSide, timed
-from benchmarks.run_info import command_line, machine_settings, rotated, write_results
+from benchmarks.backend import PieSide
+from benchmarks.run_info import alternate, command_line, machine_settings, rotated, write_results
 from pie.backend.dtype import resolve_dtype
 from pie.backend.weights import DEFAULT_MODEL_NAME, resolve_model_dir
 from pie.config import load_config
@@ -69,10 +69,7 @@ def main() -> None:
         memory = {d: rss_mb(p.process.pid) for d, p in processes.items()}
         for side in sides.values():  # warm-up, untimed
             side.prefill(prefill)
-        prefill_s: dict[str, list[float]] = {d: [] for d in DTYPES}
-        for names in order:
-            for name in names:
-                prefill_s[name].append(timed(sides[name].prefill, prefill))
+        prefill_s = alternate(order, {d: partial(side.prefill, prefill) for d, side in sides.items()})
         prefill_tps = {d: prefill / statistics.median(v) for d, v in prefill_s.items()}
         print("prefill %d: " % prefill + "  ".join(f"{d} {v:.0f} tok/s" for d, v in prefill_tps.items()), flush=True)
         decode = []
@@ -80,13 +77,7 @@ def main() -> None:
             for side in sides.values():
                 side.prepare(batch, context)
                 side.decode_step()  # warm-up, untimed
-            step_s: dict[str, list[float]] = {d: [] for d in DTYPES}
-            for names in order:
-                for name in names:
-                    for _ in range(steps):
-                        started = time.perf_counter()
-                        sides[name].decode_step()
-                        step_s[name].append(time.perf_counter() - started)
+            step_s = alternate(order, {d: side.decode_step for d, side in sides.items()}, steps)
             ms = {d: 1e3 * statistics.median(v) for d, v in step_s.items()}
             decode.append({"batch": batch, "context": context, "steps": len(step_s["float32"]),
                            "bfloat16_step_ms": ms["bfloat16"], "float32_step_ms": ms["float32"],

@@ -23,13 +23,14 @@ import statistics
 import sys
 import time
 from array import array
+from functools import partial
 from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script: the `benchmarks` package is in the repository root
 
-from benchmarks.run_info import command_line, machine_settings, rotated, write_results
+from benchmarks.run_info import alternate, command_line, machine_settings, rotated, write_results
 from pie.backend.dtype import resolve_dtype
 from pie.backend.weights import resolve_model_dir
 from pie.config import load_config
@@ -159,28 +160,17 @@ def main() -> None:
         speed: dict = {"prefill": {}, "decode": []}
         sides = ["base", "int8"]
         order = [rotated(sides, r) for r in range(rounds)]
-        prefill_s: dict[str, list[float]] = {s: [] for s in sides}
         long_prompt = [[100 + i % 1000 for i in range(prefill_tokens)]]
         for side in sides:  # warm-up, untimed
             backends[side].greedy(long_prompt, 1)
-        for names in order:
-            for side in names:
-                started = time.perf_counter()
-                backends[side].greedy(long_prompt, 1)
-                prefill_s[side].append(time.perf_counter() - started)
+        prefill_s = alternate(order, {s: partial(backends[s].greedy, long_prompt, 1) for s in sides})
         speed["prefill"] = {"tokens": prefill_tokens, **{
             f"{s}_tokens_per_s": prefill_tokens / statistics.median(prefill_s[s]) for s in sides},
             **{f"{s}_round_s": prefill_s[s] for s in sides}}
         speed["prefill"]["int8_over_base"] = speed["prefill"]["int8_tokens_per_s"] / speed["prefill"]["base_tokens_per_s"]
         for batch, context in configs:
             runs = {s: decode_batch(backends[s], batch, context, rounds * steps) for s in sides}
-            step_s: dict[str, list[float]] = {s: [] for s in sides}
-            for names in order:
-                for side in names:
-                    for _ in range(steps):
-                        started = time.perf_counter()
-                        runs[side].step()
-                        step_s[side].append(time.perf_counter() - started)
+            step_s = alternate(order, {s: runs[s].step for s in sides}, steps)
             row = {"batch": batch, "context": context, "steps": rounds * steps,
                    **{f"{s}_step_ms": 1e3 * statistics.median(step_s[s]) for s in sides},
                    **{f"{s}_step_ms_all": [round(1e3 * t, 3) for t in step_s[s]] for s in sides}}

@@ -8,7 +8,9 @@ import json
 import os
 import platform
 import sys
+import time
 import urllib.request
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -49,6 +51,19 @@ def rotated(items: list, round_: int) -> list:
     so no system is always first (warm caches, the turbo budget, a neighbour's burst)."""
     shift = round_ % len(items)
     return list(items[shift:]) + list(items[:shift])
+
+
+def alternate(order: list[list[str]], calls: dict[str, Callable[[], object]], repeats: int = 1) -> dict[str, list[float]]:
+    """Seconds each call took, per side: each round of `order` runs every side's call
+    `repeats` times in that round's order (`rotated`), so no side always goes first."""
+    seconds: dict[str, list[float]] = {name: [] for name in calls}
+    for names in order:
+        for name in names:
+            for _ in range(repeats):
+                started = time.perf_counter()
+                calls[name]()
+                seconds[name].append(time.perf_counter() - started)
+    return seconds
 
 
 def write_results(out: str | Path, results: dict) -> None:

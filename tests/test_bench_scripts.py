@@ -3,7 +3,12 @@ they cannot rot: each runs as a subprocess against the real layers and writes it
 temporary file (never over benchmarks/results/). Figures are not checked (never wall-clock
 in tests); the work done, every field, the settings recorded and the internal consistency
 of the numbers are: tokens counted equal tokens asked, times are positive, ratios follow
-from the figures, host calls carry real WIT function names, the rounds rotate the systems."""
+from the figures, host calls carry real WIT function names, the rounds rotate the systems.
+
+Every quick run but `overhead` and `backend` is marked slow (`make test-all` only): each
+starts its own servers and together they took ~17 min of a 46-min suite on 2 vCPUs, while
+the features they drive have their own end-to-end tests; `--help` of every script and the
+RESULTS.md rendering of the committed results stay in `make test`."""
 
 from __future__ import annotations
 

@@ -82,15 +82,15 @@ def _build(name: str) -> ModuleType:
 
     source = CSRC / f"{name}.cpp"
     included = re.findall(r'^#include "(\w+\.cpp)"', source.read_text(), flags=re.MULTILINE)
-    files = [source, *(CSRC / i for i in included), *sorted(CSRC.glob("*.h"))]
-    digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:12]
+    texts = {f.name: f.read_bytes() for f in [source, *(CSRC / i for i in included), *sorted(CSRC.glob("*.h"))]}
+    digest = hashlib.sha256(b"".join(texts.values())).hexdigest()[:12]
     build_dir = PieConfig().paths.cache / "kernels" / f"{name}-{digest}"
     build_dir.mkdir(parents=True, exist_ok=True)
     clear_stale_lock(build_dir / "lock")
-    for f in files:
-        copy = build_dir / f.name
-        if not copy.exists() or copy.read_bytes() != f.read_bytes():
-            copy.write_bytes(f.read_bytes())
+    for file_name, text in texts.items():  # a copy cut short by a kill is rewritten
+        copy = build_dir / file_name
+        if not copy.exists() or copy.read_bytes() != text:
+            copy.write_bytes(text)
     fresh = not any(build_dir.glob("*.so"))
     if fresh:
         log.info("compiling the CPU kernel %s (once per machine, ~30-40 s)", name)
