@@ -116,3 +116,19 @@ def test_a_stale_build_lock_is_removed(tmp_path):
     old = time.time() - STALE_LOCK_S - 60
     os.utime(lock, (old, old))
     assert clear_stale_lock(lock) and not lock.exists()
+
+
+def test_kernels_compile_from_a_copy_in_their_cache_folder():
+    """torch writes the compiled source's absolute path into build.ninja: compiling csrc/ in
+    place rebuilt every kernel whenever the same commit ran from another checkout (a git
+    worktree, CI's clone). The build compiles a copy kept beside its objects instead, so
+    build.ninja names no checkout."""
+    from pathlib import Path
+
+    from pie.backend.kernels import CSRC, paged_attention_module
+
+    build_dir = Path(paged_attention_module().__file__).parent
+    ninja = (build_dir / "build.ninja").read_text()
+    assert str(CSRC) not in ninja and str(build_dir / "paged_attention.cpp") in ninja
+    for name in ("paged_attention.cpp", "fast_exp.h", "shared_prefix.h"):
+        assert (build_dir / name).read_bytes() == (CSRC / name).read_bytes()
