@@ -75,6 +75,20 @@ def test_launch_echo_terminate_and_limits(runtime):
         runtime.launch("f" * 64, [], Events())
 
 
+def test_terminate_all_sets_every_reason_before_its_then_runs(runtime):
+    """A lost replica fails its calls in `then`: by then every instance's reason is set and
+    none is woken yet, so an inferlet that sees its call fail still ends with the replica's
+    reason (CI once saw "error: inference-failed: backend replica 1 … is lost" instead)."""
+    events = [Events(), Events()]
+    for e in events:
+        runtime.launch("hello", [], e)
+    seen = []
+    runtime.terminate_all("error: replica lost", then=lambda: seen.extend(
+        (i.end_reason, i.host.cancelled.is_set()) for i in runtime.instances.values()))
+    assert seen == [("error: replica lost", False)] * 2
+    assert [e.wait() for e in events] == ["error: replica lost"] * 2
+
+
 def test_cpu_limit_stops_a_spinning_instance(runtime):
     events = Events()
     runtime.launch("probe", ["loop"], events)

@@ -192,14 +192,20 @@ class Runtime:
             instance.end_reason = instance.end_reason or reason
         instance.host.cancelled.set()
 
-    def terminate_all(self, reason: str, timeout_s: float = 10.0, replica: Replica | None = None) -> int:
+    def terminate_all(self, reason: str, timeout_s: float = 10.0, replica: Replica | None = None,
+                      then: Callable[[], None] | None = None) -> int:
         """End every instance (on `replica` only, when given) with `reason` and wait for their
-        teardown; returns how many."""
+        teardown; returns how many. `then` runs once every reason is set and before any
+        instance is woken: a lost replica fails its calls there, so an inferlet that sees its
+        call fail still ends with `reason`, not with the failed call's message."""
         with self.lock:
             instances = [i for i in self.instances.values() if replica in (None, i.session.replica)]
         for instance in instances:
             with instance.lock:
                 instance.end_reason = instance.end_reason or reason
+        if then is not None:
+            then()
+        for instance in instances:
             instance.host.cancelled.set()
         for instance in instances:
             if instance.thread:

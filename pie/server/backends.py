@@ -151,8 +151,8 @@ async def _watch_spawned(backend: BackendProcess, replica: Replica, runtime: Run
 async def _lose(replica: Replica, runtime: Runtime, reason: str) -> None:
     """A replica's backend and KV cache are gone: its calls fail, its instances end (one
     message whichever ends an inferlet first), and placement forgets what it cached."""
-    replica.fail(reason)
-    await asyncio.to_thread(runtime.terminate_all, f"error: {reason}", replica=replica)
+    await asyncio.to_thread(runtime.terminate_all, f"error: {reason}", replica=replica,
+                            then=lambda: replica.fail(reason))
     runtime.controller.placement.forget(replica.index)
 
 
