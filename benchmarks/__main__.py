@@ -2,8 +2,8 @@
 
 First Pie's own scripts, one after another with nothing else running (backend vs HF,
 control-layer overhead, front ends, drain, soak; each starts its own server). Then the
-harness starts the tool server and every available system (same weights, same dtype,
-loopback), waits until each answers, runs the comparison workloads with the systems
+harness starts the tool server and every available system (same weights, each in its
+fastest dtype on this CPU unless --dtype names one; loopback), waits until each answers, runs the comparison workloads with the systems
 alternating round by round, stops everything, and writes benchmarks/results/<name>.json
 (+ .png), results/run.json (what ran, how long) and benchmarks/RESULTS.md. A system that
 cannot run here is reported "not run" with the reason.
@@ -34,7 +34,6 @@ from rich.console import Console
 from benchmarks import report, script_tables
 from benchmarks.systems import Pie, System, all_systems
 from benchmarks.workloads import Bench, Result
-from pie.backend.dtype import resolve_dtype
 from pie.backend.weights import DEFAULT_MODEL_NAME
 
 HERE = Path(__file__).resolve().parent
@@ -74,13 +73,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, help="alternating rounds per comparison measurement (default 3; quick 1; "
                         "each script keeps its own, at least 3)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                        help="the dtype every system computes in (default auto: Pie's choice for this CPU, pie/backend/dtype.py)")
+                        help="the dtype every system runs in (default auto: each its fastest on this CPU: Pie's "
+                             "choice, pie/backend/dtype.py, also for llama.cpp's GGUF; for vLLM and SGLang bf16 only "
+                             "with bf16 arithmetic, else fp32)")
     parser.add_argument("--out", type=Path, help="results folder (default benchmarks/results; "
                         "quick: benchmarks/results/quick)")
     parser.add_argument("--second-model", type=Path, help="a larger local HF Llama directory for Table 4")
     parser.add_argument("--list", action="store_true", help="say which systems can run here and exit")
     args = parser.parse_args(argv)
-    args.dtype = resolve_dtype(args.dtype, "cpu")  # one concrete dtype for every system
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     args.workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     known = all_systems()
@@ -161,7 +161,7 @@ async def compare(args: argparse.Namespace, console: Console, clock: float) -> i
             with console.status(f"starting {system.label} (logs: {log_dir}/{name}.log) …"):
                 begin = time.monotonic()
                 try:
-                    endpoints[name] = await system.start(args.dtype, log_dir)
+                    endpoints[name] = await system.start(system.dtype_for(args.dtype), log_dir)
                 except Exception as e:  # a baseline that fails to start is reported, not fatal
                     not_run[system.label] = f"failed to start: {e}"
                     console.print(f"[red]✗[/] {system.label}: {e}")
@@ -179,9 +179,12 @@ async def compare(args: argparse.Namespace, console: Console, clock: float) -> i
                 bench.endpoints["pie"] = pie.endpoint
                 bench.programs.clear()
             bench.restart_pie = restart_pie
-        info = report.run_info(args.quick, args.rounds, args.dtype, DEFAULT_MODEL_NAME,
+        dtypes = {s.label: s.dtype_for(args.dtype) for s in started.values()}
+        dtype = (next(iter(dtypes.values())) if len(set(dtypes.values())) == 1
+                 else ", ".join(f"{label} {d}" for label, d in dtypes.items()))
+        info = report.run_info(args.quick, args.rounds, dtype, DEFAULT_MODEL_NAME,
                                {s.label: s.version() for s in started.values()}, not_run,
-                               {s.label: s.settings(args.dtype) for s in started.values()})
+                               {s.label: s.settings(dtypes[s.label]) for s in started.values()})
         for workload in (w for w in args.workloads if w in WORKLOADS):
             console.rule(workload)
             if isinstance(pie, Pie) and pie.config:  # an earlier workload changed Pie's config

@@ -133,6 +133,7 @@ async def run_vllm(rates: list[float], args: argparse.Namespace, dtype: str, tmp
     from benchmarks.systems import Vllm
 
     system = Vllm()
+    dtype = system.dtype_for(dtype)
     endpoint = await system.start(dtype, tmp)
     no_cache = {"hit_tokens": 0}  # (vLLM's hits are not read here)
 
@@ -167,7 +168,7 @@ async def run_vllm(rates: list[float], args: argparse.Namespace, dtype: str, tmp
                   f"{row['completed_per_s']:.3f} req/s done, not finished {row['not_finished']}", flush=True)
     finally:
         await system.stop()
-    return rows, system.version()
+    return rows, f"{system.version()} ({dtype})"
 
 
 def summarize(policy: str, rate: float, done: list[dict], before: dict, after: dict) -> dict:
@@ -231,7 +232,7 @@ async def run(args: argparse.Namespace) -> dict:
         rows += await run_policy(policy, rates, args, program_path, dtype, tmp)
     vllm_version = None
     if baseline:
-        vllm_rows, vllm_version = await run_vllm(rates, args, dtype, tmp)
+        vllm_rows, vllm_version = await run_vllm(rates, args, args.dtype, tmp)  # auto: its fastest here
         rows += vllm_rows
         policies.append(baseline)
     kept = {}

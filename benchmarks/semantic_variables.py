@@ -175,7 +175,7 @@ async def main_async(args: argparse.Namespace) -> dict:
     runs = await run_pie(args, dtype, chat_template, tmp)
     vllm_version = None
     if not args.no_vllm:
-        vllm_runs, vllm_version = await run_vllm(args, dtype, chat_template, tmp)
+        vllm_runs, vllm_version = await run_vllm(args, args.dtype, chat_template, tmp)  # auto: its fastest here
         runs += vllm_runs
     label = {("pie", "inferlet"): "pie_inferlet", ("pie", "client"): "pie_client", ("vllm", "client"): "vllm_client"}
     median = {app: {name: statistics.median(r["seconds"] for r in runs

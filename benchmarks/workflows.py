@@ -262,7 +262,7 @@ async def main_async(args) -> dict:
     runs, equal = await run_pie(args, workflows, compiler, dtype, template, tmp)
     vllm_version = None
     if not args.no_vllm:
-        vllm_runs, vllm_version = await run_vllm(args, workflows, compiler, dtype, template, tmp)
+        vllm_runs, vllm_version = await run_vllm(args, workflows, compiler, args.dtype, template, tmp)  # auto: its fastest here
         runs += vllm_runs
     blocks = {}
     for w in workflows:

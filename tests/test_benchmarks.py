@@ -153,3 +153,22 @@ def test_serving_quick_streams_every_token(tmp_path):
     assert (tmp_path / "serving.png").stat().st_size > 1000
     text = (tmp_path / "RESULTS.md").read_text()
     assert f"## {data['title']}" in text and "**ttft_mean_ms**" in text and "| concurrency 2 |" in text
+
+
+@pytest.mark.parametrize("flags, pie, vllm", [
+    ({"avx2", "fma"}, "bfloat16", "float32"),  # an EPYC before Zen 4: bf16 weights for Pie only
+    ({"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"}, "bfloat16", "bfloat16"),
+    ({"avx2", "fma", "avx512f"}, "float32", "float32"),
+])
+def test_each_system_runs_in_its_fastest_dtype_unless_one_is_named(monkeypatch, flags, pie, vllm):
+    """`--dtype auto`: Pie and llama.cpp (same weights, same dtype) take Pie's choice; vLLM and
+    SGLang compute in their weights' dtype, so bf16 only with bf16 arithmetic. A named
+    dtype is every system's."""
+    from benchmarks import systems
+    from pie.backend import dtype
+
+    monkeypatch.setattr(dtype, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(systems, "cpu_flags", lambda: frozenset(flags))
+    chosen = {name: s.dtype_for("auto") for name, s in systems.all_systems().items()}
+    assert chosen == {"pie": pie, "llamacpp": pie, "vllm": vllm, "sglang": vllm}
+    assert {s.dtype_for("float32") for s in systems.all_systems().values()} == {"float32"}
