@@ -52,7 +52,9 @@ def test_the_engine_reports_the_resolved_dtype(model_dir):
 def test_prefill_dtype_resolution():
     """`backend.prefill_dtype`: explicit values stand; auto is fp32 only for a bf16 model
     on CPU, decided by a timed probe (whose answer depends on the CPU, so only its type is
-    checked here)."""
+    checked here; without oneDNN's bf16 kernels it is fp32 unprobed)."""
+    import torch
+
     from pie.backend.dtype import fp32_prefill_is_faster, resolve_prefill_dtype
 
     assert resolve_prefill_dtype("model", "cpu", "bfloat16") == "model"
@@ -60,6 +62,8 @@ def test_prefill_dtype_resolution():
     assert resolve_prefill_dtype("auto", "cuda", "bfloat16") == "model"
     assert resolve_prefill_dtype("auto", "cpu", "float32") == "model"
     assert resolve_prefill_dtype("auto", "cpu", "bfloat16") in ("model", "float32")
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():  # AVX2 only: always the fp32 copy, no probe
+        assert resolve_prefill_dtype("auto", "cpu", "bfloat16") == "float32"
     assert isinstance(fp32_prefill_is_faster(rows=16, repeats=2), bool)
 
 

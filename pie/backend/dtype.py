@@ -91,4 +91,10 @@ def resolve_prefill_dtype(name: str, device: str, dtype: str) -> str:
         return name
     if device != "cpu" or dtype != "bfloat16":
         return "model"
+    import torch
+
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        # No oneDNN bf16 (AVX2 only): steps past the bf16 kernel always multiply the fp32
+        # copy (pie/backend/linear.py), so the probe would only time noise.
+        return "float32"
     return "float32" if fp32_prefill_is_faster() else "model"
