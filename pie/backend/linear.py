@@ -58,16 +58,17 @@ class Linear:
             if module.supported():
                 self.gemv, self.gemv_max_tokens = module, module.max_tokens()
         no_onednn = bf16_cpu and self.packed is None
-        self.weight32 = self.weight.float() if (prefill_fp32 or no_onednn) and weight.dtype != torch.float32 else None
-        # Steps of at least this many tokens use weight32 (when there is one).
+        # The fp32 copy (one of the two), for steps of at least fp32_from tokens.
+        self.weight32 = self.packed32 = None
         self.fp32_from = self.gemv_max_tokens + 1 if no_onednn else PREFILL_MIN_TOKENS
-        self.packed32 = None
-        if no_onednn and self.weight32 is not None and torch.backends.mkldnn.is_available():
-            # oneDNN's fp32 kernels (blocked layout) beat F.linear's MKL on an AMD EPYC (AVX2,
-            # 2 vCPUs; 120 layer linears at 64 tokens 216 vs 289 ms, lm_head 51 vs 93 ms:
-            # MKL takes a generic path on non-Intel CPUs). The packed copy replaces weight32.
-            self.packed32 = torch.ops.mkldnn._reorder_linear_weight(self.weight32, None)
-            self.weight32 = None
+        if (prefill_fp32 or no_onednn) and weight.dtype != torch.float32:
+            if no_onednn and torch.backends.mkldnn.is_available():
+                # oneDNN's fp32 kernels (blocked layout) beat F.linear's MKL on an AMD EPYC
+                # (AVX2, 2 vCPUs; 120 layer linears at 64 tokens 216 vs 289 ms, lm_head 51 vs
+                # 93 ms: MKL takes a generic path on non-Intel CPUs).
+                self.packed32 = torch.ops.mkldnn._reorder_linear_weight(self.weight.float(), None)
+            else:
+                self.weight32 = self.weight.float()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if 0 < x.shape[0] <= self.gemv_max_tokens and x.dtype == torch.bfloat16:
