@@ -132,3 +132,19 @@ def test_kernels_compile_from_a_copy_in_their_cache_folder():
     assert str(CSRC) not in ninja and str(build_dir / "paged_attention.cpp") in ninja
     for name in ("paged_attention.cpp", "fast_exp.h", "shared_prefix.h"):
         assert (build_dir / name).read_bytes() == (CSRC / name).read_bytes()
+
+
+def test_a_prompt_from_its_start_takes_sdpa_causal_rule_with_the_same_result(monkeypatch):
+    """Items with no context, no custom mask and no hidden key run SDPA with `is_causal`
+    (no dense mask): the output equals the masked path's bit for bit; any other item keeps
+    the mask."""
+    g = torch.Generator().manual_seed(5)
+    kv = random_pool(g, 40, 16, 3, 64, torch.float32)
+    plan = random_plan(g, 40, 16, [(0, 70), (30, 40), (0, 50), (0, 45)], [False, False, True, False], 0.0)
+    plan.kv_visible[plan.kv_indptr[3] + 2] = False  # a hidden key in the last item
+    assert [plan.starts_causal(b) for b in range(4)] == [True, False, False, False]
+    q = torch.randn(plan.q_indptr[-1], 9, 64, generator=g)
+    reference = TorchPagedAttention()
+    fast = reference.run(q, kv, 0, plan)
+    monkeypatch.setattr(AttentionPlan, "starts_causal", lambda self, b: False)
+    assert torch.equal(fast, reference.run(q, kv, 0, plan))

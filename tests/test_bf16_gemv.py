@@ -77,3 +77,16 @@ def test_linear_uses_the_kernel_for_decode_sizes_only(gemv):
     assert odd.gemv is None
     x = torch.randn(1, 40).to(BF16)
     check_close(odd(x), x, odd.weight)
+
+
+def test_a_lower_kernel_limit_sends_more_rows_to_onednn(gemv):
+    """`gemv_max` (the LM head's 16 on AVX2, where past 16 rows oneDNN's fp32 kernels win on
+    its 49,152 rows): rows up to it take the kernel, the next row the path past the kernel."""
+    torch.manual_seed(1)
+    weight = (torch.randn(64, 576) / 24).to(BF16)
+    head, plain = Linear(weight, gemv_max=4), Linear(weight)
+    assert head.gemv_max_tokens == 4 and head.fp32_from == (5 if head.packed is None else plain.fp32_from)
+    x = torch.randn(5, 576).to(BF16)
+    assert torch.equal(head(x[:4]), gemv.gemv(x[:4].contiguous(), weight))
+    plain.gemv_max_tokens = 0  # the same layer with the kernel turned off
+    assert torch.equal(head(x), plain(x))

@@ -41,7 +41,7 @@ class Linear:
     1.3 vs 9.5 ms at 32, one 576 x 1536 weight, 2 vCPUs), while the kernel streams the
     half-size bf16 weight for decode steps."""
 
-    def __init__(self, weight: torch.Tensor, prefill_fp32: bool = False):
+    def __init__(self, weight: torch.Tensor, prefill_fp32: bool = False, gemv_max: int | None = None):
         self.weight = weight.contiguous()
         self.out_features = weight.shape[0]
         self.packed = None
@@ -56,7 +56,8 @@ class Linear:
 
             module = bf16_gemv_module()
             if module.supported():
-                self.gemv, self.gemv_max_tokens = module, module.max_tokens()
+                self.gemv = module
+                self.gemv_max_tokens = min(module.max_tokens(), gemv_max or module.max_tokens())
         no_onednn = bf16_cpu and self.packed is None
         # The fp32 copy (one of the two), for steps of at least fp32_from tokens.
         self.weight32 = self.packed32 = None
@@ -100,7 +101,9 @@ class Int8Linear:
         return y.view(*x.shape[:-1], self.out_features)
 
 
-def make_linear(weight: torch.Tensor, weight_dtype: str, prefill_fp32: bool = False) -> Linear | Int8Linear:
+def make_linear(weight: torch.Tensor, weight_dtype: str, prefill_fp32: bool = False,
+                gemv_max: int | None = None) -> Linear | Int8Linear:
     """The layer for `backend.weight_dtype` (checked in BackendConfig); int8 layers prefill
-    in int8 (faster than either float dtype)."""
-    return Int8Linear(weight) if weight_dtype == "int8" else Linear(weight, prefill_fp32)
+    in int8 (faster than either float dtype). `gemv_max`: the most tokens the bf16 kernel
+    takes (default: all it can)."""
+    return Int8Linear(weight) if weight_dtype == "int8" else Linear(weight, prefill_fp32, gemv_max)

@@ -17,11 +17,16 @@
 namespace {
 
 // Tokens per pass over the weight rows (the kernels' templates go up to it), and per call:
-// with AVX2 a call of 17-32 tokens makes two passes over each 64-row block (the second
+// with AVX2 a call of 17-32 tokens makes two passes over each block of kBlockRows (the second
 // from L2). Measured on an AMD EPYC (AVX2, 2 vCPUs), the 120 layer linears of a SmolLM2-135M
 // step: 14.6 / 40.8 / 69.2 ms at 1 / 8 / 16 tokens against fp32 F.linear's 43.8 / 120 / 148
 // (its weight twice the bytes; MKL reached 34 GFLOP/s at 32 tokens, this loop ~49).
 constexpr int64_t kPassTokens = 16;
+// Weight rows per block (the unit the threads share, and that every pass covers before the
+// next block). 64-row blocks split a 576-row projection 5 : 4 between 2 threads, and each
+// pass of a 17-32-token call streamed a thread's whole share (up to 1.8 MB, past L2) before
+// the next pass read it all again.
+constexpr int64_t kBlockRows = 16;
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 constexpr int64_t kMaxTokens = 16;  // past 16, oneDNN's blocked bf16 kernels win (linear.py)
 #else
@@ -173,30 +178,35 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor weight) {
   const auto* xp = xw.data_ptr<XType>();
   const auto* wp = weight.data_ptr<at::BFloat16>();
   auto* yp = y.data_ptr<at::BFloat16>();
-  // Blocks of 64 rows (>= 36 KB of weight) per task: enough work to hide the fork.
-  const int64_t blocks = (n + 63) / 64;
+  // Each thread takes a contiguous run of kBlockRows-row blocks (at::parallel_for gives the
+  // threads equal shares of the block range) and runs every pass of kPassTokens tokens over
+  // one block before the next, so a call of 17-32 tokens reads a block from memory once and
+  // again from L1/L2 (see kBlockRows).
+  const int64_t blocks = (n + kBlockRows - 1) / kBlockRows;
   at::parallel_for(0, blocks, 1, [&](int64_t b, int64_t e) {
-    const int64_t lo = b * 64, hi = std::min(n, e * 64);
-    for (int64_t t = 0; t < m; t += kPassTokens) {
-      const auto* x0 = xp + t * k;
-      auto* y0 = yp + t * n;
-      switch (std::min(kPassTokens, m - t)) {
-        case 1: rows<1>(x0, wp, k, n, lo, hi, y0); break;
-        case 2: rows<2>(x0, wp, k, n, lo, hi, y0); break;
-        case 3: rows<3>(x0, wp, k, n, lo, hi, y0); break;
-        case 4: rows<4>(x0, wp, k, n, lo, hi, y0); break;
-        case 5: rows<5>(x0, wp, k, n, lo, hi, y0); break;
-        case 6: rows<6>(x0, wp, k, n, lo, hi, y0); break;
-        case 7: rows<7>(x0, wp, k, n, lo, hi, y0); break;
-        case 8: rows<8>(x0, wp, k, n, lo, hi, y0); break;
-        case 9: rows<9>(x0, wp, k, n, lo, hi, y0); break;
-        case 10: rows<10>(x0, wp, k, n, lo, hi, y0); break;
-        case 11: rows<11>(x0, wp, k, n, lo, hi, y0); break;
-        case 12: rows<12>(x0, wp, k, n, lo, hi, y0); break;
-        case 13: rows<13>(x0, wp, k, n, lo, hi, y0); break;
-        case 14: rows<14>(x0, wp, k, n, lo, hi, y0); break;
-        case 15: rows<15>(x0, wp, k, n, lo, hi, y0); break;
-        default: rows<16>(x0, wp, k, n, lo, hi, y0); break;
+    for (int64_t blk = b; blk < e; ++blk) {
+      const int64_t lo = blk * kBlockRows, hi = std::min(n, lo + kBlockRows);
+      for (int64_t t = 0; t < m; t += kPassTokens) {
+        const auto* x0 = xp + t * k;
+        auto* y0 = yp + t * n;
+        switch (std::min(kPassTokens, m - t)) {
+          case 1: rows<1>(x0, wp, k, n, lo, hi, y0); break;
+          case 2: rows<2>(x0, wp, k, n, lo, hi, y0); break;
+          case 3: rows<3>(x0, wp, k, n, lo, hi, y0); break;
+          case 4: rows<4>(x0, wp, k, n, lo, hi, y0); break;
+          case 5: rows<5>(x0, wp, k, n, lo, hi, y0); break;
+          case 6: rows<6>(x0, wp, k, n, lo, hi, y0); break;
+          case 7: rows<7>(x0, wp, k, n, lo, hi, y0); break;
+          case 8: rows<8>(x0, wp, k, n, lo, hi, y0); break;
+          case 9: rows<9>(x0, wp, k, n, lo, hi, y0); break;
+          case 10: rows<10>(x0, wp, k, n, lo, hi, y0); break;
+          case 11: rows<11>(x0, wp, k, n, lo, hi, y0); break;
+          case 12: rows<12>(x0, wp, k, n, lo, hi, y0); break;
+          case 13: rows<13>(x0, wp, k, n, lo, hi, y0); break;
+          case 14: rows<14>(x0, wp, k, n, lo, hi, y0); break;
+          case 15: rows<15>(x0, wp, k, n, lo, hi, y0); break;
+          default: rows<16>(x0, wp, k, n, lo, hi, y0); break;
+        }
       }
     }
   });
