@@ -36,6 +36,7 @@ def test_partial_file_overrides_only_its_keys(tmp_path):
         ("[server]\ndrain_timeout_s = -1\n", "server.drain_timeout_s must be >= 0"),
         ("[server]\nmax_pending_messages = 0\n", "max_pending_messages must be positive"),
         ("[control]\nstream_interval = 0\n", "stream_interval must be positive"),
+        ("[control]\nprefill_batch_tokens = 32\n", r"prefill_batch_tokens \(32\) must be at least control.max_step_tokens"),
     ],
 )
 def test_bad_config_is_a_clear_error(tmp_path, text, message):

@@ -316,6 +316,71 @@ def test_prefills_that_outnumber_the_decoders_go_whole(chunking):
         s.close()
 
 
+@pytest.fixture
+def backlog(tmp_path, model_dir):
+    """The fake backend with control.max_step_tokens = 16 and prefill_batch_tokens = 48."""
+    from pie.config import ControlConfig
+
+    controller, backend = controller_on_fake_backend(
+        PieConfig(control=ControlConfig(max_step_tokens=16, prefill_batch_tokens=48)), tmp_path, model_dir)
+    yield controller, backend
+    controller.shutdown()
+    backend.close()
+
+
+def test_a_wave_of_prompts_goes_in_batches_of_prefill_batch_tokens(backlog):
+    """Prompts that outnumber the decoders go whole, oldest first, at most
+    control.prefill_batch_tokens of them a batch, the decoder riding every batch: the first
+    ones start decoding while the rest prefill (a 32-client wave waited 15 s for one batch
+    of all its prompts; in batches of 512 tokens its mean time to first token was 7 s)."""
+    controller, backend = backlog
+    d = controller.session("d", [])
+    qd = d.create_queue("m")
+    backend.hold.clear()
+    submit(d, qd, [1, 2, 3], run=4, out=d.alloc_kvpage(qd, 1))
+    wait_for(lambda: backend.batches)  # the decoder's prefill is in flight
+    sessions = [controller.session(f"p{i}", []) for i in range(3)]
+    queues = [s.create_queue("m") for s in sessions]
+    for i, (s, q) in enumerate(zip(sessions, queues)):
+        submit(s, q, list(range(100 * i, 100 * i + 24)), out=s.alloc_kvpage(q, 2), outputs=[sampled(23)])
+    backend.hold.set()
+    for s, q in zip(sessions, queues):
+        ((_, status, _, _, error),) = take_all(s, q)
+        assert status == "done" and error is None
+    # the decoder's prefill, then its step beside the two oldest 24-token prompts (48 tokens;
+    # the third would pass the cap), then the third prompt beside the next step
+    assert [n for _, n in backend.batches][:2] == [1, 3]
+    assert columns(backend.passes[1], "token_indptr")[-1] == 1 + 48
+    for s in [d, *sessions]:
+        s.close()
+
+
+def test_decoders_beside_several_prompts_give_each_prompt_a_step_share(backlog):
+    """While decoders are at least as many as the prompts waiting, a batch carries
+    max_step_tokens per waiting prompt (capped by prefill_batch_tokens): two prompts beside
+    two decoders get 2 x 16 tokens a batch, decoders included, where one prompt got 16."""
+    controller, backend = backlog
+    decoders = [controller.session(f"d{i}", []) for i in range(2)]
+    dq = [s.create_queue("m") for s in decoders]
+    backend.hold.clear()
+    for s, q in zip(decoders, dq):
+        submit(s, q, [1, 2, 3], run=6, out=s.alloc_kvpage(q, 1))
+    wait_for(lambda: backend.batches)
+    prompts = [controller.session(f"p{i}", []) for i in range(2)]
+    pq = [s.create_queue("m") for s in prompts]
+    for i, (s, q) in enumerate(zip(prompts, pq)):
+        submit(s, q, list(range(100 * i, 100 * i + 40)), out=s.alloc_kvpage(q, 3), outputs=[sampled(39)])
+    backend.hold.set()
+    for s, q in zip(prompts, pq):
+        ((_, status, _, _, error),) = take_all(s, q)
+        assert status == "done" and error is None
+    # two decode tokens and a 30-token chunk (32 in all), where the single-prompt rule
+    # would have sent 2 + 16
+    assert 2 + 30 in [columns(m, "token_indptr")[-1] for m in backend.passes]
+    for s in decoders + prompts:
+        s.close()
+
+
 def test_chunking_spares_passes_it_cannot_cut_and_fails_a_pass_whose_chunk_failed(chunking):
     """A pass with a custom mask or an output at its first token goes whole; a chunk that
     fails fails its pass, whose rest never runs, and the decoder beside it goes on."""

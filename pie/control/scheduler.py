@@ -476,13 +476,16 @@ class Scheduler:
 
         Chunked prefill: while decoding passes (at most DECODE_TOKENS new tokens) wait and
         are at least as many as the prefills beside them, a batch carries at most
-        `control.max_step_tokens` new tokens, decoders first; a longer pass sends its leading
+        `control.max_step_tokens` new tokens per waiting prefill (up to
+        `control.prefill_batch_tokens`), decoders first; a longer pass sends its leading
         tokens as a chunk (`Pass.split`) and keeps the rest at the head of its queue, so a
-        long prompt no longer stalls every decoder for its whole prefill. Otherwise a batch
-        fills the backend's max_batch_tokens: when prefills outnumber decoders (a wave's
-        first arrivals already decoding), holding them back delays more requests than it
-        spares; chunking there spread 32 prompts over ~18 batches (+25% against the direct
-        driver at batch 32, benchmarks/overhead.py; +8% with this rule).
+        long prompt no longer stalls every decoder for its whole prefill. When prefills
+        outnumber decoders (a wave's first arrivals already decoding), they go whole, oldest
+        first, up to `prefill_batch_tokens` of prompt tokens a batch (at least one prompt),
+        every decoder beside them: holding them back to a few tokens a step delayed more
+        requests than it spared (chunks of 64 spread 32 prompts over ~18 batches, +25%
+        against the direct driver at batch 32, benchmarks/overhead.py), and one batch of a
+        whole wave made every prompt wait for all (docs/architecture.md).
         """
         busy = self._busy_queues()
         queues = [q for q in self.queues if q.pending and id(q) not in busy
@@ -492,7 +495,9 @@ class Scheduler:
         # is open, the others' prompts go in chunks of control.latency_batch_tokens.
         latency = any(q.objective is Objective.LATENCY for q in self.queues)
         decoding = 0 < decoders >= len(queues) - decoders
-        step = self.config.max_step_tokens if decoding else self.config.latency_batch_tokens
+        prompts = len(queues) - decoders
+        step = min(self.config.prefill_batch_tokens, self.config.max_step_tokens * prompts) if decoding \
+            else self.config.latency_batch_tokens
         passes = kind == P.Kind.PASS and not single
         chunking = passes and (decoding or latency)
         # A latency call waits to go: the others' share of its batch is capped.
@@ -502,12 +507,17 @@ class Scheduler:
         queues.sort(key=lambda q: (q.objective, -q.priority,
                                    chunking and q.pending[0].tokens > DECODE_TOKENS
                                    and q.objective is not Objective.LATENCY, keys[id(q)]))
+        # A wave of prompts goes in batches of control.prefill_batch_tokens (whole prompts).
+        prompt_cap = self.config.prefill_batch_tokens if passes and not chunking else 0
         batch: list[Command] = []
-        used, chunked, latency_used = 0, False, 0
+        used, chunked, latency_used, prompted = 0, False, 0, 0
         for queue in queues:
             taken: list[Command] = []
             for command in queue.pending:  # vertical batching within the queue
                 if command.kind != kind or conflicts(command, taken):
+                    break
+                prompt = command.tokens if command.tokens > DECODE_TOKENS else 0
+                if prompt_cap and prompt and prompted and prompted + prompt > prompt_cap:
                     break
                 if cap and queue.objective is not Objective.LATENCY:
                     room = cap - (used - latency_used)
@@ -530,6 +540,7 @@ class Scheduler:
                     break
                 taken.append(command)
                 used += command.tokens
+                prompted += prompt
                 if queue.objective is Objective.LATENCY:
                     latency_used += command.tokens
                 if single:
