@@ -172,3 +172,15 @@ def test_each_system_runs_in_its_fastest_dtype_unless_one_is_named(monkeypatch, 
     chosen = {name: s.dtype_for("auto") for name, s in systems.all_systems().items()}
     assert chosen == {"pie": pie, "llamacpp": pie, "vllm": vllm, "sglang": vllm}
     assert {s.dtype_for("float32") for s in systems.all_systems().values()} == {"float32"}
+
+
+def test_every_interference_setting_is_a_valid_pie_config(tmp_path):
+    """Each chunk size the interference workload restarts Pie with loads (the caps that must
+    be at least max_step_tokens grow with it): an invalid one stopped a full run mid-way."""
+    from benchmarks.workloads.interference import STEP_TOKENS, _settings
+    from pie.config import load_config
+
+    for step in STEP_TOKENS:
+        path = tmp_path / f"{step}.toml"
+        path.write_text(_settings(step))
+        assert load_config(path).control.max_step_tokens == step

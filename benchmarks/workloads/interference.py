@@ -35,6 +35,15 @@ def _variant(step: int) -> str:
     return "pie" if step == DEFAULT_STEP else f"pie (max_step_tokens {step})"
 
 
+def _settings(step: int) -> str:
+    """Pie's control section for `step` tokens a batch beside decoders; the caps that must be
+    at least that large (the prompt batch, the latency batch) grow with it."""
+    default = ControlConfig()
+    return (f"[control]\nmax_step_tokens = {step}\n"
+            f"prefill_batch_tokens = {max(step, default.prefill_batch_tokens)}\n"
+            f"latency_batch_tokens = {max(step, default.latency_batch_tokens)}\n")
+
+
 async def run(bench: Bench) -> Result:
     decoders, tokens, long_tokens = (2, 8, 300) if bench.quick else (DECODERS, TOKENS, LONG_TOKENS)
     steps = (DEFAULT_STEP,) if bench.quick else STEP_TOKENS
@@ -52,7 +61,7 @@ async def run(bench: Bench) -> Result:
             if name.startswith("pie"):
                 step = next(s for s in steps if _variant(s) == name)
                 assert bench.restart_pie is not None
-                await bench.restart_pie("" if step == DEFAULT_STEP else f"[control]\nmax_step_tokens = {step}\n")
+                await bench.restart_pie("" if step == DEFAULT_STEP else _settings(step))
             if not bench.quick:
                 await bench.settle()
             samples[name].append(await interference(bench.endpoints["pie" if name.startswith("pie") else name],
