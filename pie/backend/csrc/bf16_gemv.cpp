@@ -18,7 +18,7 @@ namespace {
 
 // Tokens per pass over the weight rows (the kernels' templates go up to it), and per call:
 // with AVX2 a call of 17-32 tokens makes two passes over each block of kBlockRows (the second
-// from L2). Measured on an AMD EPYC (AVX2, 2 vCPUs), the 120 layer linears of a SmolLM2-135M
+// from L1). Measured on an AMD EPYC (AVX2, 2 vCPUs), the 120 layer linears of a SmolLM2-135M
 // step: 14.6 / 40.8 / 69.2 ms at 1 / 8 / 16 tokens against fp32 F.linear's 43.8 / 120 / 148
 // (its weight twice the bytes; MKL reached 34 GFLOP/s at 32 tokens, this loop ~49).
 constexpr int64_t kPassTokens = 16;
