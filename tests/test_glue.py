@@ -52,8 +52,8 @@ def test_rope_and_silu_match_torch_exactly(glues, rows):
 
 
 def test_silu_tail_columns_match_the_vector_loop(glues):
-    """silu_mul runs 8 or 16 columns at a time and the rest of a row apart: every column gets
-    the same value whichever way it went (columns are independent)."""
+    """silu_mul's loop is vectorised (pie/backend/kernels.py's flags), the rest of a row run
+    apart: every column gets the same value whichever way it went (columns are independent)."""
     fused, _ = glues
     torch.manual_seed(3)
     gate, up = (4 * torch.randn(5, 48)).to(BF16), torch.randn(5, 48).to(BF16)

@@ -230,17 +230,40 @@ def test_teardown_waits_for_the_batch_in_flight_before_freeing_pages(fake):
     assert not q.pending and not a.passes or all(p.queue.closed for p in a.passes.values())
 
 
+def fake_with_control(tmp_path, model_dir, **control):
+    """The fake backend under a control section with `control`'s settings."""
+    from pie.config import ControlConfig
+
+    controller, backend = controller_on_fake_backend(
+        PieConfig(control=ControlConfig(**control)), tmp_path, model_dir)
+    yield controller, backend
+    controller.shutdown()
+    backend.close()
+
+
 @pytest.fixture
 def chunking(tmp_path, model_dir):
     """The fake backend with control.max_step_tokens = 16: a prefill next to a decoder
     goes 16 tokens per batch."""
-    from pie.config import ControlConfig
+    yield from fake_with_control(tmp_path, model_dir, max_step_tokens=16)
 
-    controller, backend = controller_on_fake_backend(
-        PieConfig(control=ControlConfig(max_step_tokens=16)), tmp_path, model_dir)
-    yield controller, backend
-    controller.shutdown()
-    backend.close()
+
+def waiting_prompts(controller, count: int, length: int, pages: int) -> list:
+    """`count` sessions, each with a queue and one distinct `length`-token prompt submitted
+    (nothing to share), sampling at its last token: [(session, queue)]."""
+    sessions = [controller.session(f"p{i}", []) for i in range(count)]
+    pairs = [(s, s.create_queue("m")) for s in sessions]
+    for i, (s, q) in enumerate(pairs):
+        submit(s, q, list(range(100 * i, 100 * i + length)), out=s.alloc_kvpage(q, pages),
+               outputs=[sampled(length - 1)])
+    return pairs
+
+
+def all_done(pairs: list) -> None:
+    """Each (session, queue)'s one pass finished without error."""
+    for s, q in pairs:
+        ((_, status, _, _, error),) = take_all(s, q)
+        assert status == "done" and error is None
 
 
 def test_a_long_prefill_goes_in_chunks_while_a_run_decodes(chunking):
@@ -300,32 +323,21 @@ def test_prefills_that_outnumber_the_decoders_go_whole(chunking):
     backend.hold.clear()
     submit(d, qd, [1, 2, 3], run=4, out=d.alloc_kvpage(qd, 1))
     wait_for(lambda: backend.batches)  # the decoder's prefill is in flight
-    sessions = [controller.session(f"p{i}", []) for i in range(2)]
-    queues = [s.create_queue("m") for s in sessions]
-    for i, (s, q) in enumerate(zip(sessions, queues)):  # different prompts: nothing to share
-        submit(s, q, list(range(100 * i, 100 * i + 24)), out=s.alloc_kvpage(q, 2), outputs=[sampled(23)])
+    prompts = waiting_prompts(controller, 2, 24, 2)
     backend.hold.set()
-    for s, q in zip(sessions, queues):
-        ((_, status, tokens, _, error),) = take_all(s, q)
-        assert status == "done" and error is None
+    all_done(prompts)
     # the decoder's prefill, then one batch: its step and both 24-token prompts whole
     # (chunking would have sent 16 prefill tokens beside the step)
     assert [n for _, n in backend.batches][:2] == [1, 3]
     assert columns(backend.passes[1], "token_indptr")[-1] == 1 + 24 + 24
-    for s in [d, *sessions]:
+    for s in [d, *(s for s, _ in prompts)]:
         s.close()
 
 
 @pytest.fixture
 def backlog(tmp_path, model_dir):
     """The fake backend with control.max_step_tokens = 16 and prefill_batch_tokens = 48."""
-    from pie.config import ControlConfig
-
-    controller, backend = controller_on_fake_backend(
-        PieConfig(control=ControlConfig(max_step_tokens=16, prefill_batch_tokens=48)), tmp_path, model_dir)
-    yield controller, backend
-    controller.shutdown()
-    backend.close()
+    yield from fake_with_control(tmp_path, model_dir, max_step_tokens=16, prefill_batch_tokens=48)
 
 
 def test_a_wave_of_prompts_goes_in_batches_of_prefill_batch_tokens(backlog):
@@ -339,19 +351,14 @@ def test_a_wave_of_prompts_goes_in_batches_of_prefill_batch_tokens(backlog):
     backend.hold.clear()
     submit(d, qd, [1, 2, 3], run=4, out=d.alloc_kvpage(qd, 1))
     wait_for(lambda: backend.batches)  # the decoder's prefill is in flight
-    sessions = [controller.session(f"p{i}", []) for i in range(3)]
-    queues = [s.create_queue("m") for s in sessions]
-    for i, (s, q) in enumerate(zip(sessions, queues)):
-        submit(s, q, list(range(100 * i, 100 * i + 24)), out=s.alloc_kvpage(q, 2), outputs=[sampled(23)])
+    prompts = waiting_prompts(controller, 3, 24, 2)
     backend.hold.set()
-    for s, q in zip(sessions, queues):
-        ((_, status, _, _, error),) = take_all(s, q)
-        assert status == "done" and error is None
+    all_done(prompts)
     # the decoder's prefill, then its step beside the two oldest 24-token prompts (48 tokens;
     # the third would pass the cap), then the third prompt beside the next step
     assert [n for _, n in backend.batches][:2] == [1, 3]
     assert columns(backend.passes[1], "token_indptr")[-1] == 1 + 48
-    for s in [d, *sessions]:
+    for s in [d, *(s for s, _ in prompts)]:
         s.close()
 
 
@@ -366,18 +373,13 @@ def test_decoders_beside_several_prompts_give_each_prompt_a_step_share(backlog):
     for s, q in zip(decoders, dq):
         submit(s, q, [1, 2, 3], run=6, out=s.alloc_kvpage(q, 1))
     wait_for(lambda: backend.batches)
-    prompts = [controller.session(f"p{i}", []) for i in range(2)]
-    pq = [s.create_queue("m") for s in prompts]
-    for i, (s, q) in enumerate(zip(prompts, pq)):
-        submit(s, q, list(range(100 * i, 100 * i + 40)), out=s.alloc_kvpage(q, 3), outputs=[sampled(39)])
+    prompts = waiting_prompts(controller, 2, 40, 3)
     backend.hold.set()
-    for s, q in zip(prompts, pq):
-        ((_, status, _, _, error),) = take_all(s, q)
-        assert status == "done" and error is None
+    all_done(prompts)
     # two decode tokens and a 30-token chunk (32 in all), where the single-prompt rule
     # would have sent 2 + 16
     assert 2 + 30 in [columns(m, "token_indptr")[-1] for m in backend.passes]
-    for s in decoders + prompts:
+    for s in decoders + [s for s, _ in prompts]:
         s.close()
 
 

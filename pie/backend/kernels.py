@@ -26,8 +26,9 @@ log = logging.getLogger("pie.backend")
 CSRC = Path(__file__).parent / "csrc"
 # -fno-trapping-math: GCC keeps a loop with a float comparison in it (a clamp, a select)
 # scalar unless FP exceptions may be ignored; the values are IEEE's either way (unlike
-# -ffast-math). It vectorised the attention softmax's exponentials (a scalar loop of
-# ~25 cycles a key and head before) and every exp_nonpositive loop. Part of the build key.
+# -ffast-math). It vectorised every exp_nonpositive loop: SiLU * up 1451 -> 480 us per
+# layer at 128 rows (AMD EPYC, 2 vCPUs), the attention softmax's exponentials. Part of the
+# build key.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"]
 
 

@@ -494,8 +494,8 @@ class Scheduler:
         # Latency queues are never held behind a long prefill of another class: while one
         # is open, the others' prompts go in chunks of control.latency_batch_tokens.
         latency = any(q.objective is Objective.LATENCY for q in self.queues)
-        decoding = 0 < decoders >= len(queues) - decoders
         prompts = len(queues) - decoders
+        decoding = 0 < decoders >= prompts
         step = min(self.config.prefill_batch_tokens, self.config.max_step_tokens * prompts) if decoding \
             else self.config.latency_batch_tokens
         passes = kind == P.Kind.PASS and not single
