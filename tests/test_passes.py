@@ -176,6 +176,38 @@ def test_bad_passes_fail_at_the_call_with_the_field_named(fake):
     b.close()
 
 
+def test_a_runs_next_step_leaves_before_its_instance_is_woken(fake):
+    """On a reply the scheduler sends the run's next step first and only then wakes the
+    instance waiting in `take`: woken first, 32 streaming instances' threads held it off
+    the GIL for ~22 ms a step (passes.settle)."""
+    import threading
+
+    controller, backend = fake
+
+    class Gate:  # the fake answers one batch per release
+        def __init__(self) -> None:
+            self.permits = threading.Semaphore(0)
+
+        def wait(self, timeout: float) -> bool:
+            return self.permits.acquire(timeout=timeout)
+
+    backend.hold = gate = Gate()
+    a = controller.session("a", [])
+    q = a.create_queue("m")
+    submit(a, q, [1, 2, 3], run=3, out=a.alloc_kvpage(q, 1))
+    scheduler = a.replica.scheduler
+    for step in (1, 2):
+        wait_for(lambda: len(backend.batches) == step)
+        gate.permits.release()  # step `step` is answered; the next one will be held
+        ((_, status, tokens, _, _),) = a.take(q, True)
+        assert (status, tokens) == ("running", [7])
+        with scheduler.lock:  # the next step was already in flight when take returned
+            assert [c.queue for batch in scheduler.in_flight.values() for c in batch] == [q]
+    gate.permits.release()
+    assert [r[1] for r in take_all(a, q)] == ["done"]
+    a.close()
+
+
 def test_cancel_stops_a_run_after_its_step_in_flight(fake):
     controller, backend = fake
     a = controller.session("a", [])
@@ -426,3 +458,26 @@ def test_a_streaming_run_wakes_its_taker_once_per_stream_interval_and_at_its_end
     assert not results.done()
     results.publish(p, Status.DONE, [14])
     assert results.take() == [(1, Status.DONE, [13, 14], [], None)] and results.idle()
+
+
+def test_settle_records_results_and_leaves_the_wake_to_its_caller():
+    """`settle` lists a pass's tokens at once but returns the waiting threads' events
+    instead of setting them: the scheduler sets them after its next send."""
+    import threading
+
+    from pie import protocol as P
+    from pie.control.passes import Pass, PassResults, settle
+    from pie.control.scheduler import CommandQueue
+
+    queue = CommandQueue("i")
+    queue.results = PassResults()
+    p = Pass(queue, 1, 16, [1], [0], [], [], 0, [], 0, None, [sampled(0)])
+    queue.results.opened()
+    event = threading.Event()
+    assert queue.results._add_waiter(event)
+    reply = P.PassesReply(tokens=array("i", [9]).tobytes(), entropy=array("f", [0.0]).tobytes(), logprobs=b"",
+                          dist_ids=b"", dist_probs=b"", dist_indptr=bytes(8))
+    runs, wakes = settle([p], reply)
+    assert runs == [] and wakes == [event] and not event.is_set()
+    assert queue.results.take() == [(1, "done", [9], [], None)]
+

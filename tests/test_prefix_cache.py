@@ -297,7 +297,7 @@ def test_results_name_the_index_the_guest_gave_after_cached_pages_were_skipped(m
     reply = P.PassesReply(tokens=array("i", [-1]).tobytes(), entropy=array("f", [float("nan")]).tobytes(),
                           logprobs=b"", dist_ids=array("i", [5, 6]).tobytes(),
                           dist_probs=array("f", [0.75, 0.25]).tobytes(), dist_indptr=array("i", [0, 2]).tobytes())
-    assert settle([p], reply) == []
+    assert settle([p], reply)[0] == []
     [(_, status, _, details, _)] = p.queue.results.take()
     assert status == "done" and [d["index"] for d in details] == [39]
 

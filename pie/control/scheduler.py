@@ -307,12 +307,21 @@ class Scheduler:
                         self.disconnected = (f"the connection to the backend at {self.endpoint} was lost "
                                              f"(its process ended or was replaced)")
                     elif source is socket:
+                        wakes: list[threading.Event] = []
                         while socket.poll(0):
                             frame = socket.recv()
                             try:
-                                self._on_reply(frame)
+                                wakes += self._on_reply(frame)
                             except P.ProtocolError as e:
                                 self._on_malformed(f"the backend at {self.endpoint} sent a malformed reply: {e}")
+                        if wakes:
+                            # The next batch leaves before any instance's thread wakes to
+                            # compete for the GIL (`settle`).
+                            try:
+                                self._dispatch(socket)
+                            finally:
+                                for event in wakes:
+                                    event.set()
                     else:
                         try:
                             os.read(self.wake_read, 4096)
@@ -577,12 +586,15 @@ class Scheduler:
                 heads[id(q)] = Head(*groups[q.group])
         return {q: self.policy.key(head, now) for q, head in heads.items()}
 
-    def _on_reply(self, frame: bytes) -> None:
+    def _on_reply(self, frame: bytes) -> list[threading.Event]:
+        """Settle the batch the reply answers; return the events that wake the instances
+        waiting for its passes' results, for the loop to set after the next dispatch."""
         request_id, kind, reply = P.decode_reply(frame)
+        wakes: list[threading.Event] = []
         if kind is P.Kind.IDLE:
             with self.lock:
                 self.backend_idle = self._computing_nothing()
-            return
+            return wakes
         with self.lock:
             batch = self.in_flight.pop(request_id, None)
             sent = self.sent_at.pop(request_id, None)
@@ -594,7 +606,7 @@ class Scheduler:
                 self.costs.swapped(time.monotonic() - sent, sum(len(c.item["device"]) for c in batch))
         if batch is None:
             log.warning("reply to unknown request %s", request_id)
-            return
+            return wakes
         if kind is P.Kind.ERROR:
             message = reply.message  # type: ignore[attr-defined]
             if batch[0].kind == P.Kind.PASS:
@@ -603,11 +615,13 @@ class Scheduler:
                 for command in batch:
                     _settle(command, message, None)
         elif kind is P.Kind.PASS:
-            self._continue(settle(batch, reply))  # type: ignore[arg-type]
+            runs, wakes = settle(batch, reply)  # type: ignore[arg-type]
+            self._continue(runs)
         else:
             resolve_batch(batch, reply)
         self._drop_failed_parents(batch)
         self._settled(request_id)
+        return wakes
 
     def _on_malformed(self, reason: str) -> None:
         """A frame that is no reply (a broken or impostor backend): its request id cannot be
