@@ -149,8 +149,8 @@ class Llama:
         if lm_head is None or cfg.tie_word_embeddings:
             lm_head = self.embed_tokens
         # On AVX2 the bf16 kernel takes up to 32 tokens, but past 16 the LM head (576 x 49,152)
-        # multiplies faster in its fp32 copy with oneDNN: 25.0 vs 22.0 ms at 24 rows, 31.9 vs
-        # 28.0 at 32 (AMD EPYC, 2 vCPUs), where the layer linears are level.
+        # multiplies faster in its fp32 copy with oneDNN: 24.5 vs 23.4 ms at 24 rows, 31.5 vs
+        # 29.6 at 32 (AMD EPYC, 2 vCPUs), where the kernel wins on the layer linears.
         self.lm_head = make_linear(lm_head, weight_dtype, gemv_max=16)
         self.norm = weights.take("model.norm.weight")
         self.layers = [LlamaLayer(weights, f"model.layers.{i}", cfg, weight_dtype, prefill_fp32) for i in range(cfg.num_layers)]
