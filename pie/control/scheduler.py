@@ -308,20 +308,20 @@ class Scheduler:
                                              f"(its process ended or was replaced)")
                     elif source is socket:
                         wakes: list[threading.Event] = []
-                        while socket.poll(0):
-                            frame = socket.recv()
-                            try:
-                                wakes += self._on_reply(frame)
-                            except P.ProtocolError as e:
-                                self._on_malformed(f"the backend at {self.endpoint} sent a malformed reply: {e}")
-                        if wakes:
-                            # The next batch leaves before any instance's thread wakes to
-                            # compete for the GIL (`settle`).
-                            try:
+                        try:
+                            while socket.poll(0):
+                                frame = socket.recv()
+                                try:
+                                    wakes += self._on_reply(frame)
+                                except P.ProtocolError as e:
+                                    self._on_malformed(f"the backend at {self.endpoint} sent a malformed reply: {e}")
+                            if wakes:
+                                # The next batch leaves before any instance's thread wakes to
+                                # compete for the GIL (`settle`).
                                 self._dispatch(socket)
-                            finally:
-                                for event in wakes:
-                                    event.set()
+                        finally:
+                            for event in wakes:
+                                event.set()
                     else:
                         try:
                             os.read(self.wake_read, 4096)
