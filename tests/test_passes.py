@@ -178,8 +178,9 @@ def test_bad_passes_fail_at_the_call_with_the_field_named(fake):
 
 def test_a_runs_next_step_leaves_before_its_instance_is_woken(fake):
     """On a reply the scheduler sends the run's next step first and only then wakes the
-    instance waiting in `take`: woken first, 32 streaming instances' threads held it off
-    the GIL for ~22 ms a step (passes.settle)."""
+    instance waiting for its results: woken first, 32 streaming instances' threads held it
+    off the GIL for ~22 ms a step (passes.settle). The waiter's event notes what is in
+    flight at the moment it is set (in the scheduler's thread)."""
     import threading
 
     controller, backend = fake
@@ -196,13 +197,22 @@ def test_a_runs_next_step_leaves_before_its_instance_is_woken(fake):
     q = a.create_queue("m")
     submit(a, q, [1, 2, 3], run=3, out=a.alloc_kvpage(q, 1))
     scheduler = a.replica.scheduler
+    in_flight_at_wake: list[list] = []
+
+    class Probe(threading.Event):
+        def set(self) -> None:
+            in_flight_at_wake.append([c.queue for batch in scheduler.in_flight.values() for c in batch])
+            super().set()
+
     for step in (1, 2):
-        wait_for(lambda: len(backend.batches) == step)
-        gate.permits.release()  # step `step` is answered; the next one will be held
+        wait_for(lambda: len(backend.batches) == step)  # step `step` waits for its answer
+        probe = Probe()
+        assert q.results._add_waiter(probe)
+        gate.permits.release()
+        assert probe.wait(30)
+        assert in_flight_at_wake[-1] == [q]  # the run's next step had already left
         ((_, status, tokens, _, _),) = a.take(q, True)
         assert (status, tokens) == ("running", [7])
-        with scheduler.lock:  # the next step was already in flight when take returned
-            assert [c.queue for batch in scheduler.in_flight.values() for c in batch] == [q]
     gate.permits.release()
     assert [r[1] for r in take_all(a, q)] == ["done"]
     a.close()
