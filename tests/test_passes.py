@@ -476,11 +476,10 @@ def test_settle_records_results_and_leaves_the_wake_to_its_caller():
     import threading
 
     from pie import protocol as P
-    from pie.control.passes import Pass, PassResults, settle
+    from pie.control.passes import Pass, settle
     from pie.control.scheduler import CommandQueue
 
     queue = CommandQueue("i")
-    queue.results = PassResults()
     p = Pass(queue, 1, 16, [1], [0], [], [], 0, [], 0, None, [sampled(0)])
     queue.results.opened()
     event = threading.Event()

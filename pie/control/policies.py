@@ -118,7 +118,7 @@ class Adaptive(FirstCome):
 
     def choose(self, view: ReadyView) -> Decision:
         if not view.backend_idle:
-            return None, None  # the idle signal wakes the loop
+            return None, None  # the reply (or the idle signal) wakes the loop
         kind = view.preferred()
         patience = 0.5 * view.last_forward_s
         if view.gathering:

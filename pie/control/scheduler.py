@@ -598,6 +598,10 @@ class Scheduler:
         with self.lock:
             batch = self.in_flight.pop(request_id, None)
             sent = self.sent_at.pop(request_id, None)
+            # The backend answers a batch once done with it, so it is idle now unless another
+            # is in flight: what its Idle frame right behind says, known a frame sooner, so
+            # that the dispatch before the instances' wake (`settle`) finds it idle.
+            self.backend_idle = self._computing_nothing()
             if batch and sent is not None and batch[0].kind in HEAVY:
                 self.last_forward_s = time.monotonic() - sent
                 self.costs.forwarded(self.last_forward_s, sum(c.tokens for c in batch))
