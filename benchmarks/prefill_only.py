@@ -117,10 +117,10 @@ def requests(n: int, rate: float, seed: int, users: int, posts: int, spread: flo
 
 
 async def one(client: PieClient, program: str, request: dict, start: float, words: int, spread: float) -> dict:
-    await asyncio.sleep(max(0.0, start + request["at"] - time.monotonic()))
+    arguments = ["--profile", profile(request["user"], words, spread), "--posts", "\n".join(request["posts"])]
+    await asyncio.sleep(max(0.0, start + request["at"] - time.monotonic()))  # the text is made before it arrives
     arrived = time.monotonic()
-    instance = await client.launch(program, ["--profile", profile(request["user"], words, spread),
-                                             "--posts", "\n".join(request["posts"])])
+    instance = await client.launch(program, arguments)
     messages = [m async for m in instance]
     reason = await instance.wait()
     ended = time.monotonic()
@@ -161,10 +161,10 @@ async def run_vllm(rates: list[float], args: argparse.Namespace, dtype: str, tmp
         assert endpoint is not None
 
         async def one_vllm(request: dict, start: float) -> dict:
-            await asyncio.sleep(max(0.0, start + request["at"] - time.monotonic()))
-            arrived = time.monotonic()
             head = f"User profile:\n{profile(request['user'], args.profile_words, args.spread)}\n"
             prompts = [f"{head}Post: {post}{QUESTION}" for post in request["posts"]]
+            await asyncio.sleep(max(0.0, start + request["at"] - time.monotonic()))
+            arrived = time.monotonic()
             try:
                 await endpoint.complete(prompts[0], 1, logprobs=2)
                 await asyncio.gather(*(endpoint.complete(p, 1, logprobs=2) for p in prompts[1:]))
