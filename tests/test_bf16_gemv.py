@@ -29,31 +29,55 @@ def check_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("rows", range(1, 33))
-@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (7, 64), (131, 32)])
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (12, 64), (132, 32), (20, 64)])
 def test_gemv_matches_exact_products(gemv, rows, n, k):
     """Every token count the kernel takes (16 with AVX-512 BF16, 32 with AVX2: two passes of
-    at most 16); row counts that leave partial blocks of 4 / 3 / 2 rows and of 64-row tasks."""
+    at most 16); row counts that leave partial blocks of 4 / 3 / 2 rows, blocks of 3 or 2 rows
+    that straddle two of AVX2's 4-row panels, and partial 16-row blocks."""
     if rows > gemv.max_tokens():
         pytest.skip(f"an AVX-512 BF16 build takes at most {gemv.max_tokens()} rows (oneDNN takes larger steps); "
                     "17-32 are the AVX2 build's")
     torch.manual_seed(rows * n + k)
     x, w = torch.randn(rows, k).to(BF16), (torch.randn(n, k) / k ** 0.5).to(BF16)
-    check_close(gemv.gemv(x, w), x, w)
+    check_close(gemv.gemv(x, gemv.pack(w)), x, w)
 
 
 def test_gemv_rejects_what_it_cannot_do(gemv):
-    w = torch.randn(64, 576).to(BF16)
+    plain = torch.randn(64, 576).to(BF16)
+    w = gemv.pack(plain)
     cases = [
         (torch.randn(gemv.max_tokens() + 1, 576).to(BF16), w, f"{gemv.max_tokens() + 1} rows"),
         (torch.randn(1, 576), w, "x must be a contiguous bfloat16"),
-        (torch.randn(1, 576).to(BF16), torch.randn(64, 576), "weight must be a contiguous bfloat16"),
+        (torch.randn(1, 576).to(BF16), w.float(), "weight must be a contiguous bfloat16"),
         (torch.randn(1, 512).to(BF16), w, "x has 512 columns"),
-        (torch.randn(1, 48).to(BF16), torch.randn(4, 48).to(BF16), "not a multiple of 32"),
         (torch.randn(576, 2).to(BF16).T, w, "contiguous"),
     ]
+    if gemv.panel_rows() > 1:  # AVX2 reads 4-row panels: a plain matrix is refused, not misread
+        cases.append((torch.randn(1, 576).to(BF16), plain, r"\[n/4, k/8, 4, 8\] tensor from pack\(\)"))
     for x, weight, message in cases:
         with pytest.raises(RuntimeError, match=message):
             gemv.gemv(x, weight)
+    with pytest.raises(RuntimeError, match="not a multiple of 32"):
+        gemv.pack(torch.randn(4, 48).to(BF16))
+    with pytest.raises(RuntimeError, match="weight must be a contiguous bfloat16"):
+        gemv.pack(plain.float())
+    if gemv.panel_rows() > 1:
+        with pytest.raises(RuntimeError, match="n = 6 is not a multiple of 4"):
+            gemv.pack(torch.randn(6, 64).to(BF16))
+
+
+def test_panels_hold_the_weight_unchanged(gemv):
+    """pack() reorders (AVX2: row r's columns j..j+7 at panel r/4, step j/8, lane r%4) and
+    never writes the weight it was given (the LM head may be the embedding table)."""
+    w = torch.arange(8 * 64, dtype=torch.float32).view(8, 64).to(BF16)
+    before = w.clone()
+    packed = gemv.pack(w)
+    assert torch.equal(w, before)
+    if gemv.panel_rows() == 1:
+        assert packed.data_ptr() == w.data_ptr()  # AVX-512 reads the plain matrix, no copy
+    else:
+        assert packed.shape == (2, 8, 4, 8) and packed.data_ptr() != w.data_ptr()
+        assert torch.equal(packed[1, 3, 2], w[6, 24:32])
 
 
 def test_linear_uses_the_kernel_for_decode_sizes_only(gemv):
@@ -77,6 +101,11 @@ def test_linear_uses_the_kernel_for_decode_sizes_only(gemv):
     assert odd.gemv is None
     x = torch.randn(1, 40).to(BF16)
     check_close(odd(x), x, odd.weight)
+    # AVX2's panels hold 4 rows: a weight of 6 rows keeps the path past the kernel.
+    six = Linear(torch.randn(6, 64).to(BF16))
+    assert (six.gemv is None) == (gemv.panel_rows() > 1)
+    x = torch.randn(1, 64).to(BF16)
+    check_close(six(x), x, six.weight)
 
 
 def test_a_lower_kernel_limit_sends_more_rows_to_onednn(gemv):
@@ -87,6 +116,6 @@ def test_a_lower_kernel_limit_sends_more_rows_to_onednn(gemv):
     head, plain = Linear(weight, gemv_max=4), Linear(weight)
     assert head.gemv_max_tokens == 4 and head.fp32_from == (5 if head.packed is None else plain.fp32_from)
     x = torch.randn(5, 576).to(BF16)
-    assert torch.equal(head(x[:4]), gemv.gemv(x[:4].contiguous(), weight))
+    assert torch.equal(head(x[:4]), gemv.gemv(x[:4].contiguous(), gemv.pack(weight)))
     plain.gemv_max_tokens = 0  # the same layer with the kernel turned off
     assert torch.equal(head(x), plain(x))

@@ -27,8 +27,8 @@ class FusedDecode:
         self.kernel = decode_step_module()
         self.max_tokens = layers[0].qkv.gemv_max_tokens  # the bf16 linear's limit (`usable`)
         self.weights = [t for layer in layers for t in (
-            layer.input_norm, layer.qkv.weight, layer.o.weight, layer.post_norm,
-            layer.gate_up.weight, layer.down.weight)]
+            layer.input_norm, layer.qkv.gemv_weight, layer.o.gemv_weight, layer.post_norm,
+            layer.gate_up.gemv_weight, layer.down.gemv_weight)]
         self.shape = (heads, kv_heads, head_dim, eps)
 
     @staticmethod
