@@ -5,7 +5,8 @@
 // then runs each item's own keys (its suffix) as before and merges the two softmax parts.
 // Why: 32 decoders on a 2,048-key system prompt spent 2.35 ms per layer in attention on the
 // Xeon of 2026-11-27 (bf16 pools, 2 vCPUs); the prefix as a GEMM reads it once and runs at
-// the BLAS's rate (figures: docs/backend.md, benchmarks/results/shared_prompt.json).
+// the BLAS's rate (on AVX2 CPUs our own loop's: small_gemm.h) (figures: docs/backend.md,
+// benchmarks/results/shared_prompt.json).
 #pragma once
 
 #include <torch/extension.h>
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "fast_exp.h"
+#include "small_gemm.h"
 
 namespace shared_prefix {
 
@@ -197,10 +199,10 @@ inline std::vector<Part> attend_prefixes(const torch::Tensor& q, const torch::Te
                         .view({n_members, kv_heads, group, dim})
                         .permute({1, 0, 2, 3})
                         .reshape({kv_heads, rows, dim});
-    at::bmm_out(scores, qg, k);
+    small_gemm::bmm(qg, k, scores);
     softmax_parts(scores.data_ptr<float>(), kv_heads * rows, keys, part.top.data_ptr<float>(),
                   part.total.data_ptr<float>());
-    at::bmm_out(part.acc, scores, v);
+    small_gemm::bmm(scores, v, part.acc);
     for (int64_t m = 0; m < n_members; ++m)
       items[members[m]] = ItemPart{keys, part.acc.data_ptr<float>(), part.top.data_ptr<float>(),
                                    part.total.data_ptr<float>(), rows, m * group};
