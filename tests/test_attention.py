@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pie.backend.attention import AttentionPlan, CpuKernelAttention, TorchPagedAttention
+from pie.backend.dtype import cpu_flags
 from pie.backend.kv_cache import KvCache
 
 
@@ -66,6 +67,31 @@ def test_kernel_matches_reference(dtype, heads, kv_heads, page_size, dim):
     got = CpuKernelAttention().run(q, kv, 0, plan)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_prompts_take_the_kernel_within_its_pairs_and_match_the_reference(dtype):
+    """Past PREFILL_TOKENS new tokens an item takes the kernel while its query-key pairs
+    (new tokens x average visible keys) stay within `kernel_pairs` (on AVX2-only CPUs by
+    default, where SDPA's fixed cost per item loses on short prompts), SDPA beyond: the same
+    output either way."""
+    g = torch.Generator().manual_seed(11)
+    kv = random_pool(g, 120, 16, 3, 64, dtype)
+    # A 100-token prompt from its start (5,000 pairs), a 60-token chunk after 200 cached keys
+    # (13,800), a 300-token prompt (45,000).
+    plan = random_plan(g, 120, 16, [(0, 100), (200, 60), (0, 300), (40, 1)], [False, False, False, False], 0.0)
+    q = torch.randn(plan.q_indptr[-1], 9, 64, generator=g).to(dtype)
+    expected = TorchPagedAttention().run(q, kv, 0, plan)
+    kernel = CpuKernelAttention(kernel_pairs=20_000)
+    got = kernel.run(q, kv, 0, plan)
+    assert kernel.prefill_items == [2]
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+    plain = CpuKernelAttention(kernel_pairs=0)
+    plain.run(q, kv, 0, plan)
+    assert plain.prefill_items == [0, 1, 2]
+    avx2_only = "avx2" in cpu_flags() and "avx512f" not in cpu_flags()
+    assert CpuKernelAttention().kernel_pairs == (CpuKernelAttention.AVX2_KERNEL_PAIRS if avx2_only else 0)
 
 
 def test_hidden_keys_are_ignored():

@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from pie.backend.dtype import cpu_flags
 from pie.backend.kv_cache import KvCache
 
 
@@ -107,8 +108,9 @@ class TorchPagedAttention:
 
 class CpuKernelAttention:
     """Our C++ kernel (`csrc/paged_attention.cpp`) for items with few new tokens — decode
-    steps, speculative drafts — which read the pool in place; items with many new tokens
-    (prefill) go through SDPA, whose blocked kernel beats a per-query loop there.
+    steps, speculative drafts, and on AVX2-only CPUs short prompts — which read the pool in
+    place; items with many new tokens (prefill) go through SDPA, whose blocked kernel beats a
+    per-query loop there.
 
     Decode items whose contexts begin with the same pages (a shared system prompt, forks of
     one context) of at least `shared_prefix_keys` keys attend to that prefix together, as
@@ -119,14 +121,28 @@ class CpuKernelAttention:
     1.52x, 32 users 1.59x and 1.80x; the copy of the prefix is the fixed cost).
     """
 
-    PREFILL_TOKENS = 32  # measured crossover between the kernel and gather + SDPA
+    PREFILL_TOKENS = 32  # measured crossover between the kernel and gather + SDPA (Xeon, AVX-512)
+    # On a CPU with AVX2 and no AVX-512 the kernel also takes items of up to this many
+    # query-key pairs (new tokens x their average visible keys): there SDPA costs ~0.5 ms an
+    # item and a layer before its ~100 ns a pair, the kernel ~118 ns a pair and nothing fixed.
+    # A 512-token prefill batch's attention (30 layers, AMD EPYC, 2 vCPUs): 8 prompts of 64
+    # tokens 135 -> 69 ms, 4 of 128 183 -> 115, 2 of 256 236 -> 193; one of 512 (131k pairs)
+    # stays with SDPA (412 against the kernel's 465).
+    AVX2_KERNEL_PAIRS = 40_000
     NO_GROUPS = torch.zeros(1, dtype=torch.int64)  # shared-prefix groups: none (read only)
     SHARED_PREFIX_MEMBERS = 8
 
-    def __init__(self, shared_prefix_keys: int = 0) -> None:
+    def __init__(self, shared_prefix_keys: int = 0, kernel_pairs: int | None = None) -> None:
+        """`kernel_pairs`: the most query-key pairs of an item past PREFILL_TOKENS new tokens
+        that the kernel takes (default: AVX2_KERNEL_PAIRS on a CPU with AVX2 and no AVX-512,
+        else none)."""
         from pie.backend.kernels import paged_attention_module
 
         self.kernel = paged_attention_module()
+        if kernel_pairs is None:
+            flags = cpu_flags()
+            kernel_pairs = self.AVX2_KERNEL_PAIRS if "avx2" in flags and "avx512f" not in flags else 0
+        self.kernel_pairs = kernel_pairs
         self.reference = TorchPagedAttention()
         self.shared_prefix_keys = shared_prefix_keys
         self.grouped_items = 0  # decode items that attended to a shared prefix, all forwards
@@ -136,8 +152,10 @@ class CpuKernelAttention:
     def _prepare(self, plan: AttentionPlan, page_size: int) -> None:
         """Kernel arguments derived from the plan once per forward, reused by every layer."""
         sizes = [plan.q_indptr[b + 1] - plan.q_indptr[b] for b in range(plan.num_items)]
-        self.enabled = torch.tensor([n <= self.PREFILL_TOKENS for n in sizes])
-        self.prefill_items = [b for b, n in enumerate(sizes) if n > self.PREFILL_TOKENS]
+        keys = [plan.kv_indptr[b + 1] - plan.kv_indptr[b] for b in range(plan.num_items)]
+        kernel = [n <= self.PREFILL_TOKENS or n * (k - n / 2) <= self.kernel_pairs for n, k in zip(sizes, keys)]
+        self.enabled = torch.tensor(kernel)
+        self.prefill_items = [b for b, taken in enumerate(kernel) if not taken]
         offsets, masks, total = [], [], 0
         for mask in plan.custom_masks:
             offsets.append(-1 if mask is None else total)
