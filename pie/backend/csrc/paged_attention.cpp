@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "fast_exp.h"
@@ -241,10 +242,32 @@ void attend(const float* q, const T* k_pool, const T* v_pool, float* out, const 
             const int64_t* kv_indptr, const int64_t* slots, const bool* visible,
             const int64_t* mask_offsets, const bool* masks, const bool* enabled,
             const shared_prefix::ItemPart* prefix, int64_t n_items, const Shape s, float scale) {
-  at::parallel_for(0, n_items * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // The (item, KV head) units dealt to the threads by cost (new tokens x keys), heaviest first
+  // to the least loaded: at::parallel_for's equal runs of units gave one thread the prompts of
+  // a batch that mixes 32 decoders with 4 prompts of 128 tokens, and that batch's step took
+  // 2,107 ms against 2,051 with the prompts on SDPA (AMD EPYC, 2 vCPUs; attention.py).
+  const int64_t units = n_items * s.kv_heads;
+  const int64_t n_threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units));
+  std::vector<std::pair<int64_t, int64_t>> by_cost;  // (cost, unit)
+  by_cost.reserve(units);
+  for (int64_t u = 0; u < units; ++u) {
+    const int64_t b = u / s.kv_heads;
+    if (enabled[b])
+      by_cost.emplace_back((q_indptr[b + 1] - q_indptr[b]) * (kv_indptr[b + 1] - kv_indptr[b] - prefix[b].keys + 1), u);
+  }
+  std::stable_sort(by_cost.begin(), by_cost.end(), [](const auto& x, const auto& y) { return x.first > y.first; });
+  std::vector<std::vector<int64_t>> share(n_threads);
+  std::vector<int64_t> busy(n_threads, 0);
+  for (const auto& [cost, u] : by_cost) {
+    const int64_t t = std::min_element(busy.begin(), busy.end()) - busy.begin();
+    share[t].push_back(u);
+    busy[t] += cost;
+  }
+  at::parallel_for(0, n_threads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc(s.group * s.dim), top(s.group), total(s.group);
     std::vector<char> seen;
-    for (int64_t work = begin; work < end; ++work) {
+    for (int64_t t = begin; t < end; ++t)
+    for (const int64_t work : share[t]) {
       const int64_t b = work / s.kv_heads, h = work % s.kv_heads;
       if (!enabled[b]) continue;
       // An item in a shared-prefix group attends here to its keys after the prefix only.
