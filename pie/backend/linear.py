@@ -59,7 +59,7 @@ class Linear:
                 self.gemv = module
                 self.gemv_max_tokens = min(module.max_tokens(), gemv_max or module.max_tokens())
                 # The weight as the kernel reads it: itself with AVX-512 BF16; on AVX2 a copy
-                # in 4-row panels (csrc/bf16_gemv.cpp: 12.1 vs 14.6 ms for a step's 120 layer
+                # in 4-row panels (csrc/bf16_gemv.cpp: 13.9 vs 16.8 ms for a step's 120 layer
                 # linears at 1 token, AMD EPYC), never the tensor in place: the LM head may be
                 # the embedding table.
                 self.gemv_weight = module.pack(self.weight)
