@@ -28,18 +28,24 @@ def check_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
     assert bool(((y.double() - exact).abs() <= bound).all())
 
 
+NONE = torch.empty(0, dtype=BF16)  # gemv()'s `wide` when there is none: its own loop at every size
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["panels", "wide"])
 @pytest.mark.parametrize("rows", range(1, 33))
-@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (12, 64), (132, 32), (20, 64)])
-def test_gemv_matches_exact_products(gemv, rows, n, k):
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (12, 64), (132, 32), (20, 64), (48, 64)])
+def test_gemv_matches_exact_products(gemv, rows, n, k, wide):
     """Every token count the kernel takes (16 with AVX-512 BF16, 32 with AVX2: two passes of
     at most 16); row counts that leave partial blocks of 4 / 3 / 2 rows, blocks of 3 or 2 rows
-    that straddle two of AVX2's 4-row panels, and partial 16-row blocks."""
+    that straddle two of AVX2's 4-row panels, and partial 16-row blocks. With `wide`, AVX2's
+    GEMM tiles from wide_from() rows on (tiles of 1-6 tokens; n a multiple of 16, else
+    pack_wide() is empty and the loop of 4-row panels runs)."""
     if rows > gemv.max_tokens():
         pytest.skip(f"an AVX-512 BF16 build takes at most {gemv.max_tokens()} rows (oneDNN takes larger steps); "
                     "17-32 are the AVX2 build's")
     torch.manual_seed(rows * n + k)
     x, w = torch.randn(rows, k).to(BF16), (torch.randn(n, k) / k ** 0.5).to(BF16)
-    check_close(gemv.gemv(x, gemv.pack(w)), x, w)
+    check_close(gemv.gemv(x, gemv.pack(w), gemv.pack_wide(w) if wide else NONE), x, w)
 
 
 def test_gemv_rejects_what_it_cannot_do(gemv):
@@ -56,7 +62,10 @@ def test_gemv_rejects_what_it_cannot_do(gemv):
         cases.append((torch.randn(1, 576).to(BF16), plain, r"\[n/4, k/8, 4, 8\] tensor from pack\(\)"))
     for x, weight, message in cases:
         with pytest.raises(RuntimeError, match=message):
-            gemv.gemv(x, weight)
+            gemv.gemv(x, weight, NONE)
+    if gemv.wide_from():  # a wide weight that is not the panels' weight is refused, not misread
+        with pytest.raises(RuntimeError, match="wide must be pack_wide"):
+            gemv.gemv(torch.randn(gemv.wide_from(), 576).to(BF16), w, gemv.pack_wide(plain[:48]))
     with pytest.raises(RuntimeError, match="not a multiple of 32"):
         gemv.pack(torch.randn(4, 48).to(BF16))
     with pytest.raises(RuntimeError, match="weight must be a contiguous bfloat16"):
@@ -80,6 +89,22 @@ def test_panels_hold_the_weight_unchanged(gemv):
         assert torch.equal(packed[1, 3, 2], w[6, 24:32])
 
 
+def test_wide_layout_holds_the_weight_unchanged(gemv):
+    """pack_wide() (AVX2): [n/16, k, 16], column j of rows 16b..16b+15 as pairs (row r, row
+    r + 8); empty where the build has no GEMM tiles or n is no multiple of 16."""
+    w = torch.arange(32 * 64, dtype=torch.float32).view(32, 64).to(BF16)
+    before = w.clone()
+    wide = gemv.pack_wide(w)
+    assert torch.equal(w, before)
+    if not gemv.wide_from():
+        assert wide.numel() == 0
+        return
+    assert wide.shape == (2, 64, 16)
+    for b, j, r, h in ((0, 0, 0, 0), (0, 5, 3, 1), (1, 63, 7, 1), (1, 10, 2, 0)):
+        assert torch.equal(wide[b, j, 2 * r + h], w[16 * b + 8 * h + r, j])
+    assert gemv.pack_wide(torch.randn(40, 64).to(BF16)).numel() == 0
+
+
 def test_linear_uses_the_kernel_for_decode_sizes_only(gemv):
     """Up to max_tokens rows the kernel, above it oneDNN (an fp32 copy of the weight on a CPU
     without oneDNN's bf16): both close to the exact product.
@@ -88,6 +113,7 @@ def test_linear_uses_the_kernel_for_decode_sizes_only(gemv):
     layer = Linear((torch.randn(96, 576) / 24).to(BF16))
     top = gemv.max_tokens()
     assert layer.gemv is gemv and layer.gemv_max_tokens == top and top == (16 if gemv.native_bf16() else 32)
+    assert (layer.gemv_wide.numel() > 0) == bool(gemv.wide_from())  # AVX2: GEMM tiles from wide_from() rows
     for rows in (1, 16, top, top + 1, 70):
         x = torch.randn(rows, 576).to(BF16)
         check_close(layer(x), x, layer.weight)
@@ -106,16 +132,3 @@ def test_linear_uses_the_kernel_for_decode_sizes_only(gemv):
     assert (six.gemv is None) == (gemv.panel_rows() > 1)
     x = torch.randn(1, 64).to(BF16)
     check_close(six(x), x, six.weight)
-
-
-def test_a_lower_kernel_limit_sends_more_rows_to_onednn(gemv):
-    """`gemv_max` (the LM head's 16 on AVX2, where past 16 rows oneDNN's fp32 kernels win on
-    its 49,152 rows): rows up to it take the kernel, the next row the path past the kernel."""
-    torch.manual_seed(1)
-    weight = (torch.randn(64, 576) / 24).to(BF16)
-    head, plain = Linear(weight, gemv_max=4), Linear(weight)
-    assert head.gemv_max_tokens == 4 and head.fp32_from == (5 if head.packed is None else plain.fp32_from)
-    x = torch.randn(5, 576).to(BF16)
-    assert torch.equal(head(x[:4]), gemv.gemv(x[:4].contiguous(), gemv.pack(weight)))
-    plain.gemv_max_tokens = 0  # the same layer with the kernel turned off
-    assert torch.equal(head(x), plain(x))

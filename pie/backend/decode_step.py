@@ -28,7 +28,8 @@ class FusedDecode:
         self.max_tokens = layers[0].qkv.gemv_max_tokens  # the bf16 linear's limit (`usable`)
         self.weights = [t for layer in layers for t in (
             layer.input_norm, layer.qkv.gemv_weight, layer.o.gemv_weight, layer.post_norm,
-            layer.gate_up.gemv_weight, layer.down.gemv_weight)]
+            layer.gate_up.gemv_weight, layer.down.gemv_weight, layer.qkv.gemv_wide,
+            layer.o.gemv_wide, layer.gate_up.gemv_wide, layer.down.gemv_wide)]
         self.shape = (heads, kv_heads, head_dim, eps)
 
     @staticmethod

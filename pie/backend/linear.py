@@ -7,7 +7,8 @@ Steps of at most 16 tokens (decode, short prompts) go instead to our AVX-512 BF1
 software prefetch, and the 120 layer linears of a SmolLM2-135M step took 8.7 / 11.1 / 16.3 /
 21.4 / 27.2 ms at 1 / 4 / 8 / 12 / 16 tokens against oneDNN's 14.0 / 15.6 / 23.9 / 25.2 / 30.0
 (Xeon, avx512_bf16, 2 vCPUs; weights not in cache). Past 16 tokens oneDNN's blocked kernels
-win (50 vs 54 ms at 32).
+win (50 vs 54 ms at 32). The AVX2 build takes up to 32 tokens, from 8 on in GEMM tiles that read
+a second copy of the weight (`gemv_wide`): 109 against 121 ms at 32 tokens (docs/backend.md).
 fp32 keeps F.linear so the fp32 path stays HF's arithmetic for the correctness oracle. On a
 CPU without oneDNN's bf16 kernels (AVX2 only), steps past the bf16 kernel's multiply an fp32
 copy of the weight packed for oneDNN's fp32 kernels, not F.linear: MKL takes a generic path on
@@ -41,7 +42,7 @@ class Linear:
     1.3 vs 9.5 ms at 32, one 576 x 1536 weight, 2 vCPUs), while the kernel streams the
     half-size bf16 weight for decode steps."""
 
-    def __init__(self, weight: torch.Tensor, prefill_fp32: bool = False, gemv_max: int | None = None):
+    def __init__(self, weight: torch.Tensor, prefill_fp32: bool = False):
         self.weight = weight.contiguous()
         self.out_features = weight.shape[0]
         self.packed = None
@@ -50,19 +51,22 @@ class Linear:
         # the reorder raises, so bf16 goes to the kernel below and to the fp32 copy.
         if bf16_cpu and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, None)
-        self.gemv, self.gemv_max_tokens, self.gemv_weight = None, 0, None
+        self.gemv, self.gemv_max_tokens, self.gemv_weight, self.gemv_wide = None, 0, None, None
         if bf16_cpu and weight.shape[1] % 32 == 0:
             from pie.backend.kernels import bf16_gemv_module
 
             module = bf16_gemv_module()
             if module.supported() and weight.shape[0] % module.panel_rows() == 0:
                 self.gemv = module
-                self.gemv_max_tokens = min(module.max_tokens(), gemv_max or module.max_tokens())
+                self.gemv_max_tokens = module.max_tokens()
                 # The weight as the kernel reads it: itself with AVX-512 BF16; on AVX2 a copy
                 # in 4-row panels (csrc/bf16_gemv.cpp: 13.9 vs 16.8 ms for a step's 120 layer
                 # linears at 1 token, AMD EPYC), never the tensor in place: the LM head may be
                 # the embedding table.
                 self.gemv_weight = module.pack(self.weight)
+                # On AVX2, from 8 tokens on, a second copy in the GEMM tiles' layout (another
+                # bf16 copy of the weight: ~270 MB for SmolLM2-135M); empty elsewhere.
+                self.gemv_wide = module.pack_wide(self.weight)
         no_onednn = bf16_cpu and self.packed is None
         # The fp32 copy (one of the two), for steps of at least fp32_from tokens.
         self.weight32 = self.packed32 = None
@@ -78,7 +82,7 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if 0 < x.shape[0] <= self.gemv_max_tokens and x.dtype == torch.bfloat16:
-            return self.gemv.gemv(x.contiguous(), self.gemv_weight)  # type: ignore[union-attr]
+            return self.gemv.gemv(x.contiguous(), self.gemv_weight, self.gemv_wide)  # type: ignore[union-attr]
         if self.packed32 is not None and x.shape[0] >= self.fp32_from:
             return torch.ops.mkldnn._linear_pointwise(x.float(), self.packed32, None, "none", [], "").to(x.dtype)
         if self.weight32 is not None and x.shape[0] >= self.fp32_from:
@@ -106,9 +110,7 @@ class Int8Linear:
         return y.view(*x.shape[:-1], self.out_features)
 
 
-def make_linear(weight: torch.Tensor, weight_dtype: str, prefill_fp32: bool = False,
-                gemv_max: int | None = None) -> Linear | Int8Linear:
+def make_linear(weight: torch.Tensor, weight_dtype: str, prefill_fp32: bool = False) -> Linear | Int8Linear:
     """The layer for `backend.weight_dtype` (checked in BackendConfig); int8 layers prefill
-    in int8 (faster than either float dtype). `gemv_max`: the most tokens the bf16 kernel
-    takes (default: all it can)."""
-    return Int8Linear(weight) if weight_dtype == "int8" else Linear(weight, prefill_fp32, gemv_max)
+    in int8 (faster than either float dtype)."""
+    return Int8Linear(weight) if weight_dtype == "int8" else Linear(weight, prefill_fp32)

@@ -148,10 +148,10 @@ class Llama:
         lm_head = weights.pop("lm_head.weight", None)
         if lm_head is None or cfg.tie_word_embeddings:
             lm_head = self.embed_tokens
-        # On AVX2 the bf16 kernel takes up to 32 tokens, but past 16 the LM head (576 x 49,152)
-        # multiplies faster in its fp32 copy with oneDNN: 24.5 vs 23.4 ms at 24 rows, 31.5 vs
-        # 29.6 at 32 (AMD EPYC, 2 vCPUs), where the kernel wins on the layer linears.
-        self.lm_head = make_linear(lm_head, weight_dtype, gemv_max=16)
+        # On AVX2 the bf16 kernel takes the LM head (576 x 49,152) up to 32 tokens too: its GEMM
+        # tiles (csrc/bf16_gemv.cpp) beat oneDNN's fp32 copy from 17 rows, 19.4 vs 22.6 ms at 24,
+        # 27.2 vs 28.7 at 32 (AMD EPYC, 2 vCPUs; the 4-row loop before them had lost, 24.5 vs 23.4).
+        self.lm_head = make_linear(lm_head, weight_dtype)
         self.norm = weights.take("model.norm.weight")
         self.layers = [LlamaLayer(weights, f"model.layers.{i}", cfg, weight_dtype, prefill_fp32) for i in range(cfg.num_layers)]
         weights.pop("lm_head.weight", None)

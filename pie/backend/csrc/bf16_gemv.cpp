@@ -175,6 +175,98 @@ void rows(const float* x, const at::BFloat16* w, int64_t k, int64_t n, int64_t b
 
 using XType = float;
 inline torch::Tensor widen(const torch::Tensor& x) { return x.to(at::kFloat); }
+
+// From kWideFrom tokens on, the loop above re-reads every x row for each 2 weight rows, and
+// at 32 tokens x (32 x k fp32, 74-197 KB) no longer fits L1: each FMA waited for a 32-byte
+// load from L2 (the 120 layer linears at ~45 GFLOP/s). There a GEMM tile does better: 6 tokens
+// x 16 weight rows, x's element broadcast against 16 rows of W at one column, so an x load
+// serves 2 FMAs and W's 16 x k block (18-48 KB) is re-read from L1/L2 by the next tile.
+// It reads W in a second layout, `pack_wide()`: [n/16, k, 16], each column's 16 rows as
+// pairs (row r, row r + 8), so one 32-byte load widens into rows 0-7 (a shift) and 8-15 (a
+// mask). Sums run over k in order, one accumulator per (token, row): a different rounding
+// order from the loop above (results agree to fp32 rounding, not bit for bit).
+constexpr int64_t kWideRows = 16;
+constexpr int64_t kWideFrom = 8;
+inline torch::Tensor to_wide(const torch::Tensor& w) {
+  const int64_t n = w.size(0), k = w.size(1);
+  return w.view({n / kWideRows, 2, 8, k}).permute({0, 3, 2, 1}).contiguous().view({n / kWideRows, k, kWideRows});
+}
+
+// y[0:R, 0:16] (row stride n) = x[0:R, 0:k] @ W's block (pack_wide layout, [k][16]).
+// Named accumulators (small_gemm.h: GCC stored an array of them on every step).
+template <int R>
+inline void wide_tile(const float* x, int64_t k, const at::BFloat16* w, at::BFloat16* y, int64_t n,
+                      const at::BFloat16* next = nullptr) {
+  __m256 x0 = _mm256_setzero_ps(), x1 = x0, x2 = x0, x3 = x0, x4 = x0, x5 = x0;
+  __m256 y0 = x0, y1 = x0, y2 = x0, y3 = x0, y4 = x0, y5 = x0;
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const auto* wp = reinterpret_cast<const __m256i*>(w);
+  for (int64_t t = 0; t < k; ++t) {
+    if (next != nullptr && (t & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(next + 16 * t), _MM_HINT_T1);
+    const __m256i raw = _mm256_loadu_si256(wp + t);
+    const __m256 b0 = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+    const __m256 b1 = _mm256_castsi256_ps(_mm256_and_si256(raw, high));
+#define PIE_ROW(r)                                          \
+  if constexpr (R > r) {                                    \
+    const __m256 s = _mm256_broadcast_ss(x + t * R + r);    \
+    x##r = _mm256_fmadd_ps(s, b0, x##r);                    \
+    y##r = _mm256_fmadd_ps(s, b1, y##r);                    \
+  }
+    PIE_ROW(0) PIE_ROW(1) PIE_ROW(2) PIE_ROW(3) PIE_ROW(4) PIE_ROW(5)
+#undef PIE_ROW
+  }
+  alignas(32) float out[16];
+#define PIE_STORE(r)                                                          \
+  if constexpr (R > r) {                                                      \
+    _mm256_store_ps(out, x##r);                                               \
+    _mm256_store_ps(out + 8, y##r);                                           \
+    for (int j = 0; j < 16; ++j) y[r * n + j] = at::BFloat16(out[j]);         \
+  }
+  PIE_STORE(0) PIE_STORE(1) PIE_STORE(2) PIE_STORE(3) PIE_STORE(4) PIE_STORE(5)
+#undef PIE_STORE
+}
+
+// y = x @ W.T for m rows of fp32 x; W from pack_wide(). The threads share the 16-row blocks;
+// a block's tiles (6 tokens each) run one after another, so its W stays near.
+inline void wide_gemm(const float* x, int64_t m, int64_t k, const at::BFloat16* w, int64_t n,
+                      at::BFloat16* y) {
+  // x regrouped per tile, column by column ([k][rows] for each tile): a tile's broadcasts then
+  // read one stream instead of `rows` streams k floats apart.
+  const int64_t tiles = (m + 5) / 6;
+  std::vector<int64_t> first(tiles + 1, 0);
+  for (int64_t i = 0; i < tiles; ++i) {
+    const int64_t left = m - first[i];
+    first[i + 1] = first[i] + left / (tiles - i) + (left % (tiles - i) != 0);
+  }
+  std::vector<float> xs(m * k);
+  for (int64_t i = 0; i < tiles; ++i) {
+    const int64_t rows = first[i + 1] - first[i];
+    float* dst = xs.data() + first[i] * k;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < k; ++j) dst[j * rows + r] = x[(first[i] + r) * k + j];
+  }
+  at::parallel_for(0, n / kWideRows, 1, [&](int64_t b, int64_t e) {
+    for (int64_t blk = b; blk < e; ++blk) {
+      const at::BFloat16* wb = w + blk * kWideRows * k;
+      at::BFloat16* yb = y + blk * kWideRows;
+      for (int64_t i = 0; i < tiles; ++i) {
+        const int64_t t = first[i], rows = first[i + 1] - t;
+        const float* xt = xs.data() + t * k;
+        at::BFloat16* yt = yb + t * n;
+        const at::BFloat16* next = i == 0 && blk + 1 < e ? wb + kWideRows * k : nullptr;
+        switch (rows) {
+          case 6: wide_tile<6>(xt, k, wb, yt, n, next); break;
+          case 5: wide_tile<5>(xt, k, wb, yt, n, next); break;
+          case 4: wide_tile<4>(xt, k, wb, yt, n, next); break;
+          case 3: wide_tile<3>(xt, k, wb, yt, n, next); break;
+          case 2: wide_tile<2>(xt, k, wb, yt, n, next); break;
+          default: wide_tile<1>(xt, k, wb, yt, n, next); break;
+        }
+      }
+    }
+  });
+}
+#define PIE_WIDE 1
 #else
 constexpr bool kSupported = false;
 constexpr int64_t kPanelRows = 1;
@@ -210,8 +302,28 @@ torch::Tensor pack(torch::Tensor weight) {
   return to_panels(weight);
 }
 
-// weight: from pack().
-torch::Tensor gemv(torch::Tensor x, torch::Tensor weight) {
+// The weight in the layout of the AVX2 build's GEMM tiles for kWideFrom+ tokens ([n/16, k,
+// 16], see wide_tile); an empty tensor where this build has none (AVX-512 BF16) or n is no
+// multiple of 16, and gemv() then keeps its own loop at every size.
+torch::Tensor pack_wide(torch::Tensor weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kBFloat16,
+              "bf16_gemv: weight must be a contiguous bfloat16 [n, k] matrix");
+#ifdef PIE_WIDE
+  if (weight.size(0) % kWideRows == 0) return to_wide(weight);
+#endif
+  return torch::empty({0}, weight.options());
+}
+
+int64_t wide_from() {
+#ifdef PIE_WIDE
+  return kWideFrom;
+#else
+  return 0;
+#endif
+}
+
+// weight: from pack(); wide: from pack_wide() (or empty: none).
+torch::Tensor gemv(torch::Tensor x, torch::Tensor weight, torch::Tensor wide) {
   TORCH_CHECK(kSupported, "bf16_gemv: compiled without AVX-512 BF16 or AVX2 + FMA (check supported() first)");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
               "bf16_gemv: x must be a contiguous bfloat16 [m, k] matrix");
@@ -227,6 +339,16 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor weight) {
   TORCH_CHECK(k % 32 == 0, "bf16_gemv: k = ", k, " is not a multiple of 32");
   TORCH_CHECK(m >= 1 && m <= kMaxTokens, "bf16_gemv: ", m, " rows (1..", kMaxTokens, ")");
   auto y = torch::empty({m, n}, x.options());
+#ifdef PIE_WIDE
+  if (m >= kWideFrom && wide.numel() > 0) {
+    TORCH_CHECK(wide.is_contiguous() && wide.scalar_type() == at::kBFloat16 && wide.dim() == 3 &&
+                    wide.size(0) * kWideRows == n && wide.size(1) == k && wide.size(2) == kWideRows,
+                "bf16_gemv: wide must be pack_wide() of the same weight, [n/16, k, 16]");
+    const torch::Tensor xw = widen(x);
+    wide_gemm(xw.data_ptr<float>(), m, k, wide.data_ptr<at::BFloat16>(), n, y.data_ptr<at::BFloat16>());
+    return y;
+  }
+#endif
 #if (defined(__AVX512BF16__) && defined(__AVX512F__)) || (defined(__AVX2__) && defined(__FMA__))
   const torch::Tensor xw = widen(x);
   const auto* xp = xw.data_ptr<XType>();
@@ -275,6 +397,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("max_tokens", &max_tokens, "the most rows of x one call takes");
   m.def("panel_rows", &panel_rows, "the rows of pack()'s panels (pack() takes multiples of it)");
   m.def("pack", &pack, "the weight in the layout gemv() reads");
-  m.def("gemv", &gemv, "y = x @ weight.T in bf16 for 1..max_tokens() rows of x; weight from pack()");
+  m.def("pack_wide", &pack_wide, "the weight in the layout of the GEMM tiles (empty: none in this build)");
+  m.def("wide_from", &wide_from, "from how many rows of x gemv() uses pack_wide()'s weight (0: never)");
+  m.def("gemv", &gemv, "y = x @ weight.T in bf16 for 1..max_tokens() rows of x; weight from pack(), "
+        "wide from pack_wide() (or empty)");
 }
 #endif

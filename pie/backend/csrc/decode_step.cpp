@@ -10,8 +10,8 @@
 #include "fused_ops.cpp"
 #include "paged_attention.cpp"
 
-// x: [T, hidden] bf16 embeddings. layers: 6 tensors per layer (input norm, q/k/v, o, post
-// norm, gate/up, down). The attention arguments are those of paged_attention(). Returns the
+// x: [T, hidden] bf16 embeddings. layers: 10 tensors per layer (input norm, q/k/v, o, post
+// norm, gate/up, down; then the four projections' pack_wide() weights, empty where none). The attention arguments are those of paged_attention(). Returns the
 // last layer's residual stream (x + the last MLP output), before the final norm.
 torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& layers,
                             const std::vector<torch::Tensor>& k_pools,
@@ -22,16 +22,16 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& l
                             torch::Tensor groups, torch::Tensor scratch,
                             int64_t heads, int64_t kv_heads, int64_t head_dim, double eps) {
   const int64_t n_layers = static_cast<int64_t>(k_pools.size());
-  TORCH_CHECK(static_cast<int64_t>(layers.size()) == 6 * n_layers && v_pools.size() == k_pools.size(),
-              "decode_layers: 6 weights and one key and value pool per layer");
+  TORCH_CHECK(static_cast<int64_t>(layers.size()) == 10 * n_layers && v_pools.size() == k_pools.size(),
+              "decode_layers: 10 weights and one key and value pool per layer");
   const int64_t tokens = x.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
   c10::optional<torch::Tensor> delta;
   for (int64_t i = 0; i < n_layers; ++i) {
-    const torch::Tensor* w = layers.data() + 6 * i;
+    const torch::Tensor* w = layers.data() + 10 * i;
     auto xh = add_rms_norm(x, delta, w[0], eps);
     x = xh[0];
-    const auto qkv = gemv(xh[1], w[1]);
+    const auto qkv = gemv(xh[1], w[1], w[6]);
     const auto qk = rope(qkv.slice(1, 0, q_size + kv_size).view({tokens, -1, head_dim}), cos, sin);
     const auto q = qk.slice(1, 0, heads), k = qk.slice(1, heads);
     const auto v = qkv.slice(1, q_size + kv_size).view({tokens, kv_heads, head_dim});
@@ -39,9 +39,9 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& l
     const auto attn = paged_attention(q.to(at::kFloat).contiguous(), k_pools[i], v_pools[i], q_indptr,
                                       kv_indptr, kv_slots, visible, mask_offsets, masks, enabled, groups, scratch, scale)
                           .to(at::kBFloat16);
-    xh = add_rms_norm(x, gemv(attn.reshape({tokens, q_size}), w[2]), w[3], eps);
+    xh = add_rms_norm(x, gemv(attn.reshape({tokens, q_size}), w[2], w[7]), w[3], eps);
     x = xh[0];
-    delta = gemv(silu_mul(gemv(xh[1], w[4])), w[5]);
+    delta = gemv(silu_mul(gemv(xh[1], w[4], w[8])), w[5], w[9]);
   }
   return delta.has_value() ? x + *delta : x;
 }
