@@ -192,6 +192,15 @@ inline torch::Tensor to_wide(const torch::Tensor& w) {
   return w.view({n / kWideRows, 2, 8, k}).permute({0, 3, 2, 1}).contiguous().view({n / kWideRows, k, kWideRows});
 }
 
+// 8 floats to bf16, rounded to nearest even as at::BFloat16 is (NaN to 0x7FC0).
+inline __m128i to_bf16(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
 // y[0:R, 0:16] (row stride n) = x[0:R, 0:k] @ W's block (pack_wide layout, [k][16]).
 // Named accumulators (small_gemm.h: GCC stored an array of them on every step).
 template <int R>
@@ -215,12 +224,10 @@ inline void wide_tile(const float* x, int64_t k, const at::BFloat16* w, at::BFlo
     PIE_ROW(0) PIE_ROW(1) PIE_ROW(2) PIE_ROW(3) PIE_ROW(4) PIE_ROW(5)
 #undef PIE_ROW
   }
-  alignas(32) float out[16];
-#define PIE_STORE(r)                                                          \
-  if constexpr (R > r) {                                                      \
-    _mm256_store_ps(out, x##r);                                               \
-    _mm256_store_ps(out + 8, y##r);                                           \
-    for (int j = 0; j < 16; ++j) y[r * n + j] = at::BFloat16(out[j]);         \
+#define PIE_STORE(r)                                                                         \
+  if constexpr (R > r) {                                                                     \
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y + r * n), to_bf16(x##r));                  \
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y + r * n + 8), to_bf16(y##r));              \
   }
   PIE_STORE(0) PIE_STORE(1) PIE_STORE(2) PIE_STORE(3) PIE_STORE(4) PIE_STORE(5)
 #undef PIE_STORE
