@@ -105,10 +105,10 @@ def test_wide_layout_holds_the_weight_unchanged(gemv):
     assert gemv.pack_wide(torch.randn(40, 64).to(BF16)).numel() == 0
 
 
-def test_linear_uses_the_kernel_for_decode_sizes_only(gemv):
-    """Up to max_tokens rows the kernel, above it oneDNN (an fp32 copy of the weight on a CPU
-    without oneDNN's bf16): both close to the exact product.
-    A weight whose width is no multiple of 32 never takes the kernel."""
+def test_linear_chooses_between_the_kernel_and_onednn(gemv):
+    """Up to max_tokens rows the kernel (on AVX2 up to wide_to() rows, in its GEMM tiles from
+    wide_from() on), above it oneDNN (on AVX2 an fp32 copy of the weight): all close to the
+    exact product. A weight whose width is no multiple of 32 never takes the kernel."""
     torch.manual_seed(0)
     layer = Linear((torch.randn(96, 576) / 24).to(BF16))
     top = gemv.max_tokens()
@@ -121,8 +121,19 @@ def test_linear_uses_the_kernel_for_decode_sizes_only(gemv):
     # Without oneDNN's bf16 kernels (no AVX-512) the steps past the kernel's take an fp32 copy,
     # packed for oneDNN's fp32 kernels.
     assert (layer.packed32 is not None) == (layer.packed is None) and layer.weight32 is None
+    limit = gemv.wide_to() or top
+    assert layer.gemv_limit == limit
     if layer.packed is None:
-        assert layer.fp32_from == top + 1
+        assert layer.fp32_from == limit + 1
+    if gemv.wide_to():  # AVX2: the tiles up to wide_to() rows, then the fp32 copy
+        x = torch.randn(limit + 1, 576).to(BF16)
+        assert torch.equal(layer(x[:limit]), gemv.gemv(x[:limit].contiguous(), layer.gemv_weight, layer.gemv_wide))
+        check_close(layer(x), x, layer.weight)
+        with pytest.raises(RuntimeError, match=f"{limit + 1} rows"):
+            gemv.gemv(x, layer.gemv_weight, layer.gemv_wide)
+    # A weight the tiles cannot take (n no multiple of 16) stops at max_tokens.
+    narrow = Linear((torch.randn(20, 576) / 24).to(BF16))
+    assert narrow.gemv_limit == top and narrow.gemv_wide.numel() == 0
     odd = Linear(torch.randn(8, 40).to(BF16))
     assert odd.gemv is None
     x = torch.randn(1, 40).to(BF16)

@@ -7,8 +7,9 @@ Steps of at most 16 tokens (decode, short prompts) go instead to our AVX-512 BF1
 software prefetch, and the 120 layer linears of a SmolLM2-135M step took 8.7 / 11.1 / 16.3 /
 21.4 / 27.2 ms at 1 / 4 / 8 / 12 / 16 tokens against oneDNN's 14.0 / 15.6 / 23.9 / 25.2 / 30.0
 (Xeon, avx512_bf16, 2 vCPUs; weights not in cache). Past 16 tokens oneDNN's blocked kernels
-win (50 vs 54 ms at 32). The AVX2 build takes up to 32 tokens, from 8 on in GEMM tiles that read
-a second copy of the weight (`gemv_wide`): 109 against 121 ms at 32 tokens (docs/backend.md).
+win (50 vs 54 ms at 32). The AVX2 build takes steps of up to 255 tokens, from 8 on in GEMM tiles
+that read a second copy of the weight (`gemv_wide`): 109 against 121 ms at 32 tokens, and ahead
+of oneDNN's fp32 kernels on the fp32 copy up to ~256 tokens (docs/backend.md).
 fp32 keeps F.linear so the fp32 path stays HF's arithmetic for the correctness oracle. On a
 CPU without oneDNN's bf16 kernels (AVX2 only), steps past the bf16 kernel's multiply an fp32
 copy of the weight packed for oneDNN's fp32 kernels, not F.linear: MKL takes a generic path on
@@ -52,6 +53,7 @@ class Linear:
         if bf16_cpu and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, None)
         self.gemv, self.gemv_max_tokens, self.gemv_weight, self.gemv_wide = None, 0, None, None
+        self.gemv_limit = 0  # the most rows the kernel takes: gemv_max_tokens, or AVX2's GEMM tiles' limit
         if bf16_cpu and weight.shape[1] % 32 == 0:
             from pie.backend.kernels import bf16_gemv_module
 
@@ -64,13 +66,14 @@ class Linear:
                 # linears at 1 token, AMD EPYC), never the tensor in place: the LM head may be
                 # the embedding table.
                 self.gemv_weight = module.pack(self.weight)
-                # On AVX2, from 8 tokens on, a second copy in the GEMM tiles' layout (another
+                # On AVX2, for 8-255 tokens, a second copy in the GEMM tiles' layout (another
                 # bf16 copy of the weight: ~270 MB for SmolLM2-135M); empty elsewhere.
                 self.gemv_wide = module.pack_wide(self.weight)
+                self.gemv_limit = module.wide_to() if self.gemv_wide.numel() else self.gemv_max_tokens
         no_onednn = bf16_cpu and self.packed is None
         # The fp32 copy (one of the two), for steps of at least fp32_from tokens.
         self.weight32 = self.packed32 = None
-        self.fp32_from = self.gemv_max_tokens + 1 if no_onednn else PREFILL_MIN_TOKENS
+        self.fp32_from = self.gemv_limit + 1 if no_onednn else PREFILL_MIN_TOKENS
         if (prefill_fp32 or no_onednn) and weight.dtype != torch.float32:
             if no_onednn and torch.backends.mkldnn.is_available():
                 # oneDNN's fp32 kernels (blocked layout) beat F.linear's MKL on an AMD EPYC
@@ -81,7 +84,7 @@ class Linear:
                 self.weight32 = self.weight.float()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if 0 < x.shape[0] <= self.gemv_max_tokens and x.dtype == torch.bfloat16:
+        if 0 < x.shape[0] <= self.gemv_limit and x.dtype == torch.bfloat16:
             return self.gemv.gemv(x.contiguous(), self.gemv_weight, self.gemv_wide)  # type: ignore[union-attr]
         if self.packed32 is not None and x.shape[0] >= self.fp32_from:
             return torch.ops.mkldnn._linear_pointwise(x.float(), self.packed32, None, "none", [], "").to(x.dtype)

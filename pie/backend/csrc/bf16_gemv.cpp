@@ -176,7 +176,10 @@ void rows(const float* x, const at::BFloat16* w, int64_t k, int64_t n, int64_t b
 using XType = float;
 inline torch::Tensor widen(const torch::Tensor& x) { return x.to(at::kFloat); }
 
-// From kWideFrom tokens on, the loop above re-reads every x row for each 2 weight rows, and
+// From kWideFrom tokens on (and up to kWideTo: a SmolLM2-135M prefill's linears took 223 against
+// 261 ms at 64 tokens through oneDNN's fp32 kernels on an fp32 copy, 411 against 449 at 128,
+// level at 256, 1,639-1,728 against 1,558-1,574 at 512, where x no longer fits L2), the loop
+// above re-reads every x row for each 2 weight rows, and
 // at 32 tokens x (32 x k fp32, 74-197 KB) no longer fits L1: each FMA waited for a 32-byte
 // load from L2 (the 120 layer linears at ~45 GFLOP/s). There a GEMM tile does better: 6 tokens
 // x 16 weight rows, x's element broadcast against 16 rows of W at one column, so an x load
@@ -187,6 +190,7 @@ inline torch::Tensor widen(const torch::Tensor& x) { return x.to(at::kFloat); }
 // order from the loop above (results agree to fp32 rounding, not bit for bit).
 constexpr int64_t kWideRows = 16;
 constexpr int64_t kWideFrom = 8;
+constexpr int64_t kWideTo = 255;
 inline torch::Tensor to_wide(const torch::Tensor& w) {
   const int64_t n = w.size(0), k = w.size(1);
   return w.view({n / kWideRows, 2, 8, k}).permute({0, 3, 2, 1}).contiguous().view({n / kWideRows, k, kWideRows});
@@ -329,6 +333,14 @@ int64_t wide_from() {
 #endif
 }
 
+int64_t wide_to() {
+#ifdef PIE_WIDE
+  return kWideTo;
+#else
+  return 0;
+#endif
+}
+
 // weight: from pack(); wide: from pack_wide() (or empty: none).
 torch::Tensor gemv(torch::Tensor x, torch::Tensor weight, torch::Tensor wide) {
   TORCH_CHECK(kSupported, "bf16_gemv: compiled without AVX-512 BF16 or AVX2 + FMA (check supported() first)");
@@ -344,7 +356,9 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor weight, torch::Tensor wide) {
   const int64_t n = weight.size(0) * kPanelRows, wk = panels ? weight.size(1) * 8 : weight.size(1);
   TORCH_CHECK(wk == k, "bf16_gemv: x has ", k, " columns, weight ", wk);
   TORCH_CHECK(k % 32 == 0, "bf16_gemv: k = ", k, " is not a multiple of 32");
-  TORCH_CHECK(m >= 1 && m <= kMaxTokens, "bf16_gemv: ", m, " rows (1..", kMaxTokens, ")");
+  // With a wide weight (AVX2) the GEMM tiles take up to wide_to() rows.
+  TORCH_CHECK(m >= 1 && (m <= kMaxTokens || (wide.numel() > 0 && m <= wide_to())), "bf16_gemv: ", m,
+              " rows (1..", kMaxTokens, ", or 1..", wide_to(), " with a wide weight from pack_wide())");
   auto y = torch::empty({m, n}, x.options());
 #ifdef PIE_WIDE
   if (m >= kWideFrom && wide.numel() > 0) {
@@ -406,6 +420,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "the weight in the layout gemv() reads");
   m.def("pack_wide", &pack_wide, "the weight in the layout of the GEMM tiles (empty: none in this build)");
   m.def("wide_from", &wide_from, "from how many rows of x gemv() uses pack_wide()'s weight (0: never)");
+  m.def("wide_to", &wide_to, "up to how many rows of x gemv() takes with pack_wide()'s weight (0: none)");
   m.def("gemv", &gemv, "y = x @ weight.T in bf16 for 1..max_tokens() rows of x; weight from pack(), "
         "wide from pack_wide() (or empty)");
 }
