@@ -9,10 +9,12 @@ and decoded 9% slower (137 vs 125 ms per token).
 
 So: bf16 where the CPU has bf16 arithmetic; bf16 *weights* with fp32 arithmetic on a CPU with
 AVX2 + FMA and no AVX-512 (e.g. an AMD EPYC before Zen 4): there oneDNN has no bf16 path at
-all, our kernel (csrc/bf16_gemv.cpp) widens the bf16 weight to fp32 for steps of up to 32
-tokens, and larger steps multiply an fp32 copy of it (pie/backend/linear.py). Measured on
+all, our kernel (csrc/bf16_gemv.cpp) widens the bf16 weight to fp32 for steps of up to 255
+tokens (from 8 on in GEMM tiles), and larger steps multiply an fp32 copy of it
+(pie/backend/linear.py). Measured on
 such an EPYC (2 vCPUs, backend decode step at context 128, benchmarks/dtypes.py): 25 / 77 /
-131 / 245 ms at batch 1 / 8 / 16 / 32 against fp32's 77 / 228 / 299 / 386, a 512-token
+131 / 245 ms at batch 1 / 8 / 16 / 32 against fp32's 77 / 228 / 299 / 386 (before the panels and
+tiles of docs/backend.md), a 512-token
 prefill at the same speed (226 vs 221 tok/s), 1.9 GB resident against 2.5 GB (the KV pool
 is bf16 too). fp32 elsewhere (AVX-512 without BF16 is unmeasured with this mix:
 its 33-63-token steps would take oneDNN's emulated bf16); bf16 on CUDA. The dtype chosen is
