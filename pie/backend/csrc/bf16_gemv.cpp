@@ -176,18 +176,19 @@ void rows(const float* x, const at::BFloat16* w, int64_t k, int64_t n, int64_t b
 using XType = float;
 inline torch::Tensor widen(const torch::Tensor& x) { return x.to(at::kFloat); }
 
-// From kWideFrom tokens on (and up to kWideTo: a SmolLM2-135M prefill's linears took 223 against
-// 261 ms at 64 tokens through oneDNN's fp32 kernels on an fp32 copy, 411 against 449 at 128,
-// level at 256, 1,639-1,728 against 1,558-1,574 at 512, where x no longer fits L2), the loop
-// above re-reads every x row for each 2 weight rows, and
-// at 32 tokens x (32 x k fp32, 74-197 KB) no longer fits L1: each FMA waited for a 32-byte
-// load from L2 (the 120 layer linears at ~45 GFLOP/s). There a GEMM tile does better: 6 tokens
+// From kWideFrom tokens on, the loop above re-reads every x row for each 2 weight rows, and at
+// 32 tokens x (32 x k fp32, 74-197 KB) no longer fits L1: each FMA waited for a 32-byte load
+// from L2 (the 120 layer linears at ~45 GFLOP/s). There a GEMM tile does better: 6 tokens
 // x 16 weight rows, x's element broadcast against 16 rows of W at one column, so an x load
 // serves 2 FMAs and W's 16 x k block (18-48 KB) is re-read from L1/L2 by the next tile.
 // It reads W in a second layout, `pack_wide()`: [n/16, k, 16], each column's 16 rows as
 // pairs (row r, row r + 8), so one 32-byte load widens into rows 0-7 (a shift) and 8-15 (a
 // mask). Sums run over k in order, one accumulator per (token, row): a different rounding
 // order from the loop above (results agree to fp32 rounding, not bit for bit).
+// Up to kWideTo tokens: a SmolLM2-135M prefill's linears took 223 against 261 ms at 64 tokens
+// through oneDNN's fp32 kernels on an fp32 copy, 411 against 449 at 128, level at 256, and
+// 1,639-1,728 against 1,558-1,574 at 512, where x no longer fits L2 (blocking over 48 tokens
+// at a time still lost 3-6 % there).
 constexpr int64_t kWideRows = 16;
 constexpr int64_t kWideFrom = 8;
 constexpr int64_t kWideTo = 255;
@@ -208,14 +209,12 @@ inline __m128i to_bf16(__m256 v) {
 // y[0:R, 0:16] (row stride n) = x[0:R, 0:k] @ W's block (pack_wide layout, [k][16]).
 // Named accumulators (small_gemm.h: GCC stored an array of them on every step).
 template <int R>
-inline void wide_tile(const float* x, int64_t k, const at::BFloat16* w, at::BFloat16* y, int64_t n,
-                      const at::BFloat16* next = nullptr) {
+inline void wide_tile(const float* x, int64_t k, const at::BFloat16* w, at::BFloat16* y, int64_t n) {
   __m256 x0 = _mm256_setzero_ps(), x1 = x0, x2 = x0, x3 = x0, x4 = x0, x5 = x0;
   __m256 y0 = x0, y1 = x0, y2 = x0, y3 = x0, y4 = x0, y5 = x0;
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   const auto* wp = reinterpret_cast<const __m256i*>(w);
   for (int64_t t = 0; t < k; ++t) {
-    if (next != nullptr && (t & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(next + 16 * t), _MM_HINT_T1);
     const __m256i raw = _mm256_loadu_si256(wp + t);
     const __m256 b0 = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
     const __m256 b1 = _mm256_castsi256_ps(_mm256_and_si256(raw, high));
@@ -237,12 +236,12 @@ inline void wide_tile(const float* x, int64_t k, const at::BFloat16* w, at::BFlo
 #undef PIE_STORE
 }
 
-// y = x @ W.T for m rows of fp32 x; W from pack_wide(). The threads share the 16-row blocks;
+// y = x @ W.T for m rows of bf16 x; W from pack_wide(). The threads share the 16-row blocks;
 // a block's tiles (6 tokens each) run one after another, so its W stays near.
-inline void wide_gemm(const float* x, int64_t m, int64_t k, const at::BFloat16* w, int64_t n,
+inline void wide_gemm(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16* w, int64_t n,
                       at::BFloat16* y) {
-  // x regrouped per tile, column by column ([k][rows] for each tile): a tile's broadcasts then
-  // read one stream instead of `rows` streams k floats apart.
+  // x widened to fp32 and regrouped per tile, column by column ([k][rows] for each tile): a
+  // tile's broadcasts then read one stream instead of `rows` streams k floats apart.
   const int64_t tiles = (m + 5) / 6;
   std::vector<int64_t> first(tiles + 1, 0);
   for (int64_t i = 0; i < tiles; ++i) {
@@ -254,7 +253,7 @@ inline void wide_gemm(const float* x, int64_t m, int64_t k, const at::BFloat16* 
     const int64_t rows = first[i + 1] - first[i];
     float* dst = xs.data() + first[i] * k;
     for (int64_t r = 0; r < rows; ++r)
-      for (int64_t j = 0; j < k; ++j) dst[j * rows + r] = x[(first[i] + r) * k + j];
+      for (int64_t j = 0; j < k; ++j) dst[j * rows + r] = static_cast<float>(x[(first[i] + r) * k + j]);
   }
   at::parallel_for(0, n / kWideRows, 1, [&](int64_t b, int64_t e) {
     for (int64_t blk = b; blk < e; ++blk) {
@@ -264,14 +263,13 @@ inline void wide_gemm(const float* x, int64_t m, int64_t k, const at::BFloat16* 
         const int64_t t = first[i], rows = first[i + 1] - t;
         const float* xt = xs.data() + t * k;
         at::BFloat16* yt = yb + t * n;
-        const at::BFloat16* next = i == 0 && blk + 1 < e ? wb + kWideRows * k : nullptr;
         switch (rows) {
-          case 6: wide_tile<6>(xt, k, wb, yt, n, next); break;
-          case 5: wide_tile<5>(xt, k, wb, yt, n, next); break;
-          case 4: wide_tile<4>(xt, k, wb, yt, n, next); break;
-          case 3: wide_tile<3>(xt, k, wb, yt, n, next); break;
-          case 2: wide_tile<2>(xt, k, wb, yt, n, next); break;
-          default: wide_tile<1>(xt, k, wb, yt, n, next); break;
+          case 6: wide_tile<6>(xt, k, wb, yt, n); break;
+          case 5: wide_tile<5>(xt, k, wb, yt, n); break;
+          case 4: wide_tile<4>(xt, k, wb, yt, n); break;
+          case 3: wide_tile<3>(xt, k, wb, yt, n); break;
+          case 2: wide_tile<2>(xt, k, wb, yt, n); break;
+          default: wide_tile<1>(xt, k, wb, yt, n); break;
         }
       }
     }
@@ -365,8 +363,7 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor weight, torch::Tensor wide) {
     TORCH_CHECK(wide.is_contiguous() && wide.scalar_type() == at::kBFloat16 && wide.dim() == 3 &&
                     wide.size(0) * kWideRows == n && wide.size(1) == k && wide.size(2) == kWideRows,
                 "bf16_gemv: wide must be pack_wide() of the same weight, [n/16, k, 16]");
-    const torch::Tensor xw = widen(x);
-    wide_gemm(xw.data_ptr<float>(), m, k, wide.data_ptr<at::BFloat16>(), n, y.data_ptr<at::BFloat16>());
+    wide_gemm(x.data_ptr<at::BFloat16>(), m, k, wide.data_ptr<at::BFloat16>(), n, y.data_ptr<at::BFloat16>());
     return y;
   }
 #endif

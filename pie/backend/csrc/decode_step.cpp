@@ -11,8 +11,9 @@
 #include "paged_attention.cpp"
 
 // x: [T, hidden] bf16 embeddings. layers: 10 tensors per layer (input norm, q/k/v, o, post
-// norm, gate/up, down; then the four projections' pack_wide() weights, empty where none). The attention arguments are those of paged_attention(). Returns the
-// last layer's residual stream (x + the last MLP output), before the final norm.
+// norm, gate/up, down; then the four projections' pack_wide() weights, empty where none).
+// The attention arguments are those of paged_attention(). Returns the last layer's residual
+// stream (x + the last MLP output), before the final norm.
 torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& layers,
                             const std::vector<torch::Tensor>& k_pools,
                             const std::vector<torch::Tensor>& v_pools, torch::Tensor cos,

@@ -268,8 +268,7 @@ void attend(const float* q, const T* k_pool, const T* v_pool, float* out, const 
     std::vector<char> seen;
     for (int64_t t = begin; t < end; ++t)
     for (const int64_t work : share[t]) {
-      const int64_t b = work / s.kv_heads, h = work % s.kv_heads;
-      if (!enabled[b]) continue;
+      const int64_t b = work / s.kv_heads, h = work % s.kv_heads;  // (disabled items were never dealt)
       // An item in a shared-prefix group attends here to its keys after the prefix only.
       const shared_prefix::ItemPart& part = prefix[b];
       const int64_t q0 = q_indptr[b], n_q = q_indptr[b + 1] - q0;
