@@ -3,10 +3,9 @@
 
 from __future__ import annotations
 
-import os
 import threading
-from array import array
 import time
+from array import array
 from collections import deque
 
 import pytest
@@ -14,12 +13,13 @@ import zmq
 
 from pie import protocol as P
 from pie.config import ConfigError, ControlConfig, InstanceQuota, QuotaConfig, UserQuota
+from pie.control.command import MARKER, Command
 from pie.control.errors import ErrorKind, HostError
 from pie.control.future import HostFuture
 from pie.control.messaging import MessageBus
 from pie.control.quotas import QuotaBook, RateLimit
 from pie.control.resources import InstanceResources, ResourceManager
-from pie.control.scheduler import MARKER, Command, Scheduler
+from pie.control.scheduler import Scheduler
 
 
 class FakeBackend:
@@ -95,7 +95,7 @@ def busy_until_queued(scheduler: Scheduler) -> None:
     """The backend says it is idle (as its Idle message would): the scheduler decides now."""
     with scheduler.lock:
         scheduler.backend_idle = True
-    os.write(scheduler.wake_write, b"x")
+    scheduler.channel.wake()
 
 
 def forward(queue, reads=(), writes=(), tokens=1) -> Command:

@@ -453,8 +453,8 @@ def test_chunking_spares_passes_it_cannot_cut_and_fails_a_pass_whose_chunk_faile
 def test_a_streaming_run_wakes_its_taker_once_per_stream_interval_and_at_its_end():
     """control.stream_interval = 3: results are listed (and `take`'s waiter woken) when 3
     tokens wait, and whatever is left when the run ends."""
+    from pie.control.command import CommandQueue
     from pie.control.passes import Pass, PassResults, Status
-    from pie.control.scheduler import CommandQueue
 
     results = PassResults()
     p = Pass(CommandQueue("i"), 1, 16, [1], [0], [], [], 0, [], 0, None, [], stream_every=3)
@@ -476,8 +476,8 @@ def test_settle_records_results_and_leaves_the_wake_to_its_caller():
     import threading
 
     from pie import protocol as P
+    from pie.control.command import CommandQueue
     from pie.control.passes import Pass, settle
-    from pie.control.scheduler import CommandQueue
 
     queue = CommandQueue("i")
     p = Pass(queue, 1, 16, [1], [0], [], [], 0, [], 0, None, [sampled(0)])

@@ -12,11 +12,12 @@ import pytest
 
 from pie import protocol as P
 from pie.config import QuotaConfig
+from pie.control.command import Command, CommandQueue
 from pie.control.errors import ErrorKind, HostError
 from pie.control.quotas import QuotaBook
 from pie.control.reclaimer import Reclaimer
 from pie.control.resources import DISCARDED, InstanceResources, ResourceManager
-from pie.control.scheduler import Command, CommandQueue, Costs
+from pie.control.scheduler_stats import Costs
 
 PS = 16
 

@@ -424,7 +424,7 @@ def test_a_backend_that_answers_garbage_fails_the_batch_not_the_scheduler():
             assert _wait(future)
             with pytest.raises(HostError, match=f"the backend at {remote.endpoint} sent a malformed reply"):
                 future.result()
-        assert scheduler.thread.is_alive()
+        assert scheduler.channel.thread.is_alive()
     finally:
         scheduler.stop()
         remote.close()

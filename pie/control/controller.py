@@ -15,18 +15,18 @@ import time
 from pie import __version__
 from pie import protocol as P
 from pie.config import PieConfig
+from pie.control.command import MARKER, Command, CommandQueue
 from pie.control.errors import ErrorKind, HostError
 from pie.control.future import Cancellation, HostFuture, wait_any
 from pie.control.grammar import GrammarCompiler, Matcher
 from pie.control.http_client import HttpClient
 from pie.control.messaging import Inbox, KeyValueStore, MessageBus
 from pie.control.passes import Limits, Output, Pass, PassResults
+from pie.control.placement import Placement
 from pie.control.policies import Objective
 from pie.control.quotas import ANONYMOUS, Charges, QuotaBook
-from pie.control.placement import Placement
 from pie.control.replica import Replica
 from pie.control.resources import InstanceResources
-from pie.control.scheduler import MARKER, Command, CommandQueue
 from pie.control.tokenizer import TextTokenizer
 
 MAX_ALLOC = 1 << 16  # most pages or embeds one call may ask for

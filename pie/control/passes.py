@@ -26,7 +26,7 @@ from pie.control.grammar import Matcher
 from pie.control.logit_rules import LogitRules
 
 if TYPE_CHECKING:
-    from pie.control.scheduler import CommandQueue
+    from pie.control.command import CommandQueue
 
 
 class Status(StrEnum):

@@ -49,8 +49,8 @@ from operator import attrgetter
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from pie.control.command import Command
     from pie.control.passes import Pass
-    from pie.control.scheduler import Command
     from pie.control.resources import PhysicalPool
 
 Key = tuple[str, bytes]  # (user, chained hash of the tokens up to a page's end)

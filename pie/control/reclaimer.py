@@ -45,10 +45,11 @@ import math
 import time
 
 from pie import protocol as P
+from pie.control.command import Command
 from pie.control.errors import ErrorKind, HostError
 from pie.control.future import HostFuture, wait_any
 from pie.control.resources import DISCARDED, InstanceResources, ResourceManager
-from pie.control.scheduler import Command, Scheduler
+from pie.control.scheduler import Scheduler
 
 POLICIES = ("min-waste", "swap", "discard", "preserve", "wait", "terminate-newest")
 

@@ -1,164 +1,50 @@
 """The batch scheduler: command queues in, batches to the backend out, results back.
 
-Every batchable call is a `Command` on a `CommandQueue`; commands of one queue run in order.
-One thread owns the backend socket. It forms a batch of one call kind from the heads of all
+Every batchable call is a `Command` (pie/control/command.py) on a `CommandQueue`; commands
+of one queue run in order. One thread (`SchedulerChannel`, pie/control/scheduler_channel.py)
+owns the backend socket and calls `dispatch` and `on_reply`; this class does no I/O of its
+own. `dispatch` forms a batch of one call kind from the heads of all
 queues (horizontal batching) plus, per queue, the following commands of the same kind that
 do not conflict with the ones before them (vertical batching); higher-priority queues come
 first and the batch is cut at the backend's token budget. *When* to dispatch, and which
 kind, is the policy's (`pie/control/policies.py`: adaptive, eager, k, t). Fused passes
 (`pie/control/passes.py`) ride the same queues; a host-side run's next step is put back at
-the head of its queue by the reply that ends its last one.
-Markers (synchronize, deferred release) complete when they reach the head of their queue.
+the head of its queue by the reply that ends its last one. pie/control/batch_codec.py turns
+a batch into its protocol message and a reply back into results. Markers (synchronize, deferred release) complete when they reach the head of their queue.
 """
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import logging
-import os
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
-
-import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from pie import protocol as P
 from pie.config import ControlConfig
+from pie.control.batch_codec import (
+    abandon,
+    build_batch,
+    complete,
+    resolve_batch,
+    settle_command,
+)
+from pie.control.command import MARKER, Command, CommandQueue, conflicts, reads_result
 from pie.control.errors import ErrorKind, HostError
 from pie.control.future import HostFuture
-from pie.control.passes import Pass, PassResults, Status, encode, fail, settle
+from pie.control.passes import Pass, Status, fail, settle
 from pie.control.policies import HEAVY, Head, Objective, ReadyView, policy_for
 from pie.control.prefix_cache import PrefixCache
-from pie.transport import for_endpoint, secure_client
+from pie.control.scheduler_channel import SchedulerChannel
+from pie.control.scheduler_stats import Costs, SchedulerStats
 
 log = logging.getLogger("pie.control")
 
-MARKER = "marker"
 DECODE_TOKENS = 16  # a pass of at most this many new tokens decodes (one token, or a draft)
 MIN_CHUNK_TOKENS = 16  # no prefill chunk smaller than this (each costs a batch's fixed work)
-
-
-@dataclass(eq=False)
-class CommandQueue:
-    instance_id: str
-    priority: int = 0
-    # scheduling.set-queue-objective / set-job-size: the queue's class, its task group
-    # ((user, name): a group's queues are ordered together), and its job's remaining new
-    # tokens as the program estimated them (0: no hint), less what has been sent since.
-    objective: Objective = Objective.THROUGHPUT
-    group: tuple[str, str] | None = None
-    job_left: int = 0
-    pending: deque["Command"] = field(default_factory=deque)
-    closed: bool = False
-    # The guest dropped it: its pending commands still run, it sends no new ones, and it
-    # leaves the scheduler once they have (`Scheduler.release_queue`).
-    released: bool = False
-    # First failure of a call whose result nobody awaits (forward, embed, copy, mask):
-    # reported by the next synchronize.
-    error: HostError | None = None
-    results: PassResults = field(default_factory=PassResults)  # fused passes' results
-
-
-@dataclass(eq=False)
-class Command:
-    """One API call. `item` holds protocol fields (physical ids); `tokens` counts toward the
-    backend's max_batch_tokens; `reads`/`writes` name the embeds/pages it touches."""
-
-    kind: str  # a protocol Kind value, or MARKER
-    queue: CommandQueue
-    future: HostFuture
-    item: dict[str, Any] = field(default_factory=dict)
-    tokens: int = 0
-    reads: frozenset = frozenset()
-    writes: frozenset = frozenset()
-    on_head: Callable[[], Any] | None = None  # markers: run when the command reaches the head
-    # Run once the command has run (with None) or failed or will never run (with the reason):
-    # the reclaimer's swaps release the pages they emptied here.
-    on_done: Callable[[str | None], Any] | None = None
-    silent: bool = False  # no caller awaits the future: a failure goes to queue.error
-    enqueued: float = field(default_factory=time.monotonic)
-
-
-def conflicts(later: Command, earlier: list[Command]) -> bool:
-    """A later command may join a batch with earlier ones of its queue only if it neither
-    reads nor writes what they write (read-after-write, write-after-write)."""
-    written = frozenset().union(*(c.writes for c in earlier))
-    return bool(written & (later.reads | later.writes))
-
-
-def reads_result(command: Command) -> bool:
-    """Whether the caller reads what this forward computes (a drawn token, a distribution,
-    an output embed): then it is likely computing its next call from it, a straggler worth
-    waiting for (`Scheduler._view`). A forward that only writes KV (a shared prefix filled
-    on a queue of its own) says nothing of a next call: waiting for its queue held the
-    semantic-variables chain's first decode step ~0.25 s, half the prefill before it."""
-    if command.kind == P.Kind.PASS:
-        return bool(command.outputs)  # type: ignore[attr-defined]
-    return bool(command.item.get("out_embeds"))
-
-
-# Bounds of the model-step time histogram (/stats `step_s_buckets`, /metrics), seconds: a
-# decode step of the default model here takes ~25-45 ms, a long prefill seconds.
-STEP_BOUNDS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-
-
-@dataclass
-class SchedulerStats:
-    batches: Counter = field(default_factory=Counter)  # kind -> batches
-    calls: Counter = field(default_factory=Counter)  # kind -> calls
-    batch_sizes: Counter = field(default_factory=Counter)  # calls per batch -> batches
-    wait_s_total: float = 0.0
-    wait_s_max: float = 0.0
-    # Model steps (forward and pass batches): sent -> reply, the time the backend took plus
-    # the round trip; counted per bucket of STEP_BOUNDS_S (the last bucket: slower than all).
-    step_buckets: Counter = field(default_factory=Counter)
-    step_s_total: float = 0.0
-
-    def stepped(self, seconds: float) -> None:
-        self.step_buckets[bisect.bisect_left(STEP_BOUNDS_S, seconds)] += 1
-        self.step_s_total += seconds
-
-    def as_dict(self) -> dict[str, Any]:
-        calls = sum(self.calls.values())
-        steps = sum(self.step_buckets.values())
-        return {
-            # steps at most each bound (cumulative, as Prometheus' histogram buckets), and all
-            "step_s_buckets": {f"{bound:g}": sum(n for i, n in self.step_buckets.items() if i <= b)
-                               for b, bound in enumerate(STEP_BOUNDS_S)},
-            "steps": steps,
-            "step_s_total": self.step_s_total,
-            "batches": {str(k): v for k, v in self.batches.items()},
-            "calls": {str(k): v for k, v in self.calls.items()},
-            "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},
-            "mean_batch_size": calls / max(1, sum(self.batches.values())),
-            "mean_wait_ms": 1e3 * self.wait_s_total / max(1, calls),
-            "max_wait_ms": 1e3 * self.wait_s_max,
-        }
-
-
-@dataclass
-class Costs:
-    """Running estimates (exponential averages of what the backend's replies took) of a
-    prompt token's forward time and of one page's swap: APIServe's waste estimate weighs
-    recomputing a paused context against swapping it (pie/control/reclaimer.py). The seeds
-    are this machine's order of magnitude (Xeon, 2 vCPUs): ~1 ms a token in a large batch,
-    ~0.2 ms a page."""
-
-    token_s: float = 1e-3
-    page_s: float = 2e-4
-
-    def forwarded(self, seconds: float, tokens: int) -> None:
-        if tokens > 16:  # a prompt's chunk: decode steps are dominated by the fixed cost
-            self.token_s += 0.2 * (seconds / tokens - self.token_s)
-
-    def swapped(self, seconds: float, pages: int) -> None:
-        if pages:
-            self.page_s += 0.2 * (seconds / pages - self.page_s)
 
 
 class Scheduler:
@@ -185,16 +71,10 @@ class Scheduler:
         # (request ids still in flight, callback): teardown waiting for batches to settle
         self.settle_callbacks: list[tuple[set[int], Callable[[], Any]]] = []
         self.request_ids = itertools.count(1)
-        self.endpoint = endpoint
-        self.secret = secret  # the link's CURVE secret (pie/transport.py), for a remote backend
-        self.wake_read, self.wake_write = os.pipe()
-        os.set_blocking(self.wake_read, False)
-        self.running = True
         self.failure: str | None = None
-        self.reconnect = False  # set by recover(): the loop replaces its socket
-        self.disconnected: str | None = None  # set when the link dropped (`_connect`), until recover()
-        self.thread = threading.Thread(target=self._loop, name="pie-scheduler", daemon=True)
-        self.thread.start()
+        # Its thread, the socket and the wake pipe; `secret`: the link's CURVE secret
+        # (pie/transport.py), for a remote backend.
+        self.channel = SchedulerChannel(self, endpoint, secret)
 
     # --- called from instance threads -----------------------------------------------------
 
@@ -219,9 +99,9 @@ class Scheduler:
                 if command.kind in HEAVY and self.arrivals:
                     self.arrivals.pop(command.queue.instance_id, None)
         if failure is not None:  # outside the lock: a swap's on_done takes the pools' lock
-            _abandon(command, HostError(ErrorKind.INFERENCE_FAILED, failure))
+            abandon(command, HostError(ErrorKind.INFERENCE_FAILED, failure))
             return command.future
-        os.write(self.wake_write, b"x")
+        self.channel.wake()
         return command.future
 
     def close_instance(self, instance_id: str) -> None:
@@ -235,7 +115,7 @@ class Scheduler:
         for queue in mine:
             queue.closed = True
             for command in queue.pending:
-                _abandon(command, HostError(ErrorKind.INVALID_HANDLE, "instance terminated"))
+                abandon(command, HostError(ErrorKind.INVALID_HANDLE, "instance terminated"))
             queue.pending.clear()
 
     def release_queue(self, queue: CommandQueue) -> None:
@@ -264,77 +144,22 @@ class Scheduler:
             return {**self.stats.as_dict(), "queued": dict(queued)}
 
     def stop(self) -> None:
-        self.running = False
-        os.write(self.wake_write, b"x")
-        self.thread.join(5)
+        self.channel.stop()
 
-    # --- the scheduler thread -------------------------------------------------------------
+    @property
+    def disconnected(self) -> str | None:
+        """Why the link to the backend dropped, until `recover` (None: it did not)."""
+        return self.channel.disconnected
 
-    def _connect(self, context: zmq.Context) -> tuple[zmq.Socket, zmq.Socket]:
-        """The link and a monitor of its disconnections: a backend that ended (or was
-        replaced at the same address: a remote one restarted between two of the watchdog's
-        pings) took the batch in flight and its KV cache with it (`disconnected`)."""
-        socket = context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.LINGER, 0)
-        secure_client(socket, for_endpoint(self.endpoint, self.secret))
-        monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        socket.connect(self.endpoint)
-        return socket, monitor
+    def recover(self) -> None:
+        """A new backend serves the endpoint: accept calls again, on a fresh socket (so
+        nothing queued for the dead backend reaches the new one)."""
+        with self.lock:
+            self.failure = None
+            self.backend_idle = True
+        self.channel.renew()
 
-    def _loop(self) -> None:
-        context = zmq.Context()
-        socket, monitor = self._connect(context)
-        poller = zmq.Poller()
-        poller.register(socket, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
-        poller.register(self.wake_read, zmq.POLLIN)
-        try:
-            while self.running:
-                if self.reconnect:
-                    self.reconnect = False
-                    for old in (socket, monitor):
-                        poller.unregister(old)
-                    socket.disable_monitor()
-                    monitor.close()
-                    socket.close()
-                    socket, monitor = self._connect(context)
-                    poller.register(socket, zmq.POLLIN)
-                    poller.register(monitor, zmq.POLLIN)
-                timeout_ms = self._dispatch(socket)
-                for source, _ in poller.poll(timeout_ms):
-                    if source is monitor:
-                        recv_monitor_message(monitor)
-                        self.disconnected = (f"the connection to the backend at {self.endpoint} was lost "
-                                             f"(its process ended or was replaced)")
-                    elif source is socket:
-                        wakes: list[threading.Event] = []
-                        try:
-                            while socket.poll(0):
-                                frame = socket.recv()
-                                try:
-                                    wakes += self._on_reply(frame)
-                                except P.ProtocolError as e:
-                                    self._on_malformed(f"the backend at {self.endpoint} sent a malformed reply: {e}")
-                            if wakes:
-                                # The next batch leaves before any instance's thread wakes to
-                                # compete for the GIL (`settle`).
-                                self._dispatch(socket)
-                        finally:
-                            for event in wakes:
-                                event.set()
-                    else:
-                        try:
-                            os.read(self.wake_read, 4096)
-                        except BlockingIOError:
-                            pass
-        except Exception as e:  # a scheduler bug fails every waiting call instead of hanging it
-            log.exception("scheduler stopped")
-            self.fail_all(f"scheduler failed: {e}")
-        finally:
-            socket.disable_monitor()
-            monitor.close()
-            socket.close()
-            context.term()
+    # --- called from the channel's thread (pie/control/scheduler_channel.py) --------------
 
     def fail_all(self, reason: str) -> None:
         """Fail every waiting and in-flight call, and every later one (backend gone)."""
@@ -349,27 +174,18 @@ class Scheduler:
             callbacks = [callback for _, callback in self.settle_callbacks]
             self.settle_callbacks = []
         for command in commands:
-            _abandon(command, HostError(ErrorKind.INFERENCE_FAILED, reason))
+            abandon(command, HostError(ErrorKind.INFERENCE_FAILED, reason))
         for callback in callbacks:
             callback()
 
-    def recover(self) -> None:
-        """A new backend serves the endpoint: accept calls again, on a fresh socket (so
-        nothing queued for the dead backend reaches the new one)."""
-        with self.lock:
-            self.failure = self.disconnected = None
-            self.backend_idle = True
-            self.reconnect = True
-        os.write(self.wake_write, b"x")
-
-    def _dispatch(self, socket: zmq.Socket) -> int | None:
+    def dispatch(self, send: Callable[[bytes], None]) -> int | None:
         """Send every batch the policy allows now; return how long the loop may sleep (ms)."""
         while True:
             with self.lock:
                 markers = self._pop_markers()
             # A deferred release takes the pools' lock: never under ours (the reclaimer holds
             # that lock and asks the scheduler whether an instance is idle).
-            _complete(markers)
+            complete(markers)
             with self.lock:
                 heads = self._eligible_heads()
                 if not heads:
@@ -403,7 +219,7 @@ class Scheduler:
                 elif (deferred := self.prefix_cache.prepare(batch)) and not self._hold_back(  # type: ignore[arg-type]
                         request_id, deferred, batch):
                     continue
-            socket.send(P.encode(request_id, build_batch(kind, batch)))
+            send(P.encode(request_id, build_batch(kind, batch)))
 
     def _hold_back(self, request_id: int, deferred: list[Pass], batch: list[Command]) -> bool:
         """Put passes the prefix cache held back at the head of their queues again (a
@@ -586,7 +402,7 @@ class Scheduler:
                 heads[id(q)] = Head(*groups[q.group])
         return {q: self.policy.key(head, now) for q, head in heads.items()}
 
-    def _on_reply(self, frame: bytes) -> list[threading.Event]:
+    def on_reply(self, frame: bytes) -> list[threading.Event]:
         """Settle the batch the reply answers; return the events that wake the instances
         waiting for its passes' results, for the loop to set after the next dispatch."""
         request_id, kind, reply = P.decode_reply(frame)
@@ -617,7 +433,7 @@ class Scheduler:
                 fail(batch, HostError(ErrorKind.INFERENCE_FAILED, f"pass: {message}"))  # type: ignore[arg-type]
             else:
                 for command in batch:
-                    _settle(command, message, None)
+                    settle_command(command, message, None)
         elif kind is P.Kind.PASS:
             runs, wakes = settle(batch, reply)  # type: ignore[arg-type]
             self._continue(runs)
@@ -627,7 +443,7 @@ class Scheduler:
         self._settled(request_id)
         return wakes
 
-    def _on_malformed(self, reason: str) -> None:
+    def on_malformed(self, reason: str) -> None:
         """A frame that is no reply (a broken or impostor backend): its request id cannot be
         read, so every batch in flight fails with the reason; the loop goes on."""
         log.error(reason)
@@ -638,7 +454,7 @@ class Scheduler:
             self.backend_idle = True
         for request_id, batch in lost.items():
             for command in batch:
-                _abandon(command, HostError(ErrorKind.INFERENCE_FAILED, reason))
+                abandon(command, HostError(ErrorKind.INFERENCE_FAILED, reason))
             self._settled(request_id)
 
     def _drop_failed_parents(self, batch: list[Command]) -> None:
@@ -703,97 +519,3 @@ class Scheduler:
             callback()
 
 
-# --- batch <-> protocol messages ----------------------------------------------------------
-
-
-def build_batch(kind: str, batch: list[Command]) -> P.Message:
-    if kind == P.Kind.PASS:
-        return encode(batch)  # type: ignore[arg-type]
-    items = [c.item for c in batch]
-    if kind == P.Kind.EMBED_TEXT:
-        return P.EmbedText(*(sum((i[f] for i in items), []) for f in ("token_ids", "positions", "embed_ids")))
-    if kind == P.Kind.FORWARD:
-        msg = P.Forward([], [0], [], [], [0], [], [0], [], [], [], [0], [])
-        for i in items:
-            msg.kv_page_ids += i["kv_pages"]
-            msg.kv_page_indptr.append(len(msg.kv_page_ids))
-            msg.kv_last_page_lens.append(i["last_len"])
-            msg.embed_ids += i["embeds"]
-            msg.embed_indptr.append(len(msg.embed_ids))
-            msg.out_kv_page_ids += i["out_pages"]
-            msg.out_kv_page_indptr.append(len(msg.out_kv_page_ids))
-            msg.out_kv_offsets.append(i["out_offset"])
-            msg.out_embed_ids += i["out_embeds"]
-            msg.out_token_indices += i["out_indices"]
-            msg.out_embed_indptr.append(len(msg.out_embed_ids))
-            msg.attention_masks.append(i["mask"])
-        return msg
-    if kind == P.Kind.SAMPLE:
-        msg = P.Sample(*([i[f] for i in items] for f in ("embed", "temperature", "top_k", "top_p", "seed")))
-        if any(i.get("allowed") is not None for i in items):
-            msg.allowed = [i.get("allowed") for i in items]
-        return msg
-    if kind == P.Kind.NEXT_DIST:
-        return P.NextDist([i["embed"] for i in items], [i["k"] for i in items])
-    if kind == P.Kind.COPY_KVPAGE:
-        return P.CopyKvPage(*([i[f] for i in items] for f in ("src", "dst", "src_offset", "dst_offset", "length")))
-    if kind == P.Kind.MASK_KVPAGE:
-        return P.MaskKvPage([i["page"] for i in items], [i["mask"] for i in items])
-    if kind == P.Kind.SWAP_KVPAGE:  # a command moves several pages: items are pages here
-        return P.SwapKvPage(*(sum((i[f] for i in items), []) for f in ("device", "host", "to_host")))
-    raise ValueError(f"not a batchable kind: {kind}")
-
-
-def resolve_batch(batch: list[Command], reply: P.Message) -> None:
-    """Map the reply's per-item results and errors back to each command's future."""
-    errors: dict[int, str] = getattr(reply, "errors", {})
-    spans = {P.Kind.EMBED_TEXT: "token_ids", P.Kind.SWAP_KVPAGE: "device"}
-    if isinstance(reply, P.BatchReply) and batch and batch[0].kind in spans:
-        start = 0  # items are tokens (embed_text) or pages (swap); a call owns a range of them
-        for command in batch:
-            n = len(command.item[spans[batch[0].kind]])
-            bad = [errors[i] for i in range(start, start + n) if i in errors]
-            start += n
-            _settle(command, bad[0] if bad else None, None)
-        return
-    for index, command in enumerate(batch):
-        value = None
-        if isinstance(reply, P.SampleReply):
-            value = reply.token_ids[index]
-        elif isinstance(reply, P.NextDistReply):
-            value = (reply.token_ids[index], reply.probs[index])
-        _settle(command, errors.get(index), value)
-
-
-def _complete(markers: list[tuple[Command, HostError | None]]) -> None:
-    for marker, error in markers:
-        if marker.on_head:
-            marker.on_head()
-        if error is not None:
-            marker.future.set_error(error)
-        else:
-            marker.future.set_result(None)
-
-
-def _abandon(command: Command, error: HostError) -> None:
-    """A command that will never run: it fails, but a deferred release still releases."""
-    if command.kind == P.Kind.PASS:
-        fail([command], error)  # type: ignore[list-item]
-        return
-    if command.on_head:
-        command.on_head()
-    if command.on_done:
-        command.on_done(error.message)
-    command.future.set_error(error)
-
-
-def _settle(command: Command, error: str | None, value: Any) -> None:
-    if command.on_done:
-        command.on_done(error)
-    if error is None:
-        command.future.set_result(value)
-        return
-    failure = HostError(ErrorKind.INFERENCE_FAILED, f"{command.kind}: {error}")
-    command.future.set_error(failure)
-    if command.silent and command.queue.error is None:
-        command.queue.error = failure
