@@ -289,7 +289,7 @@ def control_cpu(runtime: Runtime, backend_pid: int, instances: int, tokens: int,
     os.times()), its scheduler thread alone and the backend process (/proc utime + stime),
     read around each wave, after one untimed warm-up wave; the median over rounds."""
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(instances)]
-    scheduler = runtime.controller.replicas[0].scheduler.thread.native_id
+    scheduler = runtime.controller.replicas[0].scheduler.channel.thread.native_id
 
     def read() -> tuple[float, float, float]:
         return own_cpu_s(), cpu_s(os.getpid(), scheduler), cpu_s(backend_pid)
