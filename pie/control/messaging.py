@@ -13,10 +13,15 @@ from pie.control.quotas import namespace
 MAX_PUBLIC_TOPICS = 256  # public topics one instance may publish on (bounds the owner table)
 
 
+class InboxFull(OverflowError):
+    """A message for an instance that already holds `server.max_pending_messages` unread
+    messages or `server.max_pending_bytes` of them (the message names the limit)."""
+
+
 class Inbox:
     """Messages waiting for a reader, or readers waiting for a message (never both). With a
     `limit` (unread messages) and `max_bytes` (their UTF-8 bytes together; 0 = no bound), a
-    message beyond either is refused (OverflowError naming the config key) — or, with
+    message beyond either is refused (`InboxFull`, naming the config key) — or, with
     `drop_oldest`, queued in place of as many of the oldest unread ones as it takes."""
 
     def __init__(self, limit: int = 0, drop_oldest: bool = False, max_bytes: int = 0) -> None:
@@ -53,9 +58,9 @@ class Inbox:
                 return 0
             if not self.drop_oldest:
                 if bool(self.limit) and len(self.messages) >= self.limit:
-                    raise OverflowError(f"the instance has {len(self.messages)} unread messages, the "
+                    raise InboxFull(f"the instance has {len(self.messages)} unread messages, the "
                                         f"limit is server.max_pending_messages = {self.limit}")
-                raise OverflowError(f"the instance has {self.bytes} bytes of unread messages; {size} more "
+                raise InboxFull(f"the instance has {self.bytes} bytes of unread messages; {size} more "
                                     f"would exceed server.max_pending_bytes = {self.max_bytes}")
             dropped = 0
             while self.messages and self._full(size):

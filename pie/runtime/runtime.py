@@ -33,6 +33,7 @@ from pie import protocol as P
 from pie.config import PieConfig
 from pie.control.controller import Controller, InstanceSession
 from pie.control.errors import HostError
+from pie.control.messaging import InboxFull
 from pie.control.quotas import ANONYMOUS
 from pie.control.replica import Replica
 from pie.runtime import wasmtime_compat
@@ -53,8 +54,10 @@ EventSink = Callable[[str, str, str, "dict[str, int] | None"], "threading.Event 
 # Event to wait for, like EventSink.
 LogSink = Callable[[str, str, str], "threading.Event | None"]
 
+# What a caller (pie/server) catches, each for one answer: no exception base class stands
+# for any of them there (a KeyError or a torch RuntimeError from a bug is no refusal).
 __all__ = ["Runtime", "InstanceInfo", "UnknownProgram", "UnknownInstance", "LaunchRefused",
-           "InvalidProgram", "start_runtime"]
+           "InvalidProgram", "InboxFull", "start_runtime"]
 
 
 class UnknownProgram(LookupError):
@@ -183,7 +186,8 @@ class Runtime:
         return info
 
     def send(self, instance_id: str, message: str) -> None:
-        """Raises OverflowError when the instance has too many unread messages."""
+        """Raises InboxFull when the instance has too many unread messages, UnknownInstance
+        when it is not live."""
         self._get(instance_id).session.inbox.put(message)
 
     def terminate(self, instance_id: str, reason: str = "terminated by client") -> None:

@@ -243,6 +243,10 @@ class Attachment:
             self.deliver, self.sink = None, None
 
 
+class UnknownAttachment(LookupError):
+    """No live instance (or one holding results) of this id belongs to the user."""
+
+
 class Attachments:
     """Every RPC-launched instance's attachment, until its end has been delivered."""
 
@@ -265,7 +269,7 @@ class Attachments:
     def find(self, instance_id: str, user: str) -> Attachment:
         attachment = self.by_id.get(instance_id)
         if attachment is None or attachment.user != user:  # other users' ids are not revealed
-            raise LookupError(f"no instance {instance_id!r} of yours is live or holds results")
+            raise UnknownAttachment(f"no instance {instance_id!r} of yours is live or holds results")
         return attachment
 
     def of_user(self, user: str) -> list[Attachment]:

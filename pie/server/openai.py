@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pie.control.errors import HostError
+from pie.runtime.runtime import LaunchRefused, UnknownInstance, UnknownProgram
 from pie.server.openai_tools import ToolCallParser, ToolError, Tools, parse_tools, render_messages
 from pie.server.session import authenticate
 
@@ -596,10 +597,10 @@ async def launch(state: ServerState, completion: Completion, user: str) -> Async
     runtime = state.runtime
     try:
         info = await asyncio.to_thread(runtime.launch, INFERLET, completion.arguments, on_event, user)
-    except LookupError:  # the runtime's UnknownProgram
+    except UnknownProgram:
         raise ApiError(503, f"the built-in inferlet {INFERLET} is unavailable (see the server log)",
                        kind="server_error") from None
-    except RuntimeError as e:  # the runtime's LaunchRefused
+    except LaunchRefused as e:
         raise ApiError(503, f"the server is busy: {e}", kind="server_error") from None
     finished = False
     try:
@@ -616,7 +617,7 @@ async def launch(state: ServerState, completion: Completion, user: str) -> Async
         if not finished:  # the client went away (or we failed): stop the inferlet
             try:
                 runtime.terminate(info.id, "the HTTP client disconnected")
-            except LookupError:
+            except UnknownInstance:
                 pass
 
 

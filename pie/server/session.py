@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING
 
 from pie.config import ServerConfig
 from pie.control.quotas import ANONYMOUS, fingerprint
+from pie.runtime.runtime import InboxFull, InvalidProgram, LaunchRefused, UnknownInstance, UnknownProgram
 from pie.server import rpc
-from pie.server.attachments import Attachment, Attachments, Outbox
+from pie.server.attachments import Attachment, Attachments, Outbox, UnknownAttachment
 from pie.server.rpc import ErrorCode, RpcError
 
 if TYPE_CHECKING:
@@ -161,7 +162,7 @@ class Session:
             self.attachments.forget(instance_id)
             try:
                 await asyncio.to_thread(self.runtime.terminate, instance_id, DISCONNECT_REASON)
-            except LookupError:
+            except UnknownInstance:
                 pass  # it ended on its own meanwhile
 
     async def end_for_slow_client(self, reason: str, timeout_s: float = 5.0) -> None:
@@ -177,7 +178,7 @@ class Session:
             try:
                 await asyncio.to_thread(self.runtime.terminate, instance_id, reason)
                 ending.append(instance_id)
-            except LookupError:
+            except UnknownInstance:
                 pass  # it ended on its own meanwhile
         deadline = time.monotonic() + timeout_s
         while any(i in self.instances for i in ending) and time.monotonic() < deadline:
@@ -231,7 +232,7 @@ class Session:
             raise RpcError(ErrorCode.HASH_MISMATCH, f"the bytes hash to {actual}, not {sha256}")
         try:
             stored = await asyncio.to_thread(self.runtime.programs.add, data, self.user, public)
-        except ValueError as e:  # the runtime's InvalidProgram
+        except InvalidProgram as e:
             raise RpcError(ErrorCode.INVALID_PROGRAM, str(e)) from None
         self._reply(request, stored)
 
@@ -253,9 +254,9 @@ class Session:
         try:
             info = await asyncio.to_thread(self.runtime.launch, request.program, request.arguments,
                                            on_event, self.user, on_log if request.logs else None)
-        except LookupError as e:  # the runtime's UnknownProgram
+        except UnknownProgram as e:
             raise RpcError(ErrorCode.UNKNOWN_PROGRAM, str(e)) from None
-        except RuntimeError as e:  # the runtime's LaunchRefused
+        except LaunchRefused as e:
             raise RpcError(ErrorCode.LAUNCH_REFUSED, str(e)) from None
         self.attachments.register(attachment, info)
         self._reply(request, info.id)
@@ -264,7 +265,7 @@ class Session:
     async def _on_attach(self, request: rpc.Attach) -> None:
         try:
             attachment = self.attachments.find(request.instance_id, self.user)
-        except LookupError as e:
+        except UnknownAttachment as e:
             raise RpcError(ErrorCode.UNKNOWN_INSTANCE, str(e)) from None
         if request.instance_id in self.instances:
             raise RpcError(ErrorCode.NOT_ATTACHABLE, "the instance is already attached to this connection")
@@ -284,9 +285,9 @@ class Session:
                            f"{size} bytes exceed server.max_message_bytes = {self.config.max_message_bytes}")
         try:
             self.runtime.send(request.instance_id, request.message)
-        except LookupError as e:  # the runtime's UnknownInstance: it has just ended
+        except UnknownInstance as e:  # it has just ended
             raise RpcError(ErrorCode.UNKNOWN_INSTANCE, str(e)) from None
-        except OverflowError as e:  # it does not read its messages
+        except InboxFull as e:  # it does not read its messages
             raise RpcError(ErrorCode.INBOX_FULL, str(e)) from None
         self._reply(request)
 
@@ -294,7 +295,7 @@ class Session:
         self._owned(request.instance_id)
         try:
             await asyncio.to_thread(self.runtime.terminate, request.instance_id)
-        except LookupError as e:
+        except UnknownInstance as e:
             raise RpcError(ErrorCode.UNKNOWN_INSTANCE, str(e)) from None
         self._reply(request)
 
