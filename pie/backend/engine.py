@@ -26,6 +26,8 @@ from pie.backend.attention import (
     PagedAttention,
     TorchPagedAttention,
 )
+from pie.backend.batch_layout import BatchLayout
+from pie.backend.checks import ItemError, check_indptr, float_array, int_array, same_length, valid_items
 from pie.backend.chunked_forward import ChunkedForward
 from pie.backend.dtype import resolve_dtype, resolve_prefill_dtype
 from pie.backend.host_pages import HostPages
@@ -36,60 +38,6 @@ from pie.config import BackendConfig
 
 TRAITS = ["allocate", "forward", "input-text", "tokenize", "output-text"]
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-class ItemError(ValueError):
-    """One item of a batch is invalid; the rest of the batch goes ahead."""
-
-
-def int_array(values: list, name: str) -> np.ndarray:
-    """A list of integers as int64, or ProtocolError (floats and strings are not truncated)."""
-    if not isinstance(values, list):
-        raise P.ProtocolError(f"{name} must be a list of integers")
-    if not values:
-        return np.zeros(0, dtype=np.int64)
-    try:
-        array = np.asarray(values)
-    except (ValueError, OverflowError) as e:
-        raise P.ProtocolError(f"{name} must be a list of integers ({e})") from None
-    if array.ndim != 1 or array.dtype.kind not in "iu":
-        raise P.ProtocolError(f"{name} must be a flat list of integers")
-    return array.astype(np.int64)
-
-
-def float_array(values: list, name: str) -> np.ndarray:
-    if not isinstance(values, list):
-        raise P.ProtocolError(f"{name} must be a list of numbers")
-    try:
-        array = np.asarray(values, dtype=np.float64) if values else np.zeros(0)
-    except (ValueError, TypeError) as e:
-        raise P.ProtocolError(f"{name} must be a list of numbers ({e})") from None
-    if array.ndim != 1:
-        raise P.ProtocolError(f"{name} must be a flat list of numbers")
-    return array
-
-
-def valid_items(n: int, errors: dict[int, str]) -> np.ndarray:
-    """Bool mask of the items that have no error."""
-    ok = np.ones(n, dtype=bool)
-    ok[list(errors)] = False
-    return ok
-
-
-def same_length(kind: str, **arrays: np.ndarray | list) -> int:
-    lengths = {name: len(a) for name, a in arrays.items()}
-    if len(set(lengths.values())) > 1:
-        raise P.ProtocolError(f"{kind}: fields differ in length: {lengths}")
-    return next(iter(lengths.values()), 0)
-
-
-def check_indptr(kind: str, indptr: np.ndarray, flat_len: int, n_items: int, name: str) -> None:
-    if len(indptr) != n_items + 1:
-        raise P.ProtocolError(f"{kind}.{name} must have {n_items + 1} entries, has {len(indptr)}")
-    if indptr[0] != 0 or indptr[-1] != flat_len or np.any(np.diff(indptr) < 0):
-        raise P.ProtocolError(
-            f"{kind}.{name} must rise from 0 to {flat_len} (the flattened list's length)"
-        )
 
 
 @dataclass
@@ -296,7 +244,7 @@ class Engine:
         self._count(kind, n_items, len(errors), layout.tokens)
         return P.BatchReply(errors=errors)
 
-    def layout(self) -> "BatchLayout":
+    def layout(self) -> BatchLayout:
         """A fresh per-batch token budget and scratch cursor for `ForwardItem`s."""
         return BatchLayout(self)
 
@@ -631,31 +579,3 @@ class Engine:
             P.Kind.STATS: self.stats,
         }[message.kind]
         return handler(message)  # type: ignore[arg-type]
-
-
-class BatchLayout:
-    """Items of one batch as they are admitted: the token budget left (max_batch_tokens)
-    and the scratch slots that items without output pages write to."""
-
-    def __init__(self, engine: Engine):
-        self.engine = engine
-        self.tokens = 0
-        self.scratch = engine.kv.scratch_start
-        self.scratch_end = engine.kv.scratch_start + engine.scratch_tokens
-
-    def add(self, pages: np.ndarray, last_len: int, n_new: int, out_pages: np.ndarray,
-            out_offset: int, mask: bytes | None) -> ForwardItem:
-        limit = self.engine.config.max_batch_tokens
-        if self.tokens + n_new > limit:
-            raise ItemError(f"batch exceeds max_batch_tokens={limit} "
-                            f"({n_new} new tokens, {limit - self.tokens} left)")
-        chunked, no_kv = self.engine.chunked, not len(out_pages)
-        # Chunking off, the scratch holds max_batch_tokens: an item always finds room.
-        alone = chunked is not None and (chunked.applies(n_new) or
-                                         (no_kv and self.scratch + n_new > self.scratch_end))
-        item = self.engine.forward_item(pages, last_len, n_new, out_pages, out_offset, mask,
-                                        None if alone else self.scratch)
-        if no_kv and not alone:
-            self.scratch += n_new
-        self.tokens += n_new
-        return item

@@ -15,6 +15,7 @@ import torch
 
 from pie import protocol as P
 from pie.backend import sampling
+from pie.backend.checks import ItemError
 
 if TYPE_CHECKING:
     from pie.backend.engine import Engine
@@ -142,8 +143,6 @@ def _check_values(engine: Engine, c: dict[str, np.ndarray], msg: P.Passes) -> di
 
 
 def run_passes(engine: Engine, msg: P.Passes) -> P.PassesReply:
-    from pie.backend.engine import ItemError
-
     c = _columns(msg)
     n = len(c["kv_last_page_lens"])
     _copy_pages(engine, c["copy_before"], "copy_before")
