@@ -197,9 +197,11 @@ def render(out: Path, results_md: Path, order: tuple[str, ...]) -> str:
             lines += table(result, metric) + [""]
         lines += counts_table(result)
         lines += [f"- {note}" for note in result.notes] + ([""] if result.notes else [])
+    images = os.path.relpath(out, results_md.parent)  # the scripts' sections link results/NAME.png
     for name in [*SCRIPTS, *VARIANTS, *GPU_FILES]:
         if (out / f"{name}.json").is_file():
-            lines += section(name, json.loads((out / f"{name}.json").read_text()))
+            lines += [line.replace("](results/", f"]({images}/")
+                      for line in section(name, json.loads((out / f"{name}.json").read_text()))]
     if ANALYSIS.is_file():
         lines += [ANALYSIS.read_text().rstrip(), ""]
     text = "\n".join(lines)

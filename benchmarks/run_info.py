@@ -23,7 +23,8 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_b
 
 
 def machine_settings() -> dict:
-    """CPU model, which of CPU_FLAGS it has, cores, torch and Python versions, and the load
+    """CPU model (with its family and model numbers: a VM may name only the vendor, "AMD
+    EPYC" for Zen 1 and Zen 4 alike), which of CPU_FLAGS it has, cores, torch and Python versions, and the load
     averages (1, 5, 15 min) when the run ended — others' work on a shared machine skews every
     figure: what every benchmark script records next to its figures."""
     try:
@@ -41,6 +42,7 @@ def machine_settings() -> dict:
     except PackageNotFoundError:
         torch_version = None
     return {"cpu": field("model name") or platform.processor() or platform.machine(),
+            "cpu_family_model": f"{field('cpu family')}/{field('model')}" if field("cpu family") else None,
             "cpu_flags": {flag: flag in flags for flag in CPU_FLAGS}, "cores": os.cpu_count(),
             "torch": torch_version, "python": platform.python_version(),
             "load_average": [round(x, 2) for x in os.getloadavg()]}

@@ -1,12 +1,18 @@
 // Batched fp32 products C[h] = A[h] @ B[h] of shared-prefix attention's shapes (scores =
 // queries @ prefix keys, then weights @ prefix values: a few dozen to a few hundred rows,
-// 64-128 deep or 2,048 keys deep) on AVX2 + FMA CPUs without AVX-512.
+// 64-128 deep or 2,048 keys deep) on AVX2 + FMA CPUs without AVX-512, and on AMD's with it.
 // Why: there at::bmm goes to MKL, which takes a generic path on AMD CPUs, and splits the
 // batch of kv_heads (3 for SmolLM2) between 2 threads 2 : 1. On an AMD EPYC (Zen 1, 2 vCPUs),
 // 3 x [96 x 64] @ [64 x 2,048] and 3 x [96 x 2,048] @ [2,048 x 64]: 43 and 45 GFLOP/s with
 // at::bmm, 60-73 and 69-79 with this loop (tiles of 6 rows x 16 columns, A's element
 // broadcast against 16 columns of B; the threads share the (head, column block, row block)
-// tiles). Elsewhere (AVX-512: MKL's kernels on the Xeons measured here) at::bmm stays.
+// tiles). On AMD CPUs with AVX-512 too: on an AMD EPYC 9004 (Zen 4, 2 vCPUs) a step of 32
+// decoders reading a 2,048-key shared prompt took the shared-prefix path from 0.63x to 1.10x
+// the speed of the same step without it per output token (benchmarks/shared_prompt.py, one
+// run each), although in isolation one layer's at::bmm was no slower (2.3 against 2.6 ms,
+// benchmarks/shared_prefix_attention.py; why MKL's call costs more inside a step was not
+// isolated). On Intel CPUs (MKL's own kernels: 1.15x end to end on the Xeons measured here)
+// at::bmm stays.
 #pragma once
 
 #include <torch/extension.h>
@@ -18,7 +24,7 @@
 
 namespace small_gemm {
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__)
 constexpr int64_t kCols = 16;  // two ymm registers of C's row
 constexpr int64_t kRows = 6;   // 6 x 2 accumulators + 2 of B + 1 broadcast fit the 16 registers
 
@@ -61,8 +67,22 @@ inline void tail(const float* a, int64_t lda, const float* b, int64_t ldb, int64
     }
 }
 
+// Whether bmm() runs the loop above: on every AVX2 CPU without AVX-512, and on AMD's with it.
+inline bool own_loop() {
+#ifdef __AVX512F__
+  static const bool amd = __builtin_cpu_is("amd");
+  return amd;
+#else
+  return true;
+#endif
+}
+
 // c = a @ b for contiguous fp32 a [H, M, K], b [H, K, N], c [H, M, N].
 inline void bmm(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& c) {
+  if (!own_loop()) {
+    at::bmm_out(c, a, b);
+    return;
+  }
   TORCH_CHECK(a.is_contiguous() && b.is_contiguous() && c.is_contiguous() && a.scalar_type() == at::kFloat &&
                   b.scalar_type() == at::kFloat && c.scalar_type() == at::kFloat,
               "small_gemm::bmm: contiguous fp32 tensors");
