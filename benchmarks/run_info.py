@@ -24,9 +24,9 @@ CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_b
 
 def machine_settings() -> dict:
     """CPU model (with its family and model numbers: a VM may name only the vendor, "AMD
-    EPYC" for Zen 1 and Zen 4 alike), which of CPU_FLAGS it has, cores, torch and Python versions, and the load
-    averages (1, 5, 15 min) when the run ended — others' work on a shared machine skews every
-    figure: what every benchmark script records next to its figures."""
+    EPYC" for Zen 1 and Zen 4 alike), which of CPU_FLAGS it has, cores, torch and Python
+    versions, and the load averages (1, 5, 15 min) when the run ended — others' work on a
+    shared machine skews every figure: what every benchmark script records next to its figures."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:

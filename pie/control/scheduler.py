@@ -159,7 +159,8 @@ class Scheduler:
             self.backend_idle = True
         self.channel.renew()
 
-    # --- called from the channel's thread (pie/control/scheduler_channel.py) --------------
+    # --- called from the channel's thread (pie/control/scheduler_channel.py); fail_all also
+    # by the replica when its backend is lost -----------------------------------------------
 
     def fail_all(self, reason: str) -> None:
         """Fail every waiting and in-flight call, and every later one (backend gone)."""
