@@ -3,9 +3,12 @@ user profile, then the probability that the user likes each of ~20 posts — und
 Poisson arrivals, scheduled first-come-first-served (`adaptive`) or shortest-remaining-
 job-first (`srjf`), without and with its waiting credit (`control.srjf_lambda`).
 
-Each request is one `scoring` inferlet: the profile is run once into its pages (the prefix
-cache keeps them for the user's next request while they last), then every post is one
-pass that writes no KV and returns log P(" Yes") and log P(" No") (`Context::score`).
+Each request is one `scoring` inferlet: every post is one pass over the profile and the
+post that writes no KV and returns log P(" Yes") and log P(" No") (`Context::score`). The
+request holds no pages: the prefix cache serves its passes in place (the first computes
+the profile's full pages into the cache, the others and the user's later requests read
+them there while they last). `--own-pages` runs the inferlet's other layout, the profile
+run once into the request's own pages, which the cache copies in and out.
 Profiles are synthetic English, one per user, their lengths lognormal around a mean of
 `--profile-words` words (~800 tokens at 600; `--spread`, the shape, 0 for one length),
 and a request scores half as many to half as many again as `--posts` posts; each request
@@ -116,8 +119,10 @@ def requests(n: int, rate: float, seed: int, users: int, posts: int, spread: flo
     return out
 
 
-async def one(client: PieClient, program: str, request: dict, start: float, words: int, spread: float) -> dict:
-    arguments = ["--profile", profile(request["user"], words, spread), "--posts", "\n".join(request["posts"])]
+async def one(client: PieClient, program: str, request: dict, start: float, words: int, spread: float,
+              own_pages: bool) -> dict:
+    arguments = ["--profile", profile(request["user"], words, spread), "--posts", "\n".join(request["posts"])] \
+        + ["--own-pages"] * own_pages
     await asyncio.sleep(max(0.0, start + request["at"] - time.monotonic()))  # the text is made before it arrives
     arrived = time.monotonic()
     instance = await client.launch(program, arguments)
@@ -141,8 +146,8 @@ async def run_policy(name: str, rates: list[float], args: argparse.Namespace, pr
             batch = requests(args.requests, rate, args.seed, args.users, args.posts, args.spread)
             before = (await resources())["prefix_cache"]
             start = time.monotonic()
-            done = await asyncio.gather(*(one(client, program, r, start, args.profile_words, args.spread)
-                                          for r in batch))
+            done = await asyncio.gather(*(one(client, program, r, start, args.profile_words, args.spread,
+                                              args.own_pages) for r in batch))
             rows.append(summarize(name, rate, done, before, (await resources())["prefix_cache"]))
             row = rows[-1]
             print(f"{name:11} {rate:.2f} req/s: latency mean {row['mean_s']:.2f} s, p99 {row['p99_s']:.2f} s, "
@@ -270,10 +275,11 @@ async def run(args: argparse.Namespace) -> dict:
     kept, earlier_kv = {}, None
     if args.keep_from:  # the other policies' rows of an earlier run of the same requests
         earlier = json.loads(Path(args.keep_from).read_text())
-        same = ("rates", "requests", "users", "posts", "profile_words", "spread", "pages", "max_batch_tokens")
-        if any(earlier.get(k, 0.0) != v for k, v in zip(same, (rates, args.requests, args.users, args.posts,
-                                                              args.profile_words, args.spread, args.pages,
-                                                              args.max_batch_tokens))) \
+        same = ("rates", "requests", "users", "posts", "profile_words", "spread", "pages", "max_batch_tokens",
+                "own_pages")
+        if any(earlier.get(k, k == "own_pages") != v
+               for k, v in zip(same, (rates, args.requests, args.users, args.posts, args.profile_words, args.spread,
+                                      args.pages, args.max_batch_tokens, args.own_pages))) \
                 or earlier["meta"]["seed"] != args.seed:
             raise SystemExit(f"{args.keep_from} was run with other {', '.join(same)} or seed")
         old = [r for r in earlier["rows"] if r["policy"] not in policies]
@@ -306,7 +312,7 @@ async def run(args: argparse.Namespace) -> dict:
         "posts": args.posts, "profile_words": args.profile_words, "spread": args.spread,
         "profile_words_per_user": [len(profile(u, args.profile_words, args.spread).split())
                                    for u in range(args.users)], "pages": args.pages, "lambda": args.credit,
-        "max_batch_tokens": args.max_batch_tokens,
+        "max_batch_tokens": args.max_batch_tokens, "own_pages": args.own_pages,
         "slo_factor": args.slo, "slo_mean_s": slo_mean, "slo_p99_s": slo_p99,
         "sustained_mean": rate_mean, "sustained_p99": rate_p99,
         "srjf_over_fcfs_mean": ratio(rate_mean, "srjf"), "srjf_over_fcfs_p99": ratio(rate_p99, "srjf"),
@@ -338,6 +344,8 @@ def main() -> None:
                              "0: every profile --profile-words long and --posts posts a request)")
     parser.add_argument("--pages", type=int, default=None, help="KV pool pages (default 260: ~5 profiles; quick 64)")
     parser.add_argument("--max-batch-tokens", type=int, default=4096, help="backend.max_batch_tokens")
+    parser.add_argument("--own-pages", action="store_true",
+                        help="the scoring inferlet's --own-pages: each request runs its profile into pages it holds")
     parser.add_argument("--lambda", dest="credit", type=float, default=0.5, help="srjf-credit's control.srjf_lambda")
     parser.add_argument("--slo", type=float, default=2.0, help="SLO: this many times the lowest latency")
     parser.add_argument("--seed", type=int, default=7)

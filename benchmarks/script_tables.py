@@ -283,7 +283,11 @@ def prefill_only(data: Json) -> list[str]:
              if data.get("spread") else
              f"a ~{data['profile_words']}-word profile of one of {data['users']} users, then P(Yes) of "
              f"{data['posts']} posts")
-    lines = [f"PrefillOnly's workload on Pie (`scoring` inferlets: {sizes}, each a pass that writes no KV), "
+    layout = ("the profile run into the request's own pages, then each post a pass that writes no KV"
+              if data.get("own_pages", True) else
+              "each post a pass over the profile and the post that writes no KV, the profile's pages read "
+              "in place from the prefix cache: a request holds no pages")
+    lines = [f"PrefillOnly's workload on Pie (`scoring` inferlets: {sizes}; {layout}), "
              f"{data['requests']} Poisson requests per rate, a KV pool of {data['pages']} pages, "
              f"`backend.max_batch_tokens` {batch}, {_dtype(data)}. "
              f"SLO: {data['slo_factor']:g}× the lowest latency at the lowest rate (mean ≤ {data['slo_mean_s']:.2f} s, "

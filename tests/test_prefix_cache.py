@@ -180,6 +180,67 @@ def engine(model_dir) -> Engine:
     return Engine(model_dir, BackendConfig(dtype="float32", num_kv_pages=16, num_embeds=16, page_size=PS))
 
 
+def scoring(tokens: list[int], scope: str = "alice") -> Pass:
+    """A scoring pass from the start: no context, no pages, log-probabilities at its last token."""
+    return Pass(SimpleNamespace(results=PassResults()), 0, PS, list(tokens), list(range(len(tokens))), [], [], 0,  # type: ignore[arg-type]
+                [], 0, None, [Output(len(tokens) - 1, logprob_ids=[5, 6])], scope=scope)
+
+
+def test_a_scoring_pass_fills_cache_pages_and_the_next_reads_them_in_place(manager):
+    cache, pool = manager.prefix_cache, manager.pages
+    free = pool.available
+    profile = list(range(400, 440))  # 40 tokens: 2 full pages, then a post
+    first = scoring(profile + [1, 2, 3])
+    assert cache.cached_tokens(first) == 0
+    assert cache.prepare([first]) == []
+    # It computes everything, writing its 2 full pages into cache pages and the rest into a
+    # page of its own until it settles: 3 pages, none copied.
+    assert first.kv_pages == [] and len(first.out_pages) == 3 and first.tokens == 43
+    assert [page for _, page in first.fills] == first.out_pages[:2] and first.temp == first.out_pages[2:]
+    assert encode([first]).copy_before == b"" and encode([first]).copy_after == b""
+    assert pool.available == free - 3
+    cached = first.out_pages[:2]
+    cache.settled(first, True)
+    assert pool.available == free - 2 and cache.stats()["cached_pages"] == 2
+    second = scoring(profile + [7, 8])
+    assert cache.cached_tokens(second) == 32  # what srjf's estimate subtracts
+    assert cache.prepare([second]) == []
+    # Reads the 2 cache pages as its context where they lie; computes 10 tokens.
+    assert second.kv_pages == cached and second.last_len == PS and second.tokens == 10
+    assert second.positions == list(range(32, 42)) and second.outputs[0].index == 9 and second.index_base == 32
+    assert second.fills == [] and len(second.temp) == 1 and encode([second]).copy_before == b""
+    assert all(pool.refs[page] == 2 for page in cached)  # held while it runs
+    assert cache.stats()["hit_tokens"] == 32
+    cache.settled(second, True)
+    assert pool.available == free - 2 and all(pool.refs[page] == 1 for page in cached)
+
+
+def test_scoring_passes_alike_in_one_batch_compute_the_pages_once_and_users_stay_apart(manager):
+    cache = manager.prefix_cache
+    profile = list(range(500, 540))
+    a, b, bob = scoring(profile + [1]), scoring(profile + [2]), scoring(profile + [3], scope="bob")
+    assert cache.prepare([a, b, bob]) == [b]  # b waits for a's pages; bob's are his own
+    assert len(a.fills) == 2 and len(bob.fills) == 2 and bob.kv_pages == []
+    cache.settled(a, True)
+    cache.settled(bob, True)
+    assert cache.prepare([b]) == [] and b.tokens == 9 and len(b.kv_pages) == 2
+
+
+def test_a_failed_scoring_pass_frees_what_it_took_and_a_short_pool_leaves_it_writing_no_kv(manager):
+    cache, pool = manager.prefix_cache, manager.pages
+    free = pool.available
+    p = scoring(list(range(40)))
+    cache.prepare([p])
+    fail([p], HostError(ErrorKind.INFERENCE_FAILED, "the backend died"))
+    assert pool.available == free and cache.stats()["cached_pages"] == 0
+    held = pool.alloc(pool.available - 1)  # one page left, none evictable: a 3-page pass runs as it came
+    q = scoring(list(range(100, 140)))
+    assert cache.prepare([q]) == [] and q.out_pages == [] and q.kv_pages == [] and q.tokens == 40
+    cache.settled(q, True)
+    assert pool.available == 1 and cache.stats()["cached_pages"] == 0
+    pool.release(held)
+
+
 def test_the_backend_copies_whole_pages(engine):
     """copy_before / copy_after of a Passes request: K, V and mask bits of whole pages."""
     kv = engine.kv

@@ -127,22 +127,30 @@ def test_a_no_kv_item_that_finds_the_scratch_full_runs_alone(model_dir):
     assert len(scores[1]) == 6 and scores[1] == pytest.approx(scores[0], abs=1e-4)
 
 
-def test_scoring_inferlet_scores_every_post_as_hf_and_keeps_no_kv_for_them(pie_server, hf_model, tokenizer):
+@pytest.mark.parametrize("own_pages", [False, True])
+def test_scoring_inferlet_scores_every_post_as_hf_and_keeps_no_kv_for_them(pie_server, hf_model, tokenizer, own_pages):
     def ids(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False).ids
 
-    run = run_inferlet(pie_server, build("scoring"), ["--profile", PROFILE, "--posts", "\n".join(POSTS)])
+    profile_text = ("In short: " if own_pages else "") + PROFILE  # a profile of its own: no earlier hits
+    hits = pie_server.resources()["prefix_cache"]["hit_tokens"]
+    run = run_inferlet(pie_server, build("scoring"), ["--profile", profile_text, "--posts", "\n".join(POSTS)]
+                       + ["--own-pages"] * own_pages)
     assert run.reason == "finished", run.messages
     out = json.loads(run.messages[0])
     candidates = [ids(" Yes")[0], ids(" No")[0]]
-    profile = ids(f"User profile:\n{PROFILE}\n")
+    profile = ids(f"User profile:\n{profile_text}\n")
     assert out["posts"] == 3 and out["tokens"] == len(profile) + sum(len(ids(f"Post: {p}{QUESTION}")) for p in POSTS)
     for post, got, p_yes in zip(POSTS, out["logprobs"], out["p_yes"]):
         expected = hf_logprobs(hf_model, profile + ids(f"Post: {post}{QUESTION}"), candidates)
         assert got == pytest.approx(expected, abs=2e-3)
         assert p_yes == pytest.approx(math.exp(got[0]) / (math.exp(got[0]) + math.exp(got[1])), abs=1e-5)
-    # Only the profile's pages were ever held: the posts' keys and values lived in the pass.
-    assert run.usage["kv_pages_peak"] == math.ceil((len(profile) - 1) / 16)
+    hits = pie_server.resources()["prefix_cache"]["hit_tokens"] - hits
+    if own_pages:  # only the profile's pages were ever held: the posts' keys and values lived in the pass
+        assert run.usage["kv_pages_peak"] == math.ceil((len(profile) - 1) / 16) and hits == 0
+    else:  # none held: the first post's pass computed the profile's full pages into the cache, the others read them
+        assert run.usage["kv_pages_peak"] == 0
+        assert hits == 2 * (len(profile) // 16) * 16
 
 
 def test_scoring_bad_input_is_refused_precisely(pie_server):

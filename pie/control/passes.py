@@ -135,6 +135,12 @@ class Pass:
     deferred: bool = False  # held back once for a page another pass was computing
     cached_tokens: int = 0  # tokens whose KV the prefix cache copied in instead of computing
     dropped: bool = False  # failed before or while it ran: nothing more is planned for it
+    # A scoring pass served in place (`PrefixCache._serve_in_place`): cache pages it reads as
+    # its context, pages it fills for the cache (key, page), pages it writes and drops.
+    in_place: bool = False
+    borrowed: list[int] = field(default_factory=list)
+    fills: list[tuple[tuple[str, bytes], int]] = field(default_factory=list)
+    temp: list[int] = field(default_factory=list)
 
     @property
     def owner(self) -> Pass:
@@ -234,6 +240,29 @@ class Pass:
         context = self.context_slots()
         return (not self.embeds and self.mask is None and self.continues()
                 and self.positions == list(range(context, context + len(self.token_ids))))
+
+    def scores_from_start(self) -> bool:
+        """Tokens from position 0 with no context, no mask, and no KV written: a scoring
+        pass (`Context::score` after an unflushed fill, `/v1/completions` with
+        `max_tokens: 1`), which the prefix cache serves in place."""
+        return (not self.kv_pages and not self.out_pages and not self.embeds and self.mask is None
+                and self.steps_left == 1 and self.positions == list(range(len(self.token_ids))))
+
+    def first_output(self) -> int:
+        return min((o.index for o in self.outputs), default=self.tokens)
+
+    def read_in_place(self, context: list[int], out_pages: list[int]) -> None:
+        """Take `context`, full pages holding this pass's first tokens, as its context
+        instead of computing them, and write the rest's keys and values to `out_pages` from
+        offset 0 (none: to no page). Results keep the indices the guest gave."""
+        n = len(context) * self.page_size
+        self.kv_pages, self.last_len = context, self.page_size
+        self.out_pages, self.out_offset = out_pages, 0
+        self.token_ids, self.positions = self.token_ids[n:], self.positions[n:]
+        for o in self.outputs:
+            o.index -= n
+        self.index_base += n
+        self._derive(self.enqueued)
 
     def _validate_run(self, ps: int, steps: int) -> None:
         if steps < 1:

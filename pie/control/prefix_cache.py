@@ -117,13 +117,18 @@ class PrefixCache:
                     continue
                 if not p.cache_checked:
                     p.cache_checked = True
+                    if p.scores_from_start():
+                        if self._serve_in_place(p):
+                            p.cache_checked, p.deferred = False, True
+                            deferred.append(p)
+                        continue
                     if p.prefix is None:
                         self._know(p, writers)
                     if p.prefix is not None and self._reuse(p):
                         p.cache_checked, p.deferred = False, True
                         deferred.append(p)
                         continue
-                if p.prefix is not None:
+                if p.prefix is not None and not p.in_place:
                     self._plan_saves(p)
             # What the passes sent will write is no longer what any record says.
             held = {id(p) for p in deferred}
@@ -143,12 +148,14 @@ class PrefixCache:
         policy's estimate of its work (control.scheduler = srjf). Read without the pools'
         lock (from under the scheduler's, which must not take it): a page evicted meanwhile
         only makes the estimate short. The pass's page hashes are kept for `prepare`."""
-        if p.kv_pages or not p.tokens_only():
+        scoring = p.scores_from_start()
+        if p.kv_pages or not (scoring or p.tokens_only()):
             return 0
         if p.prefix is None:
             p.prefix = list(p.token_ids)
         ps, j = self.page_size, 0
-        while j < p.chunkable() // ps and (p.scope, chain(p, j + 1)[j]) in self.entries:
+        limit = (min(p.first_output(), p.tokens - 1) if scoring else p.chunkable()) // ps
+        while j < limit and (p.scope, chain(p, j + 1)[j]) in self.entries:
             j += 1
         return j * ps
 
@@ -220,6 +227,58 @@ class PrefixCache:
         self.hit_tokens += (first + len(hits)) * ps - context
         return False
 
+    def _serve_in_place(self, p: Pass) -> bool:
+        """A scoring pass from the start: read the longest run of its first full pages
+        that the cache holds where they lie (it writes none of them, so nothing is copied),
+        and write the full pages it computes straight into new cache pages, the rest into
+        pages freed when it settles; True (nothing done) where it should wait a batch for a
+        page another pass is computing.
+
+        Why: with its prompt's pages its own (a fill, then scores), every waiting scoring
+        request held ~50 pages of a 260-page pool before it ran, so under load the pool went
+        to requests that were waiting, the cache was evicted, and the scheduler saw only the
+        few that had pages; served here, a request holds nothing while it waits. Its pages
+        come from the pool only when it is sent (evicting least-recently-used cache pages
+        as any allocation does); where even that leaves too few (an input longer than the
+        pool), it runs as it came, writing no KV (the backend's chunked path)."""
+        ps = self.page_size
+        p.prefix = list(p.token_ids)
+        full = min(p.first_output(), p.tokens - 1) // ps  # pages before its first output
+        hashes = chain(p, full)
+        hits: list[int] = []
+        for j in range(full):
+            key = (p.scope, hashes[j])
+            page = self.entries.get(key)
+            if page is None:
+                if key in self.saving and not p.deferred:  # held back once, never twice
+                    return True
+                break
+            hits.append(page)
+        self.lookups += 1
+        self.lookup_tokens += p.tokens
+        p.in_place = True
+        if hits:
+            for j in reversed(range(len(hits))):  # the first page ends most recent: cut from the end
+                self.entries.move_to_end((p.scope, hashes[j]))
+            self.pool.retain(hits)  # alive until the pass settles, whatever evicts them meanwhile
+            p.borrowed = hits
+            p.owner.cached_tokens += len(hits) * ps
+            self.hit_tokens += len(hits) * ps
+        need = math.ceil(p.tokens / ps) - len(hits)
+        if self.pool.available < need:
+            self.reclaim(need - self.pool.available)
+        pages = self.pool.alloc(need) if self.pool.available >= need else []
+        for j, page in enumerate(pages, start=len(hits)):
+            self.written.pop(page, None)
+            key = (p.scope, hashes[j]) if j < full else None
+            if key is not None and key not in self.entries and key not in self.saving:
+                self.saving.add(key)
+                p.fills.append((key, page))
+            else:
+                p.temp.append(page)
+        p.read_in_place(hits, pages)
+        return False
+
     def _plan_saves(self, p: Pass) -> None:
         ps = self.page_size
         context = p.context_slots()
@@ -245,17 +304,17 @@ class PrefixCache:
         """Index the pass's saved pages (`ok`) or free them; drop its hold on copied-in pages."""
         with self.lock:
             p.dropped = not ok
-            if ok and p.prefix is not None:
+            if ok and p.prefix is not None and not p.in_place:
                 self._record(p)
-            self.pool.release([src for src, _ in p.copy_in])
-            for key, _, page in reversed(p.saves):
+            self.pool.release([src for src, _ in p.copy_in] + p.borrowed + p.temp)
+            for key, page in reversed([(key, page) for key, _, page in p.saves] + p.fills):
                 self.saving.discard(key)
                 if ok and key not in self.entries:
                     self.entries[key] = page
                     self.saved_pages += 1
                 else:
                     self.pool.release([page])
-            p.copy_in, p.saves = [], []
+            p.copy_in, p.saves, p.borrowed, p.temp, p.fills = [], [], [], [], []
             if not ok:
                 self.lock.notify_all()
 
