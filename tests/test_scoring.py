@@ -157,7 +157,7 @@ def test_scoring_bad_input_is_refused_precisely(pie_server):
     program = build("scoring")
     run = run_inferlet(pie_server, program, ["--profile", PROFILE, "--posts", "\n\n"])
     assert run.reason.endswith("--posts holds no post; usage: --profile TEXT --posts TEXT(newline-separated) "
-                               "[--question TEXT] [--hint]")
+                               "[--question TEXT] [--hint] [--own-pages]")
     run = run_inferlet(pie_server, program, ["--posts", "x"])
     assert "--profile is required" in run.reason
 
