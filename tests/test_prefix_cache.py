@@ -205,10 +205,10 @@ def test_a_scoring_pass_fills_cache_pages_and_the_next_reads_them_in_place(manag
     second = scoring(profile + [7, 8])
     assert cache.cached_tokens(second) == 32  # what srjf's estimate subtracts
     assert cache.prepare([second]) == []
-    # Reads the 2 cache pages as its context where they lie; computes 10 tokens.
+    # Reads the 2 cache pages as its context where they lie; computes 10 tokens, writing no KV.
     assert second.kv_pages == cached and second.last_len == PS and second.tokens == 10
     assert second.positions == list(range(32, 42)) and second.outputs[0].index == 9 and second.index_base == 32
-    assert second.fills == [] and len(second.temp) == 1 and encode([second]).copy_before == b""
+    assert second.out_pages == [] and second.temp == [] and encode([second]).copy_before == b""  # no page to keep: no KV
     assert all(pool.refs[page] == 2 for page in cached)  # held while it runs
     assert cache.stats()["hit_tokens"] == 32
     cache.settled(second, True)
@@ -239,6 +239,15 @@ def test_a_failed_scoring_pass_frees_what_it_took_and_a_short_pool_leaves_it_wri
     cache.settled(q, True)
     assert pool.available == 1 and cache.stats()["cached_pages"] == 0
     pool.release(held)
+
+
+def test_a_scoring_pass_with_nothing_to_keep_takes_no_pages(manager):
+    cache, pool = manager.prefix_cache, manager.pages
+    free = pool.available
+    p = scoring(list(range(40)))
+    p.outputs[0].index = 0  # an output at its first token (prompt log-probabilities): no page can be kept
+    assert cache.prepare([p]) == [] and p.out_pages == [] and p.kv_pages == [] and p.tokens == 40
+    assert pool.available == free
 
 
 def test_the_backend_copies_whole_pages(engine):

@@ -28,6 +28,11 @@ How, at the pass level, so every inferlet benefits with no SDK or WIT change:
   forward and in the same request (`Passes.copy_after`), into a page the cache owns, and
   indexed when the reply comes. Copies, not shared references: an instance never finds its
   own pages turned read-only, and a cache page is always the cache's alone to drop.
+* A scoring pass from the start (no context, writes no KV: `Context::score` after an
+  unflushed fill, a one-token completion) is served in place (`_serve_in_place`): it
+  writes none of its pages, so cached ones become its context where they lie, and the
+  full pages it computes are written straight into new cache pages, the rest into pages
+  freed when it settles. A scoring request then holds no pages while it waits.
 * Cache pages count in the pool but belong to nobody: when an allocation finds the pool
   short, least-recently-used cache pages go first (`reclaim`; a run's deeper pages are
   older than its first, so a chain is cut from its end). A cache page being copied into a
@@ -264,16 +269,17 @@ class PrefixCache:
             p.borrowed = hits
             p.owner.cached_tokens += len(hits) * ps
             self.hit_tokens += len(hits) * ps
-        need = math.ceil(p.tokens / ps) - len(hits)
-        if self.pool.available < need:
+        keep = {j for j in range(len(hits), full)
+                if (p.scope, hashes[j]) not in self.entries and (p.scope, hashes[j]) not in self.saving}
+        need = math.ceil(p.tokens / ps) - len(hits) if keep else 0  # nothing to keep: it writes no KV
+        if need and self.pool.available < need:
             self.reclaim(need - self.pool.available)
-        pages = self.pool.alloc(need) if self.pool.available >= need else []
+        pages = self.pool.alloc(need) if need and self.pool.available >= need else []
         for j, page in enumerate(pages, start=len(hits)):
             self.written.pop(page, None)
-            key = (p.scope, hashes[j]) if j < full else None
-            if key is not None and key not in self.entries and key not in self.saving:
-                self.saving.add(key)
-                p.fills.append((key, page))
+            if j in keep:
+                self.saving.add((p.scope, hashes[j]))
+                p.fills.append(((p.scope, hashes[j]), page))
             else:
                 p.temp.append(page)
         p.read_in_place(hits, pages)
