@@ -277,9 +277,10 @@ def _vllm_kv(data: Json) -> str:
 def prefill_only(data: Json) -> list[str]:
     batch = data.get("max_batch_tokens", 4096)
     words = data.get("profile_words_per_user")
+    posts = ("one post (PrefillOnly's request shape)" if data["posts"] == 1 else
+             f"{data['posts'] // 2}-{data['posts'] + data['posts'] // 2} posts")
     sizes = (f"a profile of one of {data['users']} users ({min(words)}-{max(words)} words, mean "
-             f"{sum(words) / len(words):.0f}: lognormal, shape {data['spread']:g}), then P(Yes) of "
-             f"{data['posts'] // 2}-{data['posts'] + data['posts'] // 2} posts"
+             f"{sum(words) / len(words):.0f}: lognormal, shape {data['spread']:g}), then P(Yes) of {posts}"
              if data.get("spread") else
              f"a ~{data['profile_words']}-word profile of one of {data['users']} users, then P(Yes) of "
              f"{data['posts']} posts")
