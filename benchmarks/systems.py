@@ -282,10 +282,20 @@ class Pie(System):
 
         return f"pie {version('pie')}"
 
+    @staticmethod
+    def _prefix_caching() -> str:
+        """What the served configuration does (it said "none automatic" after the automatic
+        cache, on by default, had landed: read it, don't restate it)."""
+        from pie.config import load_config
+
+        return ("automatic (control.prefix_cache: full prompt pages, per user), besides inferlets' "
+                "explicit reuse (export/import, fork)" if load_config().control.prefix_cache else
+                "none automatic (control.prefix_cache off): inferlets reuse KV explicitly (export/import, fork)")
+
     def settings(self, dtype: str) -> dict[str, str]:
         return {"dtype": dtype, "configuration": "configs/default.toml (scheduler adaptive; the batching "
                 "workload restarts it per policy)", "attention": "auto = Pie's CPU paged-attention kernel",
-                "prefix caching": "none automatic: inferlets reuse KV explicitly (export/import, fork)",
+                "prefix caching": self._prefix_caching(),
                 "threads": "all cores (backend.threads = 0)"}
 
 
