@@ -248,8 +248,10 @@ class Pass:
         return (not self.kv_pages and not self.out_pages and not self.embeds and self.mask is None
                 and self.steps_left == 1 and self.positions == list(range(len(self.token_ids))))
 
-    def first_output(self) -> int:
-        return min((o.index for o in self.outputs), default=self.tokens)
+    def before_output(self) -> int:
+        """How many leading new tokens come before the first output (at least the last
+        one is computed): what a chunk or the prefix cache may take off the pass."""
+        return min(min((o.index for o in self.outputs), default=self.tokens), self.tokens - 1)
 
     def read_in_place(self, context: list[int], out_pages: list[int]) -> None:
         """Take `context`, full pages holding this pass's first tokens, as its context
@@ -295,10 +297,9 @@ class Pass:
         first output, when the output slots continue the context (the partial last input
         page first from its length, or offset 0 after a full page or no context, every
         further page fresh) and there is no custom mask — the layout `fill` and `run` use."""
-        first_output = min((o.index for o in self.outputs), default=self.tokens)
-        if self.mask is not None or first_output == 0 or not self.continues():
+        if self.mask is not None or not self.continues():
             return 0
-        return min(first_output, self.tokens - 1)
+        return self.before_output()
 
     def split(self, n: int) -> Pass:
         """Cut off the first `n` new tokens (n <= `chunkable()`) as a chunk that runs now,

@@ -159,7 +159,7 @@ class PrefixCache:
         if p.prefix is None:
             p.prefix = list(p.token_ids)
         ps, j = self.page_size, 0
-        limit = (min(p.first_output(), p.tokens - 1) if scoring else p.chunkable()) // ps
+        limit = (p.before_output() if scoring else p.chunkable()) // ps
         while j < limit and (p.scope, chain(p, j + 1)[j]) in self.entries:
             j += 1
         return j * ps
@@ -209,28 +209,38 @@ class PrefixCache:
         ps = self.page_size
         context = p.context_slots()
         first = context // ps
+        hits = self._take_hits(p, first, (context + p.chunkable()) // ps)
+        if hits is None:
+            return True
+        if hits:
+            own = p.slot_pages()[first:first + len(hits)]
+            p.split((first + len(hits)) * ps - context)
+            p.copy_in = list(zip(hits, own))
+        return False
+
+    def _take_hits(self, p: Pass, first: int, end: int) -> list[int] | None:
+        """The longest run of the pass's full pages from `first` (below `end`) that the
+        cache holds: made most recent, held until the pass settles, counted as hits; None
+        (nothing done) where it should wait for a page being saved instead."""
         hits: list[int] = []
-        for j in range(first, (context + p.chunkable()) // ps):
+        for j in range(first, end):
             key = (p.scope, chain(p, j + 1)[j])
             page = self.entries.get(key)
             if page is None:
                 if key in self.saving and not p.deferred:  # held back once, never twice
-                    return True
+                    return None
                 break
             hits.append(page)
         self.lookups += 1
         self.lookup_tokens += p.tokens
-        if not hits:
-            return False
-        for j in reversed(range(first, first + len(hits))):  # the first page ends most recent: cut from the end
-            self.entries.move_to_end((p.scope, p.chain[j]))
-        self.pool.retain(hits)  # alive until the pass settles, whatever evicts them meanwhile
-        own = p.slot_pages()[first:first + len(hits)]
-        p.split((first + len(hits)) * ps - context)
-        p.copy_in = list(zip(hits, own))
-        p.owner.cached_tokens += (first + len(hits)) * ps - context
-        self.hit_tokens += (first + len(hits)) * ps - context
-        return False
+        if hits:
+            for j in reversed(range(first, first + len(hits))):  # the first page ends most recent: cut from the end
+                self.entries.move_to_end((p.scope, p.chain[j]))
+            self.pool.retain(hits)  # alive until the pass settles, whatever evicts them meanwhile
+            cached = (first + len(hits)) * self.page_size - p.context_slots()
+            p.owner.cached_tokens += cached
+            self.hit_tokens += cached
+        return hits
 
     def _serve_in_place(self, p: Pass) -> bool:
         """A scoring pass from the start: read the longest run of its first full pages
@@ -248,27 +258,12 @@ class PrefixCache:
         pool), it runs as it came, writing no KV (the backend's chunked path)."""
         ps = self.page_size
         p.prefix = list(p.token_ids)
-        full = min(p.first_output(), p.tokens - 1) // ps  # pages before its first output
+        full = p.before_output() // ps  # pages before its first output
         hashes = chain(p, full)
-        hits: list[int] = []
-        for j in range(full):
-            key = (p.scope, hashes[j])
-            page = self.entries.get(key)
-            if page is None:
-                if key in self.saving and not p.deferred:  # held back once, never twice
-                    return True
-                break
-            hits.append(page)
-        self.lookups += 1
-        self.lookup_tokens += p.tokens
-        p.in_place = True
-        if hits:
-            for j in reversed(range(len(hits))):  # the first page ends most recent: cut from the end
-                self.entries.move_to_end((p.scope, hashes[j]))
-            self.pool.retain(hits)  # alive until the pass settles, whatever evicts them meanwhile
-            p.borrowed = hits
-            p.owner.cached_tokens += len(hits) * ps
-            self.hit_tokens += len(hits) * ps
+        hits = self._take_hits(p, 0, full)
+        if hits is None:
+            return True
+        p.in_place, p.borrowed = True, hits
         keep = {j for j in range(len(hits), full)
                 if (p.scope, hashes[j]) not in self.entries and (p.scope, hashes[j]) not in self.saving}
         need = math.ceil(p.tokens / ps) - len(hits) if keep else 0  # nothing to keep: it writes no KV
