@@ -58,8 +58,8 @@ def test_gemv_rejects_what_it_cannot_do(gemv):
         (torch.randn(1, 512).to(BF16), w, "x has 512 columns"),
         (torch.randn(576, 2).to(BF16).T, w, "contiguous"),
     ]
-    if gemv.panel_rows() > 1:  # AVX2 reads 4-row panels: a plain matrix is refused, not misread
-        cases.append((torch.randn(1, 576).to(BF16), plain, r"\[n/4, k/8, 4, 8\] tensor from pack\(\)"))
+    c = gemv.panel_cols()  # the kernel reads 4-row panels: a plain matrix is refused, not misread
+    cases.append((torch.randn(1, 576).to(BF16), plain, rf"\[n/4, k/{c}, 4, {c}\] tensor from pack\(\)"))
     for x, weight, message in cases:
         with pytest.raises(RuntimeError, match=message):
             gemv.gemv(x, weight, NONE)
@@ -70,23 +70,22 @@ def test_gemv_rejects_what_it_cannot_do(gemv):
         gemv.pack(torch.randn(4, 48).to(BF16))
     with pytest.raises(RuntimeError, match="weight must be a contiguous bfloat16"):
         gemv.pack(plain.float())
-    if gemv.panel_rows() > 1:
-        with pytest.raises(RuntimeError, match="n = 6 is not a multiple of 4"):
-            gemv.pack(torch.randn(6, 64).to(BF16))
+    with pytest.raises(RuntimeError, match="n = 6 is not a multiple of 4"):
+        gemv.pack(torch.randn(6, 64).to(BF16))
 
 
 def test_panels_hold_the_weight_unchanged(gemv):
-    """pack() reorders (AVX2: row r's columns j..j+7 at panel r/4, step j/8, lane r%4) and
-    never writes the weight it was given (the LM head may be the embedding table)."""
+    """pack() copies into panels (row r's columns j..j+C-1 at panel r/4, step j/C, lane r%4;
+    C = 32 with AVX-512 BF16, 8 with AVX2) and never writes the weight it was given (the LM
+    head may be the embedding table)."""
     w = torch.arange(8 * 64, dtype=torch.float32).view(8, 64).to(BF16)
     before = w.clone()
     packed = gemv.pack(w)
     assert torch.equal(w, before)
-    if gemv.panel_rows() == 1:
-        assert packed.data_ptr() == w.data_ptr()  # AVX-512 reads the plain matrix, no copy
-    else:
-        assert packed.shape == (2, 8, 4, 8) and packed.data_ptr() != w.data_ptr()
-        assert torch.equal(packed[1, 3, 2], w[6, 24:32])
+    c = gemv.panel_cols()
+    assert c in (8, 32) and packed.shape == (2, 64 // c, 4, c) and packed.data_ptr() != w.data_ptr()
+    assert packed.is_contiguous()
+    assert torch.equal(packed[1, 1, 2], w[6, c:2 * c])
 
 
 def test_wide_layout_holds_the_weight_unchanged(gemv):
@@ -110,13 +109,14 @@ def test_linear_chooses_between_the_kernel_and_onednn(gemv):
     wide_from() on), above it oneDNN (on AVX2 an fp32 copy of the weight): all close to the
     exact product. A weight whose width is no multiple of 32 never takes the kernel."""
     torch.manual_seed(0)
-    layer = Linear((torch.randn(96, 576) / 24).to(BF16))
+    weight = (torch.randn(96, 576) / 24).to(BF16)
+    layer = Linear(weight)
     top = gemv.max_tokens()
     assert layer.gemv is gemv and layer.gemv_max_tokens == top and top == (16 if gemv.native_bf16() else 32)
     assert (layer.gemv_wide.numel() > 0) == bool(gemv.wide_from())  # AVX2: GEMM tiles from wide_from() rows
     for rows in (1, 16, top, top + 1, 70):
         x = torch.randn(rows, 576).to(BF16)
-        check_close(layer(x), x, layer.weight)
+        check_close(layer(x), x, weight)
     assert layer(torch.empty(0, 576, dtype=BF16)).shape == (0, 96)  # no rows: oneDNN's empty result
     # Without oneDNN's bf16 kernels (no AVX-512) the steps past the kernel's take an fp32 copy,
     # packed for oneDNN's fp32 kernels.
@@ -128,18 +128,22 @@ def test_linear_chooses_between_the_kernel_and_onednn(gemv):
     if gemv.wide_to():  # AVX2: the tiles up to wide_to() rows, then the fp32 copy
         x = torch.randn(limit + 1, 576).to(BF16)
         assert torch.equal(layer(x[:limit]), gemv.gemv(x[:limit].contiguous(), layer.gemv_weight, layer.gemv_wide))
-        check_close(layer(x), x, layer.weight)
+        check_close(layer(x), x, weight)
         with pytest.raises(RuntimeError, match=f"{limit + 1} rows"):
             gemv.gemv(x, layer.gemv_weight, layer.gemv_wide)
     # A weight the tiles cannot take (n no multiple of 16) stops at max_tokens.
     narrow = Linear((torch.randn(20, 576) / 24).to(BF16))
     assert narrow.gemv_limit == top and narrow.gemv_wide.numel() == 0
-    odd = Linear(torch.randn(8, 40).to(BF16))
+    odd_weight = torch.randn(8, 40).to(BF16)
+    odd = Linear(odd_weight)
     assert odd.gemv is None
     x = torch.randn(1, 40).to(BF16)
-    check_close(odd(x), x, odd.weight)
-    # AVX2's panels hold 4 rows: a weight of 6 rows keeps the path past the kernel.
-    six = Linear(torch.randn(6, 64).to(BF16))
-    assert (six.gemv is None) == (gemv.panel_rows() > 1)
+    check_close(odd(x), x, odd_weight)
+    # The panels hold 4 rows: a weight of 6 rows keeps the path past the kernel.
+    six_weight = torch.randn(6, 64).to(BF16)
+    six = Linear(six_weight)
+    assert six.gemv is None
     x = torch.randn(1, 64).to(BF16)
-    check_close(six(x), x, six.weight)
+    check_close(six(x), x, six_weight)
+    # The plain weight stays only where F.linear reads it (no oneDNN copy).
+    assert (layer.weight is None) == (layer.packed is not None)

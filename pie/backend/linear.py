@@ -3,11 +3,13 @@
 On CPU in bf16 the weight is prepacked once into oneDNN's blocked layout (AMX/AVX-512
 kernels): measured 1.3-1.5x faster than F.linear across batch sizes here (DESIGN §6).
 Steps of at most 16 tokens (decode, short prompts) go instead to our AVX-512 BF16 loop
-(csrc/bf16_gemv.cpp; on AVX2-only CPUs its AVX2 + FMA twin, bf16 widened to fp32): it streams each weight once with
-software prefetch, and the 120 layer linears of a SmolLM2-135M step took 8.7 / 11.1 / 16.3 /
+(csrc/bf16_gemv.cpp; on AVX2-only CPUs its AVX2 + FMA twin, bf16 widened to fp32): it streams
+each weight once, and the 120 layer linears of a SmolLM2-135M step took 8.7 / 11.1 / 16.3 /
 21.4 / 27.2 ms at 1 / 4 / 8 / 12 / 16 tokens against oneDNN's 14.0 / 15.6 / 23.9 / 25.2 / 30.0
-(Xeon, avx512_bf16, 2 vCPUs; weights not in cache). Past 16 tokens oneDNN's blocked kernels
-win (50 vs 54 ms at 32). The AVX2 build takes steps of up to 255 tokens, from 8 on in GEMM tiles
+(Xeon, avx512_bf16, 2 vCPUs; weights not in cache), before it read the weight from 4-row
+panels in huge pages (weight_arena.py), which took the layer linears and LM head at 1 token
+from 13.6 to 8.6 ms on an AMD EPYC Zen 4 (docs/backend.md). Past 16 tokens oneDNN's blocked
+kernels win (50 vs 54 ms at 32). The AVX2 build takes steps of up to 255 tokens, from 8 on in GEMM tiles
 that read a second copy of the weight (`gemv_wide`): 109 against 121 ms at 32 tokens, and ahead
 of oneDNN's fp32 kernels on the fp32 copy up to ~256 tokens (docs/backend.md).
 fp32 keeps F.linear so the fp32 path stays HF's arithmetic for the correctness oracle. On a
@@ -27,6 +29,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pie.backend.weight_arena import WeightArena
+
 WEIGHT_DTYPES = ("model", "int8")
 
 
@@ -43,15 +47,15 @@ class Linear:
     1.3 vs 9.5 ms at 32, one 576 x 1536 weight, 2 vCPUs), while the kernel streams the
     half-size bf16 weight for decode steps."""
 
-    def __init__(self, weight: torch.Tensor, prefill_fp32: bool = False):
-        self.weight = weight.contiguous()
+    def __init__(self, weight: torch.Tensor, prefill_fp32: bool = False, arena: WeightArena | None = None):
+        dense = weight.contiguous()
         self.out_features = weight.shape[0]
         self.packed = None
         bf16_cpu = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
         # oneDNN's bf16 path needs AVX-512 (bw/vl/dq) or avx_ne_convert; on a plain AVX2 CPU
         # the reorder raises, so bf16 goes to the kernel below and to the fp32 copy.
         if bf16_cpu and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, None)
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(dense, None)
         self.gemv, self.gemv_max_tokens, self.gemv_weight, self.gemv_wide = None, 0, None, None
         self.gemv_limit = 0  # the most rows the kernel takes: gemv_max_tokens, or AVX2's GEMM tiles' limit
         if bf16_cpu and weight.shape[1] % 32 == 0:
@@ -61,14 +65,15 @@ class Linear:
             if module.supported() and weight.shape[0] % module.panel_rows() == 0:
                 self.gemv = module
                 self.gemv_max_tokens = module.max_tokens()
-                # The weight as the kernel reads it: itself with AVX-512 BF16; on AVX2 a copy
-                # in 4-row panels (csrc/bf16_gemv.cpp: 13.9 vs 16.8 ms for a step's 120 layer
-                # linears at 1 token, AMD EPYC), never the tensor in place: the LM head may be
-                # the embedding table.
-                self.gemv_weight = module.pack(self.weight)
+                # The weight as the kernel reads it: a copy in 4-row panels (csrc/bf16_gemv.cpp:
+                # a step's 120 layer linears at 1 token 13.9 vs 16.8 ms on AVX2, 6.9 vs 10.9 ms
+                # with AVX-512 BF16, AMD EPYCs), never the tensor in place: the LM head may be
+                # the embedding table. In the model's arena of huge pages where it has one.
+                packed = module.pack(dense)
+                self.gemv_weight = arena.place(packed) if arena is not None else packed
                 # On AVX2, for 8-255 tokens, a second copy in the GEMM tiles' layout (another
                 # bf16 copy of the weight: ~270 MB for SmolLM2-135M); empty elsewhere.
-                self.gemv_wide = module.pack_wide(self.weight)
+                self.gemv_wide = module.pack_wide(dense)
                 self.gemv_limit = module.wide_to() if self.gemv_wide.numel() else self.gemv_max_tokens
         no_onednn = bf16_cpu and self.packed is None
         # The fp32 copy (one of the two), for steps of at least fp32_from tokens.
@@ -79,9 +84,12 @@ class Linear:
                 # oneDNN's fp32 kernels (blocked layout) beat F.linear's MKL on an AMD EPYC
                 # (AVX2, 2 vCPUs; 120 layer linears at 64 tokens 216 vs 289 ms, lm_head 51 vs
                 # 93 ms: MKL takes a generic path on non-Intel CPUs).
-                self.packed32 = torch.ops.mkldnn._reorder_linear_weight(self.weight.float(), None)
+                self.packed32 = torch.ops.mkldnn._reorder_linear_weight(dense.float(), None)
             else:
-                self.weight32 = self.weight.float()
+                self.weight32 = dense.float()
+        # The plain weight only where F.linear reads it: with oneDNN's copy every step goes to
+        # it, the kernel or an fp32 copy (AVX-512 BF16: 212 MB of this model's layers freed).
+        self.weight = dense if self.packed is None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if 0 < x.shape[0] <= self.gemv_limit and x.dtype == torch.bfloat16:
@@ -92,7 +100,7 @@ class Linear:
             return F.linear(x.float(), self.weight32).to(x.dtype)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight)  # type: ignore[arg-type]  (kept when there is no oneDNN copy)
 
 
 class Int8Linear:
@@ -113,7 +121,8 @@ class Int8Linear:
         return y.view(*x.shape[:-1], self.out_features)
 
 
-def make_linear(weight: torch.Tensor, weight_dtype: str, prefill_fp32: bool = False) -> Linear | Int8Linear:
+def make_linear(weight: torch.Tensor, weight_dtype: str, prefill_fp32: bool = False,
+                arena: WeightArena | None = None) -> Linear | Int8Linear:
     """The layer for `backend.weight_dtype` (checked in BackendConfig); int8 layers prefill
     in int8 (faster than either float dtype)."""
-    return Int8Linear(weight) if weight_dtype == "int8" else Linear(weight, prefill_fp32)
+    return Int8Linear(weight) if weight_dtype == "int8" else Linear(weight, prefill_fp32, arena)

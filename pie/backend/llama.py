@@ -19,6 +19,7 @@ from pie.backend.decode_step import FusedDecode
 from pie.backend.glue import make_glue, rms_norm
 from pie.backend.kv_cache import KvCache
 from pie.backend.linear import Int8Linear, Linear, make_linear
+from pie.backend.weight_arena import WeightArena
 from pie.backend.weights import ModelFormatError, Tensors, load_checkpoint
 
 
@@ -105,7 +106,7 @@ def project(linear: Linear | Int8Linear, bias: torch.Tensor | None, x: torch.Ten
 
 class LlamaLayer:
     def __init__(self, weights: Tensors, prefix: str, config: LlamaConfig, weight_dtype: str,
-                 prefill_fp32: bool):
+                 prefill_fp32: bool, arena: WeightArena | None):
         w = lambda name: weights.take(f"{prefix}.{name}")  # noqa: E731
 
         def biases(names: list[str], flag: str) -> torch.Tensor | None:
@@ -117,7 +118,7 @@ class LlamaLayer:
         self.input_norm = w("input_layernorm.weight")
         self.post_norm = w("post_attention_layernorm.weight")
         # Fused projections: one matmul for q/k/v and one for gate/up.
-        linear = lambda weight: make_linear(weight, weight_dtype, prefill_fp32)  # noqa: E731
+        linear = lambda weight: make_linear(weight, weight_dtype, prefill_fp32, arena)  # noqa: E731
         self.qkv = linear(
             torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"),
                        w("self_attn.v_proj.weight")])
@@ -151,9 +152,12 @@ class Llama:
         # On AVX2 the bf16 kernel takes the LM head (576 x 49,152) up to 32 tokens too: its GEMM
         # tiles (csrc/bf16_gemv.cpp) beat oneDNN's fp32 copy from 17 rows, 19.4 vs 22.6 ms at 24,
         # 27.2 vs 28.7 at 32 (AMD EPYC, 2 vCPUs; the 4-row loop before them had lost, 24.5 vs 23.4).
-        self.lm_head = make_linear(lm_head, weight_dtype)
+        # The bf16 kernel's weights in huge pages, in the order a step reads them (weight_arena.py).
+        self.arena = WeightArena() if dtype == torch.bfloat16 and device.type == "cpu" else None
+        self.layers = [LlamaLayer(weights, f"model.layers.{i}", cfg, weight_dtype, prefill_fp32, self.arena)
+                       for i in range(cfg.num_layers)]
+        self.lm_head = make_linear(lm_head, weight_dtype, arena=self.arena)
         self.norm = weights.take("model.norm.weight")
-        self.layers = [LlamaLayer(weights, f"model.layers.{i}", cfg, weight_dtype, prefill_fp32) for i in range(cfg.num_layers)]
         weights.pop("lm_head.weight", None)
         unused = sorted(k for k in weights if "rotary_emb" not in k)
         if unused:

@@ -4,8 +4,9 @@
 // (prepacked) moved the 212 MB of a SmolLM2-135M step's layer weights at ~15 GB/s here
 // (Xeon, avx512_bf16, 2 vCPUs) while the 57 MB LM head moved at ~25 GB/s: per-call setup
 // dominates matrices of 0.7-3.5 MB. This loop reads each weight row once for all the tokens,
-// 4 rows at a time (AVX-512 BF16 dot products into 16 fp32 lanes), split over the OpenMP
-// threads by row blocks; on AVX2 CPUs the same loop widens bf16 to fp32 (below). Figures:
+// from a copy of the weight in 4-row panels that makes every 4 rows one sequential stream
+// (AVX-512 BF16 dot products into 16 fp32 lanes), split over the OpenMP threads by row
+// blocks; on AVX2 CPUs the same loop widens bf16 to fp32 (below). Figures:
 // pie/backend/linear.py.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -32,51 +33,81 @@ constexpr int64_t kMaxTokens = 16;  // past 16, oneDNN's blocked bf16 kernels wi
 #else
 constexpr int64_t kMaxTokens = 32;
 #endif
-// Weight rows per inner block: M x rows accumulators + M x-vectors must fit 32 zmm registers.
-constexpr int rows_per_block(int m) { return m <= 4 ? 4 : m <= 8 ? 2 : 1; }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 constexpr bool kSupported = true;
-// oneDNN's kernels read the same plain [n][k] weight for larger steps (pie/backend/linear.py).
-constexpr int64_t kPanelRows = 1;
-inline torch::Tensor to_panels(const torch::Tensor& w) { return w; }
-#ifndef PF
-#define PF 12  // rows ahead
-#endif
+// The weight is read from 4-row panels (pack(): [n/4][k/32][4][32], row r's columns j..j+31
+// at panel r/4, step j/32, lane r%4), so the 4 rows of a block are one sequential stream of
+// 64-byte lines; in the plain [n][k] layout they were 4 streams a row apart. Measured on an
+// AMD EPYC Zen 4 (avx512_bf16, 2 vCPUs), 30 layers' 120 linears at 1 token, weights
+// streamed from DRAM: 10.9 ms plain (with software prefetch 12 rows ahead; without, 10.6)
+// against 6.9 ms in panels without prefetch (4 and 8 KB ahead: 8.1, 7.3 ms), all in
+// huge pages (weight_arena.py; plain 11.5 against panels 8.1 in 4 KB pages). A panel's
+// stream needs no software prefetch: the hardware's stream prefetcher follows it.
+constexpr int64_t kPanelRows = 4;
+constexpr int64_t kPanelCols = 32;  // one 64-byte line of bf16
+inline torch::Tensor to_panels(const torch::Tensor& w) {
+  return w.view({w.size(0) / 4, 4, w.size(1) / kPanelCols, kPanelCols}).permute({0, 2, 1, 3});
+}
 
 inline __m512bh load_bh(const at::BFloat16* p) {
   return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p));
 }
 
-// Rows [n0, n0 + R) of W against the M rows of x; k is a multiple of 32.
-template <int M, int R>
-inline void block(const at::BFloat16* x, const at::BFloat16* w, int64_t k, int64_t n0,
-                  int64_t n, at::BFloat16* y) {
-  __m512 acc[M][R];
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < k; j += 32) {
-    __m512bh xs[M];
-    for (int m = 0; m < M; ++m) xs[m] = load_bh(x + m * k + j);
-    for (int r = 0; r < R; ++r) {
-      const at::BFloat16* row = w + (n0 + r) * k + j;
-      _mm_prefetch(reinterpret_cast<const char*>(row + PF * k), _MM_HINT_T0);
-      const __m512bh wr = load_bh(row);
-      for (int m = 0; m < M; ++m) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xs[m], wr);
-    }
-  }
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r)
-      y[m * n + n0 + r] = at::BFloat16(_mm512_reduce_add_ps(acc[m][r]));
+// The 4 row sums of a, b, c, d (16 lanes each) as one vector {sum a, sum b, sum c, sum d}:
+// 9 shuffles and adds for 4 reductions (_mm512_reduce_add_ps took ~8 each).
+inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  // per 128-bit lane: {a0+a2, b0+b2, a1+a3, b1+b3} and the same of c, d
+  const __m512 abcd = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(abcd),
+                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
 }
 
+// 4 floats to bf16, rounded to nearest even as at::BFloat16 is (NaN to 0x7FC0).
+inline void store4(__m128 v, at::BFloat16* y) {
+  alignas(16) float s[4];
+  _mm_store_ps(s, v);
+  for (int r = 0; r < 4; ++r) y[r] = at::BFloat16(s[r]);
+}
+
+// G tokens of x against one panel p (4 weight rows); y's row stride is n.
+template <int G>
+inline void panel(const at::BFloat16* x, const at::BFloat16* p, int64_t k, at::BFloat16* y, int64_t n) {
+  __m512 acc[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int r = 0; r < 4; ++r) acc[g][r] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < k; j += kPanelCols, p += kPanelRows * kPanelCols) {
+    const __m512bh w0 = load_bh(p), w1 = load_bh(p + 32), w2 = load_bh(p + 64), w3 = load_bh(p + 96);
+    for (int g = 0; g < G; ++g) {
+      const __m512bh xv = load_bh(x + g * k + j);
+      acc[g][0] = _mm512_dpbf16_ps(acc[g][0], xv, w0);
+      acc[g][1] = _mm512_dpbf16_ps(acc[g][1], xv, w1);
+      acc[g][2] = _mm512_dpbf16_ps(acc[g][2], xv, w2);
+      acc[g][3] = _mm512_dpbf16_ps(acc[g][3], xv, w3);
+    }
+  }
+  for (int g = 0; g < G; ++g) store4(sum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), y + g * n);
+}
+
+// All M tokens against panels [begin, end): each panel once per group of up to 4 tokens
+// (the later groups read it from L1: 4.6-12 KB for this model's widths). Groups of 6 would
+// fit the 32 zmm registers too (24 accumulators) but ran 5-18 % slower at 6-12 tokens
+// (the 120 layer linears and LM head, Zen 4).
 template <int M>
 void rows(const at::BFloat16* x, const at::BFloat16* w, int64_t k, int64_t n, int64_t begin,
           int64_t end, at::BFloat16* y) {
-  constexpr int R = rows_per_block(M);
-  int64_t i = begin;
-  for (; i + R <= end; i += R) block<M, R>(x, w, k, i, n, y);
-  for (; i < end; ++i) block<M, 1>(x, w, k, i, n, y);
+  constexpr int G = M < 4 ? M : 4;
+  constexpr int rest = M % G;
+  for (int64_t i = begin; i < end; i += kPanelRows) {
+    const at::BFloat16* p = w + i * k;
+    int t = 0;
+    for (; t + G <= M; t += G) panel<G>(x + t * k, p, k, y + t * n + i, n);
+    if constexpr (rest > 0) panel<rest>(x + t * k, p, k, y + t * n + i, n);
+  }
 }
 
 using XType = at::BFloat16;  // x as the dot products read it
@@ -102,13 +133,14 @@ inline float hsum(__m256 v) {
 // The weight is read from 4-row panels (pack() below: [n/4][k/8][4][8], row r's columns
 // j..j+7 at panel r/4, step j/8, lane r%4), so a block of 4 rows is one sequential stream of
 // 64-byte lines, prefetched kPrefetch elements ahead; in the plain [n][k] layout the same
-// block was 4 streams a row apart, prefetched PF rows ahead. The 120 layer linears of a
+// block was 4 streams a row apart, prefetched 12 rows ahead. The 120 layer linears of a
 // SmolLM2-135M step (AMD EPYC, 2 vCPUs, one session): 13.9 against 16.8 ms at 1 token, 20.3
 // against 22.8 at 4, level from 16 (~86 % of an fp32 sum's bandwidth at 1 token, ~70 % before);
 // the products and their order are unchanged, so y is bit-identical to the plain layout's.
 constexpr int64_t kPanelRows = 4;
+constexpr int64_t kPanelCols = 8;  // one 32-byte vector of bf16
 inline torch::Tensor to_panels(const torch::Tensor& w) {
-  return w.view({w.size(0) / 4, 4, w.size(1) / 8, 8}).permute({0, 2, 1, 3}).contiguous();
+  return w.view({w.size(0) / 4, 4, w.size(1) / kPanelCols, kPanelCols}).permute({0, 2, 1, 3});
 }
 constexpr int64_t kPrefetch = 1024;  // 2 KB ahead: 0 / 512 / 1024 / 2048 elements measured, 1024 best
 
@@ -278,8 +310,10 @@ inline void wide_gemm(const at::BFloat16* x, int64_t m, int64_t k, const at::BFl
 #define PIE_WIDE 1
 #else
 constexpr bool kSupported = false;
-constexpr int64_t kPanelRows = 1;
-inline torch::Tensor to_panels(const torch::Tensor& w) { return w; }
+constexpr int64_t kPanelRows = 4, kPanelCols = 8;  // pack()'s layout in a build without the loop
+inline torch::Tensor to_panels(const torch::Tensor& w) {
+  return w.view({w.size(0) / 4, 4, w.size(1) / kPanelCols, kPanelCols}).permute({0, 2, 1, 3});
+}
 #endif
 
 }  // namespace
@@ -300,15 +334,18 @@ static_assert(kBlockRows % kPanelRows == 0, "a thread's blocks start on a panel"
 
 int64_t panel_rows() { return kPanelRows; }
 
-// The weight as gemv() reads it: the plain matrix with AVX-512 BF16, 4-row panels with AVX2
-// (a copy: [n/4, k/8, 4, 8], so nothing mistakes it for an [n, k] matrix).
+int64_t panel_cols() { return kPanelCols; }
+
+// The weight as gemv() reads it: a copy in 4-row panels, [n/4, k/C, 4, C] with C =
+// panel_cols() (32 with AVX-512 BF16, 8 with AVX2), so nothing mistakes it for an [n, k]
+// matrix.
 torch::Tensor pack(torch::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kBFloat16,
               "bf16_gemv: weight must be a contiguous bfloat16 [n, k] matrix");
   TORCH_CHECK(weight.size(1) % 32 == 0, "bf16_gemv: k = ", weight.size(1), " is not a multiple of 32");
   TORCH_CHECK(weight.size(0) % kPanelRows == 0, "bf16_gemv: n = ", weight.size(0),
               " is not a multiple of ", kPanelRows, " (the rows of this build's weight panels)");
-  return to_panels(weight);
+  return to_panels(weight).contiguous();
 }
 
 // The weight in the layout of the AVX2 build's GEMM tiles for kWideFrom+ tokens ([n/16, k,
@@ -344,14 +381,12 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor weight, torch::Tensor wide) {
   TORCH_CHECK(kSupported, "bf16_gemv: compiled without AVX-512 BF16 or AVX2 + FMA (check supported() first)");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
               "bf16_gemv: x must be a contiguous bfloat16 [m, k] matrix");
-  const bool panels = kPanelRows > 1;
-  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == at::kBFloat16 &&
-                  (panels ? weight.dim() == 4 && weight.size(2) == kPanelRows && weight.size(3) == 8
-                          : weight.dim() == 2),
-              "bf16_gemv: weight must be a contiguous bfloat16 ",
-              panels ? "[n/4, k/8, 4, 8] tensor from pack()" : "[n, k] matrix");
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == at::kBFloat16 && weight.dim() == 4 &&
+                  weight.size(2) == kPanelRows && weight.size(3) == kPanelCols,
+              "bf16_gemv: weight must be a contiguous bfloat16 [n/4, k/", kPanelCols, ", 4, ", kPanelCols,
+              "] tensor from pack()");
   const int64_t m = x.size(0), k = x.size(1);
-  const int64_t n = weight.size(0) * kPanelRows, wk = panels ? weight.size(1) * 8 : weight.size(1);
+  const int64_t n = weight.size(0) * kPanelRows, wk = weight.size(1) * kPanelCols;
   TORCH_CHECK(wk == k, "bf16_gemv: x has ", k, " columns, weight ", wk);
   TORCH_CHECK(k % 32 == 0, "bf16_gemv: k = ", k, " is not a multiple of 32");
   // With a wide weight (AVX2) the GEMM tiles take up to wide_to() rows.
@@ -414,6 +449,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("native_bf16", &native_bf16, "whether it multiplies bf16 in hardware (AVX-512 BF16)");
   m.def("max_tokens", &max_tokens, "the most rows of x one call takes");
   m.def("panel_rows", &panel_rows, "the rows of pack()'s panels (pack() takes multiples of it)");
+  m.def("panel_cols", &panel_cols, "the columns of one row in a step of pack()'s panels");
   m.def("pack", &pack, "the weight in the layout gemv() reads");
   m.def("pack_wide", &pack_wide, "the weight in the layout of the GEMM tiles (empty: none in this build)");
   m.def("wide_from", &wide_from, "from how many rows of x gemv() uses pack_wide()'s weight (0: never)");
