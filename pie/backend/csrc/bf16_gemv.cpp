@@ -110,8 +110,8 @@ void rows(const at::BFloat16* x, const at::BFloat16* w, int64_t k, int64_t n, in
   }
 }
 
-using XType = at::BFloat16;  // x as the dot products read it
-inline torch::Tensor widen(const torch::Tensor& x) { return x; }
+using XType = at::BFloat16;  // x as the dot products read it: x itself
+constexpr bool kWidens = false;
 #elif defined(__AVX2__) && defined(__FMA__)
 // CPUs without bf16 arithmetic (AVX2 + FMA, e.g. AMD EPYC before Zen 4): the weight stays
 // bf16 in memory, which is what a few-token linear is bound by, and each 8 bf16 become 8
@@ -205,8 +205,8 @@ void rows(const float* x, const at::BFloat16* w, int64_t k, int64_t n, int64_t b
   for (; i < end; ++i) groups<M, G, 1>(x, w, k, i, n, y);
 }
 
-using XType = float;
-inline torch::Tensor widen(const torch::Tensor& x) { return x.to(at::kFloat); }
+using XType = float;  // x widened to fp32 once per call (exact)
+constexpr bool kWidens = true;
 
 // From kWideFrom tokens on, the loop above re-reads every x row for each 2 weight rows, and at
 // 32 tokens x (32 x k fp32, 74-197 KB) no longer fits L1: each FMA waited for a 32-byte load
@@ -268,44 +268,54 @@ inline void wide_tile(const float* x, int64_t k, const at::BFloat16* w, at::BFlo
 #undef PIE_STORE
 }
 
-// y = x @ W.T for m rows of bf16 x; W from pack_wide(). The threads share the 16-row blocks;
-// a block's tiles (6 tokens each) run one after another, so its W stays near.
-inline void wide_gemm(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16* w, int64_t n,
-                      at::BFloat16* y) {
-  // x widened to fp32 and regrouped per tile, column by column ([k][rows] for each tile): a
-  // tile's broadcasts then read one stream instead of `rows` streams k floats apart.
+// The GEMM tiles' tokens: tile i covers rows [first[i], first[i + 1]) of x, at most 6, the
+// tiles as even as they can be.
+inline std::vector<int64_t> tile_bounds(int64_t m) {
   const int64_t tiles = (m + 5) / 6;
   std::vector<int64_t> first(tiles + 1, 0);
   for (int64_t i = 0; i < tiles; ++i) {
     const int64_t left = m - first[i];
     first[i + 1] = first[i] + left / (tiles - i) + (left % (tiles - i) != 0);
   }
-  std::vector<float> xs(m * k);
-  for (int64_t i = 0; i < tiles; ++i) {
+  return first;
+}
+
+// Rows [r0, r1) of x widened to fp32 and regrouped per tile, column by column ([k][rows] for
+// each tile, into xs: m * k floats): a tile's broadcasts then read one stream instead of
+// `rows` streams k floats apart.
+inline void wide_input(const at::BFloat16* x, int64_t m, int64_t k, float* xs, int64_t r0, int64_t r1) {
+  const std::vector<int64_t> first = tile_bounds(m);
+  for (size_t i = 0; i + 1 < first.size(); ++i) {
     const int64_t rows = first[i + 1] - first[i];
-    float* dst = xs.data() + first[i] * k;
-    for (int64_t r = 0; r < rows; ++r)
+    float* dst = xs + first[i] * k;
+    for (int64_t r = std::max(r0, first[i]) - first[i]; r < rows && first[i] + r < r1; ++r)
       for (int64_t j = 0; j < k; ++j) dst[j * rows + r] = static_cast<float>(x[(first[i] + r) * k + j]);
   }
-  at::parallel_for(0, n / kWideRows, 1, [&](int64_t b, int64_t e) {
-    for (int64_t blk = b; blk < e; ++blk) {
-      const at::BFloat16* wb = w + blk * kWideRows * k;
-      at::BFloat16* yb = y + blk * kWideRows;
-      for (int64_t i = 0; i < tiles; ++i) {
-        const int64_t t = first[i], rows = first[i + 1] - t;
-        const float* xt = xs.data() + t * k;
-        at::BFloat16* yt = yb + t * n;
-        switch (rows) {
-          case 6: wide_tile<6>(xt, k, wb, yt, n); break;
-          case 5: wide_tile<5>(xt, k, wb, yt, n); break;
-          case 4: wide_tile<4>(xt, k, wb, yt, n); break;
-          case 3: wide_tile<3>(xt, k, wb, yt, n); break;
-          case 2: wide_tile<2>(xt, k, wb, yt, n); break;
-          default: wide_tile<1>(xt, k, wb, yt, n); break;
-        }
+}
+
+// y's columns of weight blocks [b, e) (16 rows each) for all m tokens, x from wide_input() and
+// W from pack_wide(); a block's tiles run one after another, so its W stays near.
+inline void wide_blocks(const float* xs, int64_t m, int64_t k, const at::BFloat16* w, int64_t n,
+                        int64_t b, int64_t e, at::BFloat16* y) {
+  const std::vector<int64_t> first = tile_bounds(m);
+  const int64_t tiles = static_cast<int64_t>(first.size()) - 1;
+  for (int64_t blk = b; blk < e; ++blk) {
+    const at::BFloat16* wb = w + blk * kWideRows * k;
+    at::BFloat16* yb = y + blk * kWideRows;
+    for (int64_t i = 0; i < tiles; ++i) {
+      const int64_t t = first[i], rows = first[i + 1] - t;
+      const float* xt = xs + t * k;
+      at::BFloat16* yt = yb + t * n;
+      switch (rows) {
+        case 6: wide_tile<6>(xt, k, wb, yt, n); break;
+        case 5: wide_tile<5>(xt, k, wb, yt, n); break;
+        case 4: wide_tile<4>(xt, k, wb, yt, n); break;
+        case 3: wide_tile<3>(xt, k, wb, yt, n); break;
+        case 2: wide_tile<2>(xt, k, wb, yt, n); break;
+        default: wide_tile<1>(xt, k, wb, yt, n); break;
       }
     }
-  });
+  }
 }
 #define PIE_WIDE 1
 #else
@@ -316,7 +326,81 @@ inline torch::Tensor to_panels(const torch::Tensor& w) {
 }
 #endif
 
+#if !(defined(__AVX512BF16__) && defined(__AVX512F__)) && !(defined(__AVX2__) && defined(__FMA__))
+using XType = at::BFloat16;
+constexpr bool kWidens = false;
+#endif
+
 }  // namespace
+
+// One call of the kernel, split into its serial and parallel parts so that a caller already
+// inside a parallel region (csrc/decode_step.cpp) can share it among its own threads:
+// input() for rows [r0, r1) of x (each thread its rows, then a barrier; nothing to do where
+// the loop reads x itself), then blocks() for weight-row blocks [b, e) of `blocks` (16 rows
+// each). gemv() below is the same two parts under at::parallel_for.
+struct GemvCall {
+  const at::BFloat16* x;  // [m, k]
+  const at::BFloat16* w;  // pack()
+  const at::BFloat16* wide;  // pack_wide(), or nullptr: the loop over panels
+  int64_t m, k, n;
+  at::BFloat16* y;  // [m, n]
+  float* xs;  // m * k floats where needs_input(), else unused
+
+  bool tiles() const {
+#ifdef PIE_WIDE
+    return wide != nullptr && m >= kWideFrom;
+#else
+    return false;
+#endif
+  }
+  bool needs_input() const { return kWidens || tiles(); }
+  int64_t blocks() const { return (n + kBlockRows - 1) / kBlockRows; }
+
+  void input(int64_t r0, int64_t r1) const {
+#ifdef PIE_WIDE
+    if (tiles()) return wide_input(x, m, k, xs, r0, r1);
+#endif
+    if constexpr (kWidens)
+      for (int64_t i = r0 * k; i < r1 * k; ++i) xs[i] = static_cast<float>(x[i]);
+  }
+
+  void blocks(int64_t b, int64_t e) const {
+#ifdef PIE_WIDE
+    if (tiles()) return wide_blocks(xs, m, k, wide, n, b, e, y);
+#endif
+#if (defined(__AVX512BF16__) && defined(__AVX512F__)) || (defined(__AVX2__) && defined(__FMA__))
+    const XType* xp;
+    if constexpr (kWidens) xp = reinterpret_cast<const XType*>(xs); else xp = reinterpret_cast<const XType*>(x);
+    // Every pass of kPassTokens tokens over one block before the next, so a call of 17-32
+    // tokens reads a block from memory once and again from L1/L2 (see kBlockRows).
+    for (int64_t blk = b; blk < e; ++blk) {
+      const int64_t lo = blk * kBlockRows, hi = std::min(n, lo + kBlockRows);
+      for (int64_t t = 0; t < m; t += kPassTokens) {
+        const auto* x0 = xp + t * k;
+        auto* y0 = y + t * n;
+        switch (std::min(kPassTokens, m - t)) {
+          case 1: rows<1>(x0, w, k, n, lo, hi, y0); break;
+          case 2: rows<2>(x0, w, k, n, lo, hi, y0); break;
+          case 3: rows<3>(x0, w, k, n, lo, hi, y0); break;
+          case 4: rows<4>(x0, w, k, n, lo, hi, y0); break;
+          case 5: rows<5>(x0, w, k, n, lo, hi, y0); break;
+          case 6: rows<6>(x0, w, k, n, lo, hi, y0); break;
+          case 7: rows<7>(x0, w, k, n, lo, hi, y0); break;
+          case 8: rows<8>(x0, w, k, n, lo, hi, y0); break;
+          case 9: rows<9>(x0, w, k, n, lo, hi, y0); break;
+          case 10: rows<10>(x0, w, k, n, lo, hi, y0); break;
+          case 11: rows<11>(x0, w, k, n, lo, hi, y0); break;
+          case 12: rows<12>(x0, w, k, n, lo, hi, y0); break;
+          case 13: rows<13>(x0, w, k, n, lo, hi, y0); break;
+          case 14: rows<14>(x0, w, k, n, lo, hi, y0); break;
+          case 15: rows<15>(x0, w, k, n, lo, hi, y0); break;
+          default: rows<16>(x0, w, k, n, lo, hi, y0); break;
+        }
+      }
+    }
+#endif
+  }
+};
 
 bool supported() { return kSupported; }
 
@@ -392,54 +476,21 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor weight, torch::Tensor wide) {
   // With a wide weight (AVX2) the GEMM tiles take up to wide_to() rows.
   TORCH_CHECK(m >= 1 && (m <= kMaxTokens || (wide.numel() > 0 && m <= wide_to())), "bf16_gemv: ", m,
               " rows (1..", kMaxTokens, ", or 1..", wide_to(), " with a wide weight from pack_wide())");
-  auto y = torch::empty({m, n}, x.options());
-#ifdef PIE_WIDE
-  if (m >= kWideFrom && wide.numel() > 0) {
+  const bool tiles = m >= wide_from() && wide_from() > 0 && wide.numel() > 0;
+  if (tiles)
     TORCH_CHECK(wide.is_contiguous() && wide.scalar_type() == at::kBFloat16 && wide.dim() == 3 &&
-                    wide.size(0) * kWideRows == n && wide.size(1) == k && wide.size(2) == kWideRows,
+                    wide.size(0) * 16 == n && wide.size(1) == k && wide.size(2) == 16,
                 "bf16_gemv: wide must be pack_wide() of the same weight, [n/16, k, 16]");
-    wide_gemm(x.data_ptr<at::BFloat16>(), m, k, wide.data_ptr<at::BFloat16>(), n, y.data_ptr<at::BFloat16>());
-    return y;
-  }
-#endif
-#if (defined(__AVX512BF16__) && defined(__AVX512F__)) || (defined(__AVX2__) && defined(__FMA__))
-  const torch::Tensor xw = widen(x);
-  const auto* xp = xw.data_ptr<XType>();
-  const auto* wp = weight.data_ptr<at::BFloat16>();
-  auto* yp = y.data_ptr<at::BFloat16>();
-  // Each thread takes a contiguous run of kBlockRows-row blocks (at::parallel_for gives the
-  // threads equal shares of the block range) and runs every pass of kPassTokens tokens over
-  // one block before the next, so a call of 17-32 tokens reads a block from memory once and
-  // again from L1/L2 (see kBlockRows).
-  const int64_t blocks = (n + kBlockRows - 1) / kBlockRows;
-  at::parallel_for(0, blocks, 1, [&](int64_t b, int64_t e) {
-    for (int64_t blk = b; blk < e; ++blk) {
-      const int64_t lo = blk * kBlockRows, hi = std::min(n, lo + kBlockRows);
-      for (int64_t t = 0; t < m; t += kPassTokens) {
-        const auto* x0 = xp + t * k;
-        auto* y0 = yp + t * n;
-        switch (std::min(kPassTokens, m - t)) {
-          case 1: rows<1>(x0, wp, k, n, lo, hi, y0); break;
-          case 2: rows<2>(x0, wp, k, n, lo, hi, y0); break;
-          case 3: rows<3>(x0, wp, k, n, lo, hi, y0); break;
-          case 4: rows<4>(x0, wp, k, n, lo, hi, y0); break;
-          case 5: rows<5>(x0, wp, k, n, lo, hi, y0); break;
-          case 6: rows<6>(x0, wp, k, n, lo, hi, y0); break;
-          case 7: rows<7>(x0, wp, k, n, lo, hi, y0); break;
-          case 8: rows<8>(x0, wp, k, n, lo, hi, y0); break;
-          case 9: rows<9>(x0, wp, k, n, lo, hi, y0); break;
-          case 10: rows<10>(x0, wp, k, n, lo, hi, y0); break;
-          case 11: rows<11>(x0, wp, k, n, lo, hi, y0); break;
-          case 12: rows<12>(x0, wp, k, n, lo, hi, y0); break;
-          case 13: rows<13>(x0, wp, k, n, lo, hi, y0); break;
-          case 14: rows<14>(x0, wp, k, n, lo, hi, y0); break;
-          case 15: rows<15>(x0, wp, k, n, lo, hi, y0); break;
-          default: rows<16>(x0, wp, k, n, lo, hi, y0); break;
-        }
-      }
-    }
-  });
-#endif
+  auto y = torch::empty({m, n}, x.options());
+  const GemvCall call{x.data_ptr<at::BFloat16>(), weight.data_ptr<at::BFloat16>(),
+                      tiles ? wide.data_ptr<at::BFloat16>() : nullptr, m, k, n, y.data_ptr<at::BFloat16>(), nullptr};
+  std::vector<float> xs(call.needs_input() ? m * k : 0);
+  GemvCall with_input = call;
+  with_input.xs = xs.data();
+  with_input.input(0, m);
+  // Each thread takes a contiguous run of blocks (at::parallel_for gives the threads equal
+  // shares of the block range).
+  at::parallel_for(0, with_input.blocks(), 1, [&](int64_t b, int64_t e) { with_input.blocks(b, e); });
   return y;
 }
 

@@ -1,14 +1,178 @@
-// Every decoder layer of a bf16 step of at most 16 tokens in one C++ call: the same
-// kernels, in the same order, as the Python loop of pie/backend/llama.py (add + RMSNorm,
+// Every decoder layer of a bf16 step of at most 16 tokens (32 on AVX2) in one C++ call: the
+// same kernels, in the same order, as the Python loop of pie/backend/llama.py (add + RMSNorm,
 // fused q/k/v, RoPE, KV write, paged attention, o, add + RMSNorm, gate/up, SiLU * up, down),
 // so the result is bit-identical to it. Why: the loop made ~270 Python-dispatched calls per
-// step, ~2.5 ms of a 14 ms batch-1 step on the Xeon of 2026-11-26 (figures:
+// step, ~2.5 ms of a 14 ms batch-1 step on the Xeon of 2026-11-26 (2 vCPUs; figures:
 // pie/backend/decode_step.py).
+//
+// The layers run inside one OpenMP parallel region: each thread takes its share of every
+// linear's weight blocks, of the attention units and of the rows of the elementwise steps,
+// with a barrier between steps, in place of ~150 regions a step (each op its own
+// at::parallel_for, each region a fork and join, the small ops on one thread while the other
+// waited) and their per-op tensors. Measured in-process at batch 1 (AMD EPYC Zen 4, 2 vCPUs):
+// of 9.1 ms of layers, 7.3 were the linears' regions, whose threads were busy 6.4 of them, and
+// attention's 0.9 ms did ~10 us of work a layer. The whole step, both builds alternating step
+// by step in one process (context 128): 0.88x the op loop's time at batch 1, 0.91x at 4,
+// 0.94x at 8, 0.96x at 16. The threads split each linear's blocks in two fixed halves:
+// claiming 1-8 blocks at a time from a shared counter was 1-15 % slower (the two streams
+// interleave). A step that shares a prefix among its items (shared_prefix.h: batched
+// products per group, their own parallel regions) keeps the op loop.
 // The kernels' sources are included (their bindings compiled out) so this is one extension.
 #define PIE_NO_BINDINGS
 #include "bf16_gemv.cpp"
 #include "fused_ops.cpp"
 #include "paged_attention.cpp"
+
+#include <omp.h>
+
+namespace {
+
+// Thread t's run of [0, n) cut into `threads` contiguous runs (at::parallel_for's split).
+inline std::pair<int64_t, int64_t> run_of(int64_t n, int64_t t, int64_t threads) {
+  const int64_t chunk = (n + threads - 1) / threads;
+  return {std::min(n, t * chunk), std::min(n, (t + 1) * chunk)};
+}
+
+struct Step {
+  int64_t tokens, hidden, heads, kv_heads, dim, inter, q_size, kv_size, page_size;
+  float eps, scale;
+  Shape attention() const { return Shape{heads, kv_heads, heads / kv_heads, dim, page_size}; }
+};
+
+// The op loop: one at::parallel_for per op (shared-prefix steps).
+torch::Tensor layers_op_by_op(torch::Tensor x, const std::vector<torch::Tensor>& layers,
+                              const std::vector<torch::Tensor>& k_pools, const std::vector<torch::Tensor>& v_pools,
+                              torch::Tensor cos, torch::Tensor sin, torch::Tensor write_slots, torch::Tensor q_indptr,
+                              torch::Tensor kv_indptr, torch::Tensor kv_slots, torch::Tensor visible,
+                              torch::Tensor mask_offsets, torch::Tensor masks, torch::Tensor enabled,
+                              torch::Tensor groups, torch::Tensor scratch, const Step& s) {
+  c10::optional<torch::Tensor> delta;
+  for (size_t i = 0; i < k_pools.size(); ++i) {
+    const torch::Tensor* w = layers.data() + 10 * i;
+    auto xh = add_rms_norm(x, delta, w[0], s.eps);
+    x = xh[0];
+    const auto qkv = gemv(xh[1], w[1], w[6]);
+    const auto qk = rope(qkv.slice(1, 0, s.q_size + s.kv_size).view({s.tokens, -1, s.dim}), cos, sin);
+    const auto q = qk.slice(1, 0, s.heads), k = qk.slice(1, s.heads);
+    const auto v = qkv.slice(1, s.q_size + s.kv_size).view({s.tokens, s.kv_heads, s.dim});
+    write_kv(k_pools[i], v_pools[i], write_slots, k.contiguous(), v.contiguous());
+    const auto attn = paged_attention(q.to(at::kFloat).contiguous(), k_pools[i], v_pools[i], q_indptr,
+                                      kv_indptr, kv_slots, visible, mask_offsets, masks, enabled, groups, scratch, s.scale)
+                          .to(at::kBFloat16);
+    xh = add_rms_norm(x, gemv(attn.reshape({s.tokens, s.q_size}), w[2], w[7]), w[3], s.eps);
+    x = xh[0];
+    delta = gemv(silu_mul(gemv(xh[1], w[4], w[8])), w[5], w[9]);
+  }
+  return delta.has_value() ? x + *delta : x;
+}
+
+// The same steps in one parallel region (see the top of the file).
+template <int PS>
+torch::Tensor layers_in_one_region(torch::Tensor x_in, const std::vector<torch::Tensor>& layers,
+                                   const std::vector<torch::Tensor>& k_pools, const std::vector<torch::Tensor>& v_pools,
+                                   torch::Tensor cos, torch::Tensor sin, torch::Tensor write_slots,
+                                   torch::Tensor q_indptr, torch::Tensor kv_indptr, torch::Tensor kv_slots,
+                                   torch::Tensor visible, torch::Tensor mask_offsets, torch::Tensor masks,
+                                   torch::Tensor enabled, const Step& s) {
+  const int64_t T = s.tokens, n_layers = static_cast<int64_t>(k_pools.size());
+  const int64_t qkv_n = s.q_size + 2 * s.kv_size, n_items = q_indptr.size(0) - 1;
+  const auto opts = x_in.options();
+  // The residual stream is updated in place: a copy, so the caller's embeddings stay as they were.
+  torch::Tensor x = x_in.clone(), h = torch::empty_like(x), delta = torch::empty_like(x), o = torch::empty_like(x);
+  torch::Tensor qkv = torch::empty({T, qkv_n}, opts), qk = torch::empty({T, s.heads + s.kv_heads, s.dim}, opts);
+  torch::Tensor attn = torch::empty({T, s.q_size}, opts);
+  torch::Tensor gate_up = torch::empty({T, 2 * s.inter}, opts), act = torch::empty({T, s.inter}, opts);
+  const auto f32 = opts.dtype(at::kFloat);
+  torch::Tensor qf = torch::empty({T, s.heads, s.dim}, f32);
+  torch::Tensor out = torch::zeros({T, s.heads, s.dim}, f32);  // disabled items' rows stay zero, as in paged_attention
+  torch::Tensor xs = torch::empty({T * std::max({s.hidden, s.q_size, s.inter})}, f32);  // the linears' input form
+  bf16 *xp = x.data_ptr<bf16>(), *hp = h.data_ptr<bf16>(), *dp = delta.data_ptr<bf16>(), *op = o.data_ptr<bf16>();
+  bf16 *qkvp = qkv.data_ptr<bf16>(), *qkp = qk.data_ptr<bf16>(), *ap = attn.data_ptr<bf16>();
+  bf16 *gup = gate_up.data_ptr<bf16>(), *actp = act.data_ptr<bf16>();
+  float *qfp = qf.data_ptr<float>(), *outp = out.data_ptr<float>(), *xsp = xs.data_ptr<float>();
+  const bf16 *cp = cos.data_ptr<bf16>(), *sp = sin.data_ptr<bf16>();
+  const int64_t* slot = write_slots.data_ptr<int64_t>();
+  const int64_t *qi = q_indptr.data_ptr<int64_t>(), *ki = kv_indptr.data_ptr<int64_t>();
+  const bool* on = enabled.data_ptr<bool>();
+  const std::vector<shared_prefix::ItemPart> no_prefix(n_items);
+  const auto weight = [&](int64_t i, int j) -> const bf16* {
+    const torch::Tensor& t = layers[10 * i + j];
+    return t.numel() ? t.data_ptr<bf16>() : nullptr;
+  };
+  // Projection j of layer i (1 q/k/v, 2 o, 4 gate/up, 5 down; their wide weights at 6-9).
+  const auto linear = [&](int64_t i, int j, const bf16* in, int64_t k, int64_t n, bf16* y) {
+    return GemvCall{in, weight(i, j), weight(i, j < 3 ? j + 5 : j + 4), T, k, n, y, xsp};
+  };
+  std::vector<std::vector<int64_t>> share;  // attention units by thread: the same plan for every layer
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+#pragma omp single
+    share = deal_units(qi, ki, on, no_prefix.data(), n_items, s.kv_heads, nt);  // (a barrier after it)
+    const std::pair<int64_t, int64_t> rows = run_of(T, t, nt);  // this thread's rows of the elementwise steps
+    const int64_t r0 = rows.first, r1 = rows.second;
+    const std::pair<int64_t, int64_t> cols = run_of(s.inter, t, nt);  // and its columns of SiLU * up
+    UnitScratch unit(s.attention());
+    std::vector<float> row(s.hidden);
+    // A linear whose input this thread wrote rows [r0, r1) of: their input form (AVX2), a
+    // barrier, the linear's blocks for this thread, a barrier.
+    const auto linear_on_own_rows = [&](const GemvCall& call) {
+      if (call.needs_input()) call.input(r0, r1);
+#pragma omp barrier
+      const std::pair<int64_t, int64_t> blocks = run_of(call.blocks(), t, nt);
+      call.blocks(blocks.first, blocks.second);
+#pragma omp barrier
+    };
+    // A linear whose input the threads wrote in other shares (attention's units, SiLU's columns).
+    const auto linear_after_others = [&](const GemvCall& call) {
+#pragma omp barrier
+      linear_on_own_rows(call);
+    };
+    for (int64_t i = 0; i < n_layers; ++i) {
+      // x += delta (the last layer's MLP), h = RMSNorm(x).
+      for (int64_t r = r0; r < r1; ++r)
+        norm_row(xp + r * s.hidden, i ? dp + r * s.hidden : nullptr, weight(i, 0), xp + r * s.hidden,
+                 hp + r * s.hidden, s.hidden, s.eps, row.data());
+      linear_on_own_rows(linear(i, 1, hp, s.hidden, qkv_n, qkvp));
+      // RoPE on q and k, q to fp32 for attention, k and v to this token's slot.
+      bf16* kp = k_pools[i].data_ptr<bf16>();
+      bf16* vp = v_pools[i].data_ptr<bf16>();
+      for (int64_t r = r0; r < r1; ++r) {
+        bf16* qk_r = qkp + r * (s.heads + s.kv_heads) * s.dim;
+        rope_row(qkvp + r * qkv_n, cp + r * s.dim, sp + r * s.dim, qk_r, s.heads + s.kv_heads, s.dim);
+        for (int64_t j = 0; j < s.q_size; ++j) qfp[r * s.q_size + j] = static_cast<float>(qk_r[j]);
+        write_kv_row(kp, vp, slot[r], qk_r + s.q_size, qkvp + r * qkv_n + s.q_size + s.kv_size, s.kv_heads,
+                     s.dim, s.page_size);
+      }
+#pragma omp barrier
+      const Attention<bf16> a{qfp, kp, vp, outp, qi, ki, kv_slots.data_ptr<int64_t>(), visible.data_ptr<bool>(),
+                              mask_offsets.data_ptr<int64_t>(), masks.data_ptr<bool>(), no_prefix.data(),
+                              s.attention(), s.scale};
+      for (const int64_t u : share[t]) {
+        attend_unit<bf16, PS>(a, u, unit);
+        const int64_t b = u / s.kv_heads, head0 = (u % s.kv_heads) * (s.heads / s.kv_heads) * s.dim;
+        const int64_t width = (s.heads / s.kv_heads) * s.dim;
+        for (int64_t r = qi[b]; r < qi[b + 1]; ++r)  // this unit's heads of its tokens, to bf16
+          for (int64_t j = head0; j < head0 + width; ++j) ap[r * s.q_size + j] = bf16(outp[r * s.q_size + j]);
+      }
+      linear_after_others(linear(i, 2, ap, s.q_size, s.hidden, op));
+      for (int64_t r = r0; r < r1; ++r)
+        norm_row(xp + r * s.hidden, op + r * s.hidden, weight(i, 3), xp + r * s.hidden, hp + r * s.hidden,
+                 s.hidden, s.eps, row.data());
+      linear_on_own_rows(linear(i, 4, hp, s.hidden, 2 * s.inter, gup));
+      for (int64_t r = 0; r < T; ++r)
+        silu_cols(gup + r * 2 * s.inter, actp + r * s.inter, s.inter, cols.first, cols.second);
+      linear_after_others(linear(i, 5, actp, s.inter, s.hidden, dp));
+    }
+    for (int64_t r = r0; r < r1; ++r)  // x + the last MLP output, rounded as torch's bf16 add
+      for (int64_t j = 0; j < s.hidden; ++j) xp[r * s.hidden + j] = bf16(static_cast<float>(xp[r * s.hidden + j]) +
+                                                                          static_cast<float>(dp[r * s.hidden + j]));
+  }
+  return x;
+}
+
+}  // namespace
 
 // x: [T, hidden] bf16 embeddings. layers: 10 tensors per layer (input norm, q/k/v, o, post
 // norm, gate/up, down; then the four projections' pack_wide() weights, empty where none).
@@ -25,26 +189,58 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& l
   const int64_t n_layers = static_cast<int64_t>(k_pools.size());
   TORCH_CHECK(static_cast<int64_t>(layers.size()) == 10 * n_layers && v_pools.size() == k_pools.size(),
               "decode_layers: 10 weights and one key and value pool per layer");
-  const int64_t tokens = x.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
-  c10::optional<torch::Tensor> delta;
+  TORCH_CHECK(n_layers > 0, "decode_layers: no layers");
+  const int64_t page_size = k_pools[0].size(3);
+  const Step s{x.size(0), x.size(1), heads, kv_heads, head_dim, layers[4].size(0) * kPanelRows / 2,
+               heads * head_dim, kv_heads * head_dim, page_size, static_cast<float>(eps),
+               static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)))};
+  const bool shared = groups.numel() > 0 && groups.data_ptr<int64_t>()[0] > 0;
+  if (shared)
+    return layers_op_by_op(x, layers, k_pools, v_pools, cos, sin, write_slots, q_indptr, kv_indptr, kv_slots,
+                           visible, mask_offsets, masks, enabled, groups, scratch, s);
+  // Everything the region reads is checked here: nothing inside it may throw.
+  check_bf16(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decode_layers: x must be contiguous [T, hidden]");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == s.tokens * head_dim &&
+                  sin.numel() == cos.numel(), "decode_layers: cos/sin must be contiguous [T, 1, D]");
+  check_bf16(cos, "cos");
+  check_bf16(sin, "sin");
+  TORCH_CHECK(write_slots.scalar_type() == at::kLong && write_slots.numel() == s.tokens, "decode_layers: one write slot per token");
   for (int64_t i = 0; i < n_layers; ++i) {
+    const auto& kp = k_pools[i];
+    const auto& vp = v_pools[i];
+    TORCH_CHECK(kp.scalar_type() == at::kBFloat16 && vp.scalar_type() == at::kBFloat16 && kp.is_contiguous() &&
+                    vp.is_contiguous() && kp.dim() == 4 && kp.size(1) == kv_heads && kp.size(2) == head_dim &&
+                    kp.size(3) == page_size && vp.sizes() == at::IntArrayRef({kp.size(0), kv_heads, page_size, head_dim}),
+                "decode_layers: bf16 pools [pages, kv_heads, dim, page_size] and [pages, kv_heads, page_size, dim]");
     const torch::Tensor* w = layers.data() + 10 * i;
-    auto xh = add_rms_norm(x, delta, w[0], eps);
-    x = xh[0];
-    const auto qkv = gemv(xh[1], w[1], w[6]);
-    const auto qk = rope(qkv.slice(1, 0, q_size + kv_size).view({tokens, -1, head_dim}), cos, sin);
-    const auto q = qk.slice(1, 0, heads), k = qk.slice(1, heads);
-    const auto v = qkv.slice(1, q_size + kv_size).view({tokens, kv_heads, head_dim});
-    write_kv(k_pools[i], v_pools[i], write_slots, k.contiguous(), v.contiguous());
-    const auto attn = paged_attention(q.to(at::kFloat).contiguous(), k_pools[i], v_pools[i], q_indptr,
-                                      kv_indptr, kv_slots, visible, mask_offsets, masks, enabled, groups, scratch, scale)
-                          .to(at::kBFloat16);
-    xh = add_rms_norm(x, gemv(attn.reshape({tokens, q_size}), w[2], w[7]), w[3], eps);
-    x = xh[0];
-    delta = gemv(silu_mul(gemv(xh[1], w[4], w[8])), w[5], w[9]);
+    const int64_t rows[4] = {s.q_size + 2 * s.kv_size, s.hidden, 2 * s.inter, s.hidden};
+    const int64_t cols[4] = {s.hidden, s.q_size, s.hidden, s.inter};
+    for (int j = 0; j < 4; ++j) {
+      const auto& pw = w[j < 2 ? 1 + j : 2 + j];  // q/k/v, o, gate/up, down
+      TORCH_CHECK(pw.is_contiguous() && pw.scalar_type() == at::kBFloat16 && pw.dim() == 4 &&
+                      pw.size(0) * kPanelRows == rows[j] && pw.size(1) * kPanelCols == cols[j],
+                  "decode_layers: layer ", i, " projection ", j, " is not pack() of a [", rows[j], ", ", cols[j], "] weight");
+      const auto& wide = w[6 + j];
+      TORCH_CHECK(wide.numel() == 0 || (wide.is_contiguous() && wide.numel() == rows[j] * cols[j]),
+                  "decode_layers: layer ", i, " projection ", j, ": wide must be pack_wide() of the same weight");
+    }
+    TORCH_CHECK(w[0].numel() == s.hidden && w[3].numel() == s.hidden && w[0].is_contiguous() && w[3].is_contiguous(),
+                "decode_layers: norm weights of [hidden]");
   }
-  return delta.has_value() ? x + *delta : x;
+  const int64_t capacity = k_pools[0].size(0) * page_size;
+  const int64_t* slot = write_slots.data_ptr<int64_t>();
+  for (int64_t r = 0; r < s.tokens; ++r) TORCH_CHECK(slot[r] >= 0 && slot[r] < capacity, "KV slot out of range");
+  switch (page_size) {
+    case 16: return layers_in_one_region<16>(x, layers, k_pools, v_pools, cos, sin, write_slots, q_indptr, kv_indptr,
+                                              kv_slots, visible, mask_offsets, masks, enabled, s);
+    case 32: return layers_in_one_region<32>(x, layers, k_pools, v_pools, cos, sin, write_slots, q_indptr, kv_indptr,
+                                              kv_slots, visible, mask_offsets, masks, enabled, s);
+    case 8: return layers_in_one_region<8>(x, layers, k_pools, v_pools, cos, sin, write_slots, q_indptr, kv_indptr,
+                                            kv_slots, visible, mask_offsets, masks, enabled, s);
+    default: return layers_in_one_region<0>(x, layers, k_pools, v_pools, cos, sin, write_slots, q_indptr, kv_indptr,
+                                             kv_slots, visible, mask_offsets, masks, enabled, s);
+  }
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -27,6 +27,41 @@ void check_bf16(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.device().is_cpu(), name, " must be a bf16 CPU tensor");
 }
 
+// One row of add_rms_norm: sum = bf16(in + d) (d may be null: sum = in, not written), out =
+// w * bf16(sum * rsqrt(mean(sum^2) + eps)); `row` is `hidden` floats of scratch.
+inline void norm_row(const bf16* in, const bf16* d, const bf16* w, bf16* sum, bf16* out, int64_t hidden,
+                     float eps, float* row) {
+  float squares = 0.f;
+  for (int64_t j = 0; j < hidden; ++j) {
+    const float v = d ? f(b(f(in[j]) + f(d[j]))) : f(in[j]);
+    row[j] = v;
+    squares += v * v;
+  }
+  if (d)
+    for (int64_t j = 0; j < hidden; ++j) sum[j] = b(row[j]);
+  const float scale = 1.f / std::sqrt(squares / static_cast<float>(hidden) + eps);
+  for (int64_t j = 0; j < hidden; ++j) out[j] = b(f(w[j]) * f(b(row[j] * scale)));
+}
+
+// One row of rope: `heads` heads of `dim` at v (contiguous heads) -> y, with this row's cos/sin.
+inline void rope_row(const bf16* v, const bf16* ct, const bf16* st, bf16* y, int64_t heads, int64_t dim) {
+  const int64_t half = dim / 2;
+  for (int64_t h = 0; h < heads; ++h, v += dim, y += dim)
+    for (int64_t j = 0; j < dim; ++j) {
+      const float rotated = j < half ? -f(v[j + half]) : f(v[j - half]);
+      y[j] = b(f(b(f(v[j]) * f(ct[j]))) + f(b(rotated * f(st[j]))));
+    }
+}
+
+// Columns [j0, j1) of one row of silu_mul: gate at g[j], up at g[inter + j].
+inline void silu_cols(const bf16* g, bf16* y, int64_t inter, int64_t j0, int64_t j1) {
+  for (int64_t j = j0; j < j1; ++j) {  // silu(v) = v * sigmoid(v), e^-|v| vectorised
+    const float v = f(g[j]), e = exp_nonpositive(-std::fabs(v));
+    const float sigmoid = v >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
+    y[j] = b(f(b(v * sigmoid)) * f(g[inter + j]));
+  }
+}
+
 }  // namespace
 
 // x = x + delta (delta may be None), h = weight * bf16(x * rsqrt(mean(x^2) + eps)); returns {x, h}.
@@ -53,16 +88,7 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Te
     std::vector<float> row(hidden);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t o = i * hidden;
-      float squares = 0.f;
-      for (int64_t j = 0; j < hidden; ++j) {
-        const float v = d ? f(b(f(in[o + j]) + f(d[o + j]))) : f(in[o + j]);
-        row[j] = v;
-        squares += v * v;
-      }
-      if (d)
-        for (int64_t j = 0; j < hidden; ++j) s[o + j] = b(row[j]);
-      const float scale = 1.f / std::sqrt(squares / static_cast<float>(hidden) + static_cast<float>(eps));
-      for (int64_t j = 0; j < hidden; ++j) out[o + j] = b(f(w[j]) * f(b(row[j] * scale)));
+      norm_row(in + o, d ? d + o : nullptr, w, s + o, out + o, hidden, static_cast<float>(eps), row.data());
     }
   });
   return {sum, h};
@@ -78,25 +104,14 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "rope: x must be [T, heads, D] with contiguous heads");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == x.size(0) * x.size(2) &&
               sin.numel() == cos.numel(), "rope: cos/sin must be contiguous [T, 1, D]");
-  const int64_t rows = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2, stride = x.stride(0);
+  const int64_t rows = x.size(0), heads = x.size(1), dim = x.size(2), stride = x.stride(0);
   auto out = torch::empty({rows, heads, dim}, x.options());
   const bf16* in = x.data_ptr<bf16>();
   const bf16* c = cos.data_ptr<bf16>();
   const bf16* sn = sin.data_ptr<bf16>();
   bf16* y = out.data_ptr<bf16>();
   at::parallel_for(0, rows, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const bf16* ct = c + t * dim;
-      const bf16* st = sn + t * dim;
-      for (int64_t h = 0; h < heads; ++h) {
-        const bf16* v = in + t * stride + h * dim;
-        bf16* o = y + (t * heads + h) * dim;
-        for (int64_t j = 0; j < dim; ++j) {
-          const float rotated = j < half ? -f(v[j + half]) : f(v[j - half]);
-          o[j] = b(f(b(f(v[j]) * f(ct[j]))) + f(b(rotated * f(st[j]))));
-        }
-      }
-    }
+    for (int64_t t = begin; t < end; ++t) rope_row(in + t * stride, c + t * dim, sn + t * dim, y + t * heads * dim, heads, dim);
   });
   return out;
 }
@@ -111,15 +126,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   const bf16* g = gate_up.data_ptr<bf16>();
   bf16* y = out.data_ptr<bf16>();
   at::parallel_for(0, rows, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const bf16* gt = g + t * 2 * inter;
-      bf16* o = y + t * inter;
-      for (int64_t j = 0; j < inter; ++j) {  // silu(v) = v * sigmoid(v), e^-|v| vectorised
-        const float v = f(gt[j]), e = exp_nonpositive(-std::fabs(v));
-        const float sigmoid = v >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
-        o[j] = b(f(b(v * sigmoid)) * f(gt[inter + j]));
-      }
-    }
+    for (int64_t t = begin; t < end; ++t) silu_cols(g + t * 2 * inter, y + t * inter, inter, 0, inter);
   });
   return out;
 }

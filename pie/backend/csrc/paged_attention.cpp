@@ -237,21 +237,19 @@ inline void accumulate_values(const T* v_pool, const int64_t* slots, const char*
   }
 }
 
-template <typename T, int PS>
-void attend(const float* q, const T* k_pool, const T* v_pool, float* out, const int64_t* q_indptr,
-            const int64_t* kv_indptr, const int64_t* slots, const bool* visible,
-            const int64_t* mask_offsets, const bool* masks, const bool* enabled,
-            const shared_prefix::ItemPart* prefix, int64_t n_items, const Shape s, float scale) {
-  // The (item, KV head) units dealt to the threads by cost (new tokens x keys), heaviest first
-  // to the least loaded: at::parallel_for's equal runs of units gave one thread the prompts of
-  // a batch that mixes 32 decoders with 4 prompts of 128 tokens, and that batch's step took
-  // 2,107 ms against 2,051 with the prompts on SDPA (AMD EPYC, 2 vCPUs; attention.py).
-  const int64_t units = n_items * s.kv_heads;
-  const int64_t n_threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units));
+// The (item, KV head) units (u = item * kv_heads + h) dealt to n_threads threads by cost (new
+// tokens x keys), heaviest first to the least loaded: at::parallel_for's equal runs of units
+// gave one thread the prompts of a batch that mixes 32 decoders with 4 prompts of 128 tokens,
+// and that batch's step took 2,107 ms against 2,051 with the prompts on SDPA (AMD EPYC, 2
+// vCPUs; attention.py). Disabled items are dealt to no one.
+inline std::vector<std::vector<int64_t>> deal_units(const int64_t* q_indptr, const int64_t* kv_indptr,
+                                                    const bool* enabled, const shared_prefix::ItemPart* prefix,
+                                                    int64_t n_items, int64_t kv_heads, int64_t n_threads) {
+  const int64_t units = n_items * kv_heads;
   std::vector<std::pair<int64_t, int64_t>> by_cost;  // (cost, unit)
   by_cost.reserve(units);
   for (int64_t u = 0; u < units; ++u) {
-    const int64_t b = u / s.kv_heads;
+    const int64_t b = u / kv_heads;
     if (enabled[b])
       by_cost.emplace_back((q_indptr[b + 1] - q_indptr[b]) * (kv_indptr[b + 1] - kv_indptr[b] - prefix[b].keys + 1), u);
   }
@@ -263,90 +261,149 @@ void attend(const float* q, const T* k_pool, const T* v_pool, float* out, const 
     share[t].push_back(u);
     busy[t] += cost;
   }
-  at::parallel_for(0, n_threads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(s.group * s.dim), top(s.group), total(s.group);
-    std::vector<char> seen;
-    for (int64_t t = begin; t < end; ++t)
-    for (const int64_t work : share[t]) {
-      const int64_t b = work / s.kv_heads, h = work % s.kv_heads;  // (disabled items were never dealt)
-      // An item in a shared-prefix group attends here to its keys after the prefix only.
-      const shared_prefix::ItemPart& part = prefix[b];
-      const int64_t q0 = q_indptr[b], n_q = q_indptr[b + 1] - q0;
-      const int64_t k0 = kv_indptr[b] + part.keys, n_k = kv_indptr[b + 1] - k0;
-      const bool* mask = mask_offsets[b] >= 0 ? masks + mask_offsets[b] : nullptr;
-      scores.resize(s.group * n_k);
-      seen.resize(n_k);
-      for (int64_t i = 0; i < n_q; ++i) {
-        const int64_t limit = mask ? n_k : n_k - n_q + i + 1;
-        for (int64_t j = 0; j < limit; ++j) seen[j] = visible[k0 + j] && (!mask || mask[i * n_k + j]);
-        const float* qi = q + ((q0 + i) * s.heads + h * s.group) * s.dim;
-        score<T, PS>(qi, k_pool, slots + k0, reinterpret_cast<const bool*>(seen.data()), limit, h,
-                     s, scale, scores.data(), n_k);
-        for (int64_t g = 0; g < s.group; ++g) {
-          float m = -INFINITY;
-          const float* row = scores.data() + g * n_k;
-          // Not std::max: GCC leaves that reduction scalar, a 4-cycle chain per key (~0.5 ms
-          // of a 2.5 ms layer at 32 items x 2,048 keys); this form it vectorises.
+  return share;
+}
+
+// A forward's attention inputs (one layer's pools) and a thread's scratch.
+template <typename T>
+struct Attention {
+  const float* q;  // [tokens, heads, dim]
+  const T* k_pool;
+  const T* v_pool;
+  float* out;  // [tokens, heads, dim]
+  const int64_t *q_indptr, *kv_indptr, *slots;
+  const bool* visible;
+  const int64_t* mask_offsets;
+  const bool* masks;
+  const shared_prefix::ItemPart* prefix;
+  Shape s;
+  float scale;
+};
+
+struct UnitScratch {
+  std::vector<float> scores, acc, top, total;
+  std::vector<char> seen;
+  explicit UnitScratch(const Shape& s) : acc(s.group * s.dim), top(s.group), total(s.group) {}
+};
+
+// One unit's new tokens of one item against its keys, for the `group` query heads of KV head h.
+template <typename T, int PS>
+void attend_unit(const Attention<T>& a, int64_t work, UnitScratch& scratch) {
+  const Shape& s = a.s;
+  const float* q = a.q;
+  const float scale = a.scale;
+  const T *k_pool = a.k_pool, *v_pool = a.v_pool;
+  float* out = a.out;
+  const int64_t *q_indptr = a.q_indptr, *kv_indptr = a.kv_indptr, *slots = a.slots, *mask_offsets = a.mask_offsets;
+  const bool *visible = a.visible, *masks = a.masks;
+  const shared_prefix::ItemPart* prefix = a.prefix;
+  std::vector<float>& scores = scratch.scores;
+  std::vector<float>& acc = scratch.acc;
+  std::vector<float>& top = scratch.top;
+  std::vector<float>& total = scratch.total;
+  std::vector<char>& seen = scratch.seen;
+  const int64_t b = work / s.kv_heads, h = work % s.kv_heads;  // (disabled items were never dealt)
+  // An item in a shared-prefix group attends here to its keys after the prefix only.
+  const shared_prefix::ItemPart& part = prefix[b];
+  const int64_t q0 = q_indptr[b], n_q = q_indptr[b + 1] - q0;
+  const int64_t k0 = kv_indptr[b] + part.keys, n_k = kv_indptr[b + 1] - k0;
+  const bool* mask = mask_offsets[b] >= 0 ? masks + mask_offsets[b] : nullptr;
+  scores.resize(s.group * n_k);
+  seen.resize(n_k);
+  for (int64_t i = 0; i < n_q; ++i) {
+    const int64_t limit = mask ? n_k : n_k - n_q + i + 1;
+    for (int64_t j = 0; j < limit; ++j) seen[j] = visible[k0 + j] && (!mask || mask[i * n_k + j]);
+    const float* qi = q + ((q0 + i) * s.heads + h * s.group) * s.dim;
+    score<T, PS>(qi, k_pool, slots + k0, reinterpret_cast<const bool*>(seen.data()), limit, h,
+                 s, scale, scores.data(), n_k);
+    for (int64_t g = 0; g < s.group; ++g) {
+      float m = -INFINITY;
+      const float* row = scores.data() + g * n_k;
+      // Not std::max: GCC leaves that reduction scalar, a 4-cycle chain per key (~0.5 ms
+      // of a 2.5 ms layer at 32 items x 2,048 keys); this form it vectorises.
 #pragma omp simd reduction(max : m)
-          for (int64_t j = 0; j < limit; ++j) m = row[j] > m ? row[j] : m;
-          float sum = 0.f;
-          float* sg = scores.data() + g * n_k;
+      for (int64_t j = 0; j < limit; ++j) m = row[j] > m ? row[j] : m;
+      float sum = 0.f;
+      float* sg = scores.data() + g * n_k;
 #pragma omp simd reduction(+ : sum)
-          for (int64_t j = 0; j < limit; ++j) {  // unseen keys score -inf: e^-inf = 0
-            const float p = m == -INFINITY ? 0.f : exp_nonpositive(sg[j] - m);
-            sg[j] = p;
-            sum += p;
-          }
-          top[g] = m;
-          total[g] = sum;
-        }
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t g = 0; g < s.group; g += 4) {
-          const int64_t heads = std::min<int64_t>(4, s.group - g);
-          float* a = acc.data() + g * s.dim;
-          const float* p = scores.data() + g * n_k;
-          const bool fast = s.dim == 64 || s.dim == 128;
+      for (int64_t j = 0; j < limit; ++j) {  // unseen keys score -inf: e^-inf = 0
+        const float p = m == -INFINITY ? 0.f : exp_nonpositive(sg[j] - m);
+        sg[j] = p;
+        sum += p;
+      }
+      top[g] = m;
+      total[g] = sum;
+    }
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t g = 0; g < s.group; g += 4) {
+      const int64_t heads = std::min<int64_t>(4, s.group - g);
+      float* a = acc.data() + g * s.dim;
+      const float* p = scores.data() + g * n_k;
+      const bool fast = s.dim == 64 || s.dim == 128;
 #define PIE_VALUES(D, G) accumulate_values<T, PS, D, G>(v_pool, slots + k0, seen.data(), limit, h, s, p, n_k, a)
-          if (fast && s.dim == 64) {
-            switch (heads) { case 1: PIE_VALUES(64, 1); break; case 2: PIE_VALUES(64, 2); break;
-                             case 3: PIE_VALUES(64, 3); break; default: PIE_VALUES(64, 4); }
-          } else if (fast) {
-            switch (heads) { case 1: PIE_VALUES(128, 1); break; case 2: PIE_VALUES(128, 2); break;
-                             case 3: PIE_VALUES(128, 3); break; default: PIE_VALUES(128, 4); }
-          } else {
-            for (int64_t j = 0; j < limit; ++j) {
-              if (!seen[j]) continue;
-              const int64_t slot = slots[k0 + j];
-              const T* v_row = v_pool + (page_of<PS>(slot, s.page_size) * s.kv_heads + h) * s.page_size * s.dim +
-                               offset_of<PS>(slot, s.page_size) * s.dim;
-              for (int64_t gg = 0; gg < heads; ++gg) {
-                const float pj = p[gg * n_k + j];
+      if (fast && s.dim == 64) {
+        switch (heads) { case 1: PIE_VALUES(64, 1); break; case 2: PIE_VALUES(64, 2); break;
+                         case 3: PIE_VALUES(64, 3); break; default: PIE_VALUES(64, 4); }
+      } else if (fast) {
+        switch (heads) { case 1: PIE_VALUES(128, 1); break; case 2: PIE_VALUES(128, 2); break;
+                         case 3: PIE_VALUES(128, 3); break; default: PIE_VALUES(128, 4); }
+      } else {
+        for (int64_t j = 0; j < limit; ++j) {
+          if (!seen[j]) continue;
+          const int64_t slot = slots[k0 + j];
+          const T* v_row = v_pool + (page_of<PS>(slot, s.page_size) * s.kv_heads + h) * s.page_size * s.dim +
+                           offset_of<PS>(slot, s.page_size) * s.dim;
+          for (int64_t gg = 0; gg < heads; ++gg) {
+            const float pj = p[gg * n_k + j];
 #pragma omp simd
-                for (int64_t d = 0; d < s.dim; ++d) a[gg * s.dim + d] += pj * load(v_row + d);
-              }
-            }
+            for (int64_t d = 0; d < s.dim; ++d) a[gg * s.dim + d] += pj * load(v_row + d);
           }
-#undef PIE_VALUES
-        }
-        for (int64_t g = 0; g < s.group; ++g) {
-          float* o = out + ((q0 + i) * s.heads + h * s.group + g) * s.dim;
-          const float* a = acc.data() + g * s.dim;
-          if (part.keys == 0) {
-            const float inv = 1.f / total[g];
-            for (int64_t d = 0; d < s.dim; ++d) o[d] = a[d] * inv;
-            continue;
-          }
-          // Merge the two softmax parts (both have a visible key, so both maxima are finite).
-          const int64_t row = h * part.rows + part.row + g;
-          const float m = std::max(top[g], part.top[row]);
-          const float own = std::exp(top[g] - m), shared = std::exp(part.top[row] - m);
-          const float inv = 1.f / (total[g] * own + part.total[row] * shared);
-          const float* pa = part.acc + row * s.dim;
-          for (int64_t d = 0; d < s.dim; ++d) o[d] = (a[d] * own + pa[d] * shared) * inv;
         }
       }
+#undef PIE_VALUES
     }
+    for (int64_t g = 0; g < s.group; ++g) {
+      float* o = out + ((q0 + i) * s.heads + h * s.group + g) * s.dim;
+      const float* a = acc.data() + g * s.dim;
+      if (part.keys == 0) {
+        const float inv = 1.f / total[g];
+        for (int64_t d = 0; d < s.dim; ++d) o[d] = a[d] * inv;
+        continue;
+      }
+      // Merge the two softmax parts (both have a visible key, so both maxima are finite).
+      const int64_t row = h * part.rows + part.row + g;
+      const float m = std::max(top[g], part.top[row]);
+      const float own = std::exp(top[g] - m), shared = std::exp(part.top[row] - m);
+      const float inv = 1.f / (total[g] * own + part.total[row] * shared);
+      const float* pa = part.acc + row * s.dim;
+      for (int64_t d = 0; d < s.dim; ++d) o[d] = (a[d] * own + pa[d] * shared) * inv;
+    }
+  }
+}
+
+template <typename T, int PS>
+void attend(const Attention<T>& a, const bool* enabled, int64_t n_items) {
+  const int64_t units = n_items * a.s.kv_heads;
+  const int64_t n_threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units));
+  const auto share = deal_units(a.q_indptr, a.kv_indptr, enabled, a.prefix, n_items, a.s.kv_heads, n_threads);
+  at::parallel_for(0, n_threads, 1, [&](int64_t begin, int64_t end) {
+    UnitScratch scratch(a.s);
+    for (int64_t t = begin; t < end; ++t)
+      for (const int64_t work : share[t]) attend_unit<T, PS>(a, work, scratch);
   });
+}
+
+// One token's keys and values ([kv_heads, dim] each, the pools' dtype) to `slot` of the pools.
+template <typename T>
+inline void write_kv_row(T* k_pool, T* v_pool, int64_t slot, const T* k, const T* v, int64_t kv_heads,
+                         int64_t dim, int64_t page_size) {
+  const int64_t page = slot / page_size, offset = slot % page_size;
+  for (int64_t h = 0; h < kv_heads; ++h) {
+    const T* k_row = k + h * dim;
+    T* k_dst = k_pool + (page * kv_heads + h) * dim * page_size + offset;
+    for (int64_t d = 0; d < dim; ++d) k_dst[d * page_size] = k_row[d];
+    std::memcpy(v_pool + ((page * kv_heads + h) * page_size + offset) * dim, v + h * dim, dim * sizeof(T));
+  }
 }
 
 }  // namespace
@@ -370,11 +427,12 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
                                                     groups, scratch, scale, prefix);
   const auto call = [&](auto* k, auto* v, auto page_size) {
     constexpr int PS = decltype(page_size)::value;
-    attend<std::remove_const_t<std::remove_pointer_t<decltype(k)>>, PS>(
-        q.data_ptr<float>(), k, v, out.data_ptr<float>(), q_indptr.data_ptr<int64_t>(),
-        kv_indptr.data_ptr<int64_t>(), slots.data_ptr<int64_t>(), visible.data_ptr<bool>(),
-        mask_offsets.data_ptr<int64_t>(), masks.data_ptr<bool>(), enabled.data_ptr<bool>(),
-        prefix.data(), n_items, s, static_cast<float>(scale));
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(k)>>;
+    const Attention<T> a{q.data_ptr<float>(), k, v, out.data_ptr<float>(), q_indptr.data_ptr<int64_t>(),
+                         kv_indptr.data_ptr<int64_t>(), slots.data_ptr<int64_t>(), visible.data_ptr<bool>(),
+                         mask_offsets.data_ptr<int64_t>(), masks.data_ptr<bool>(), prefix.data(), s,
+                         static_cast<float>(scale)};
+    attend<T, PS>(a, enabled.data_ptr<bool>(), n_items);
   };
   const auto dispatch = [&](auto* k, auto* v) {
     // Page sizes with a vectorised whole-page path; any other size takes the scalar path.
@@ -406,14 +464,7 @@ void write_kv(torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots, t
   const auto copy = [&](auto* kp, auto* vp, const auto* ks, const auto* vs) {
     for (int64_t i = 0; i < n; ++i) {
       TORCH_CHECK(slot[i] >= 0 && slot[i] < capacity, "KV slot out of range");
-      const int64_t page = slot[i] / ps, offset = slot[i] % ps;
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        const auto* k_row = ks + (i * kv_heads + h) * dim;
-        auto* k_dst = kp + (page * kv_heads + h) * dim * ps + offset;
-        for (int64_t d = 0; d < dim; ++d) k_dst[d * ps] = k_row[d];
-        std::memcpy(vp + ((page * kv_heads + h) * ps + offset) * dim, vs + (i * kv_heads + h) * dim,
-                    dim * sizeof(*vs));
-      }
+      write_kv_row(kp, vp, slot[i], ks + i * kv_heads * dim, vs + i * kv_heads * dim, kv_heads, dim, ps);
     }
   };
   if (k_pool.scalar_type() == at::kBFloat16)
