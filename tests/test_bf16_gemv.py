@@ -147,3 +147,17 @@ def test_linear_chooses_between_the_kernel_and_onednn(gemv):
     check_close(six(x), x, six_weight)
     # The plain weight stays only where F.linear reads it (no oneDNN copy).
     assert (layer.weight is None) == (layer.packed is not None)
+
+
+def test_pack_into_writes_the_panels_where_it_is_told(gemv):
+    """pack_into() (how a Linear fills its slot of the model's weight arena) gives pack()'s
+    tensor, in the tensor it was given; a tensor of another shape or dtype is refused."""
+    w = torch.randn(12, 64).to(BF16)
+    shape = tuple(gemv.packed_shape(12, 64))
+    out = torch.empty(shape, dtype=BF16)
+    assert gemv.pack_into(w, out).data_ptr() == out.data_ptr()
+    assert torch.equal(out, gemv.pack(w))
+    with pytest.raises(RuntimeError, match="out must be contiguous bfloat16 of shape"):
+        gemv.pack_into(w, torch.empty(shape[::-1], dtype=BF16))
+    with pytest.raises(RuntimeError, match="out must be contiguous bfloat16"):
+        gemv.pack_into(w, torch.empty(shape))

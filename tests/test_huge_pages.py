@@ -74,3 +74,14 @@ def test_arena_opens_a_block_when_one_is_full_and_takes_weights_larger_than_a_bl
     assert len(arena.blocks) == 3
     assert torch.equal(big, torch.arange(5000, dtype=torch.float32))
     assert float(small.sum()) == 1000 and float(after.sum()) == 30
+
+
+def test_arena_reserves_slots_its_caller_fills():
+    arena = WeightArena(block_bytes=1 << 20)
+    a = arena.reserve((4, 8), torch.bfloat16)
+    b = arena.reserve((3,), torch.float32)
+    assert a.shape == (4, 8) and a.dtype == torch.bfloat16 and a.is_contiguous()
+    assert b.data_ptr() == a.data_ptr() + 64  # 64 bytes of a, then b on the next 64-byte boundary
+    a.fill_(2.0)
+    b.fill_(-1.0)
+    assert float(a.float().sum()) == 64.0 and float(b.sum()) == -3.0

@@ -11,6 +11,8 @@ neighbours too.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from pie.backend.huge_pages import empty_huge
@@ -25,8 +27,13 @@ class WeightArena:
         self.free = 0  # bytes left in the last block
 
     def place(self, t: torch.Tensor) -> torch.Tensor:
-        """A copy of contiguous `t` inside the arena (same shape and dtype), on a 64-byte boundary."""
-        nbytes = t.numel() * t.element_size()
+        """A copy of `t` inside the arena (same shape and dtype, contiguous)."""
+        return self.reserve(tuple(t.shape), t.dtype).copy_(t)
+
+    def reserve(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The next free contiguous tensor of the arena, on a 64-byte boundary (its bytes
+        are zero or a previous occupant's: the caller writes all of it)."""
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         size = -(-nbytes // 64) * 64
         if size > self.free:
             self.blocks.append(empty_huge((max(size, self.block_bytes),), torch.uint8))
@@ -34,4 +41,4 @@ class WeightArena:
         block = self.blocks[-1]
         offset = len(block) - self.free
         self.free -= size
-        return block[offset:offset + nbytes].view(t.dtype).view(t.shape).copy_(t)
+        return block[offset:offset + nbytes].view(dtype).view(shape)

@@ -432,6 +432,22 @@ torch::Tensor pack(torch::Tensor weight) {
   return to_panels(weight).contiguous();
 }
 
+// pack() into `out` (contiguous bfloat16 of pack()'s shape, e.g. a slot of the model's
+// weight arena), with no copy between; returns `out`.
+torch::Tensor pack_into(torch::Tensor weight, torch::Tensor out) {
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kBFloat16 &&
+                  weight.size(1) % 32 == 0 && weight.size(0) % kPanelRows == 0,
+              "bf16_gemv: weight must be a contiguous bfloat16 [n, k] matrix that pack() takes");
+  const auto panels = to_panels(weight);
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kBFloat16 && out.sizes() == panels.sizes(),
+              "bf16_gemv: out must be contiguous bfloat16 of shape ", panels.sizes());
+  return out.copy_(panels);
+}
+
+std::vector<int64_t> packed_shape(int64_t n, int64_t k) {
+  return {n / kPanelRows, k / kPanelCols, kPanelRows, kPanelCols};
+}
+
 // The weight in the layout of the AVX2 build's GEMM tiles for kWideFrom+ tokens ([n/16, k,
 // 16], see wide_tile); an empty tensor where this build has none (AVX-512 BF16) or n is no
 // multiple of 16, and gemv() then keeps its own loop at every size.
@@ -502,6 +518,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_rows", &panel_rows, "the rows of pack()'s panels (pack() takes multiples of it)");
   m.def("panel_cols", &panel_cols, "the columns of one row in a step of pack()'s panels");
   m.def("pack", &pack, "the weight in the layout gemv() reads");
+  m.def("pack_into", &pack_into, "pack() into a given tensor of packed_shape()");
+  m.def("packed_shape", &packed_shape, "the shape pack() gives an [n, k] weight");
   m.def("pack_wide", &pack_wide, "the weight in the layout of the GEMM tiles (empty: none in this build)");
   m.def("wide_from", &wide_from, "from how many rows of x gemv() uses pack_wide()'s weight (0: never)");
   m.def("wide_to", &wide_to, "up to how many rows of x gemv() takes with pack_wide()'s weight (0: none)");
