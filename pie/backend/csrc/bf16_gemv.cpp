@@ -354,7 +354,8 @@ struct GemvCall {
 #endif
   }
   bool needs_input() const { return kWidens || tiles(); }
-  int64_t blocks() const { return (n + kBlockRows - 1) / kBlockRows; }
+  int64_t blocks() const { return blocks_of(n); }
+  static int64_t blocks_of(int64_t n) { return (n + kBlockRows - 1) / kBlockRows; }
 
   void input(int64_t r0, int64_t r1) const {
 #ifdef PIE_WIDE

@@ -13,10 +13,15 @@
 // of 9.1 ms of layers, 7.3 were the linears' regions, whose threads were busy 6.4 of them, and
 // attention's 0.9 ms did ~10 us of work a layer. The whole step, both builds alternating step
 // by step in one process (context 128): 0.88x the op loop's time at batch 1, 0.91x at 4,
-// 0.94x at 8, 0.96x at 16. The threads split each linear's blocks in two fixed halves:
-// claiming 1-8 blocks at a time from a shared counter was 1-15 % slower (the two streams
-// interleave). A step that shares a prefix among its items (shared_prefix.h: batched
-// products per group, their own parallel regions) keeps the op loop.
+// 0.94x at 8, 0.96x at 16. Each thread streams its own half of a linear's blocks, claiming 2
+// blocks at a time from a counter of its own, and a thread done with its half takes what is
+// left of the other's: when the OS takes a core from one thread mid-step (on 2 vCPUs the
+// control process runs beside the backend), the other finishes its work instead of waiting
+// at the barrier. With a competing process busy 1 ms in every ~12 (the same A/B): 0.95x at
+// batch 1, 0.90x at 8 against fixed halves; level without it. Claiming from one shared
+// counter instead was 1-15 % slower (the two streams interleave). A step that shares a
+// prefix among its items (shared_prefix.h: batched products per group, their own parallel
+// regions) keeps the op loop.
 // The kernels' sources are included (their bindings compiled out) so this is one extension.
 #define PIE_NO_BINDINGS
 #include "bf16_gemv.cpp"
@@ -24,6 +29,8 @@
 #include "paged_attention.cpp"
 
 #include <omp.h>
+
+#include <atomic>
 
 namespace {
 
@@ -105,9 +112,16 @@ torch::Tensor layers_in_one_region(torch::Tensor x_in, const std::vector<torch::
   };
   std::vector<std::vector<int64_t>> share;  // attention units by thread: the same plan for every layer
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  // Per linear and thread: the next unclaimed block of that thread's half (each thread sets
+  // its own when the region starts).
+  const int64_t n_blocks[4] = {GemvCall::blocks_of(qkv_n), GemvCall::blocks_of(s.hidden),
+                               GemvCall::blocks_of(2 * s.inter), GemvCall::blocks_of(s.hidden)};
+  std::vector<std::atomic<int64_t>> cursor(4 * n_layers * threads);
 #pragma omp parallel num_threads(threads)
   {
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    for (int64_t c = 0; c < 4 * n_layers; ++c)
+      cursor[c * threads + t].store(run_of(n_blocks[c % 4], t, nt).first, std::memory_order_relaxed);
 #pragma omp single
     share = deal_units(qi, ki, on, no_prefix.data(), n_items, s.kv_heads, nt);  // (a barrier after it)
     const std::pair<int64_t, int64_t> rows = run_of(T, t, nt);  // this thread's rows of the elementwise steps
@@ -115,26 +129,31 @@ torch::Tensor layers_in_one_region(torch::Tensor x_in, const std::vector<torch::
     const std::pair<int64_t, int64_t> cols = run_of(s.inter, t, nt);  // and its columns of SiLU * up
     UnitScratch unit(s.attention());
     std::vector<float> row(s.hidden);
-    // A linear whose input this thread wrote rows [r0, r1) of: their input form (AVX2), a
-    // barrier, the linear's blocks for this thread, a barrier.
-    const auto linear_on_own_rows = [&](const GemvCall& call) {
+    // Linear c of the step, whose input this thread wrote rows [r0, r1) of: their input form
+    // (AVX2), a barrier, this thread's half of the blocks and then what is left of the
+    // others', a barrier.
+    const auto linear_on_own_rows = [&](const GemvCall& call, int64_t c) {
       if (call.needs_input()) call.input(r0, r1);
 #pragma omp barrier
-      const std::pair<int64_t, int64_t> blocks = run_of(call.blocks(), t, nt);
-      call.blocks(blocks.first, blocks.second);
+      const int64_t blocks = call.blocks();
+      for (int64_t k = 0; k < nt; ++k) {
+        const int64_t u = (t + k) % nt, end = run_of(blocks, u, nt).second;
+        std::atomic<int64_t>& next = cursor[c * threads + u];
+        for (int64_t b; (b = next.fetch_add(2, std::memory_order_relaxed)) < end;) call.blocks(b, std::min(end, b + 2));
+      }
 #pragma omp barrier
     };
     // A linear whose input the threads wrote in other shares (attention's units, SiLU's columns).
-    const auto linear_after_others = [&](const GemvCall& call) {
+    const auto linear_after_others = [&](const GemvCall& call, int64_t c) {
 #pragma omp barrier
-      linear_on_own_rows(call);
+      linear_on_own_rows(call, c);
     };
     for (int64_t i = 0; i < n_layers; ++i) {
       // x += delta (the last layer's MLP), h = RMSNorm(x).
       for (int64_t r = r0; r < r1; ++r)
         norm_row(xp + r * s.hidden, i ? dp + r * s.hidden : nullptr, weight(i, 0), xp + r * s.hidden,
                  hp + r * s.hidden, s.hidden, s.eps, row.data());
-      linear_on_own_rows(linear(i, 1, hp, s.hidden, qkv_n, qkvp));
+      linear_on_own_rows(linear(i, 1, hp, s.hidden, qkv_n, qkvp), 4 * i);
       // RoPE on q and k, q to fp32 for attention, k and v to this token's slot.
       bf16* kp = k_pools[i].data_ptr<bf16>();
       bf16* vp = v_pools[i].data_ptr<bf16>();
@@ -156,14 +175,14 @@ torch::Tensor layers_in_one_region(torch::Tensor x_in, const std::vector<torch::
         for (int64_t r = qi[b]; r < qi[b + 1]; ++r)  // this unit's heads of its tokens, to bf16
           for (int64_t j = head0; j < head0 + width; ++j) ap[r * s.q_size + j] = bf16(outp[r * s.q_size + j]);
       }
-      linear_after_others(linear(i, 2, ap, s.q_size, s.hidden, op));
+      linear_after_others(linear(i, 2, ap, s.q_size, s.hidden, op), 4 * i + 1);
       for (int64_t r = r0; r < r1; ++r)
         norm_row(xp + r * s.hidden, op + r * s.hidden, weight(i, 3), xp + r * s.hidden, hp + r * s.hidden,
                  s.hidden, s.eps, row.data());
-      linear_on_own_rows(linear(i, 4, hp, s.hidden, 2 * s.inter, gup));
+      linear_on_own_rows(linear(i, 4, hp, s.hidden, 2 * s.inter, gup), 4 * i + 2);
       for (int64_t r = 0; r < T; ++r)
         silu_cols(gup + r * 2 * s.inter, actp + r * s.inter, s.inter, cols.first, cols.second);
-      linear_after_others(linear(i, 5, actp, s.inter, s.hidden, dp));
+      linear_after_others(linear(i, 5, actp, s.inter, s.hidden, dp), 4 * i + 3);
     }
     for (int64_t r = r0; r < r1; ++r)  // x + the last MLP output, rounded as torch's bf16 add
       for (int64_t j = 0; j < s.hidden; ++j) xp[r * s.hidden + j] = bf16(static_cast<float>(xp[r * s.hidden + j]) +
