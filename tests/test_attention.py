@@ -174,3 +174,65 @@ def test_a_prompt_from_its_start_takes_sdpa_causal_rule_with_the_same_result(mon
     fast = reference.run(q, kv, 0, plan)
     monkeypatch.setattr(AttentionPlan, "starts_causal", lambda self, b: False)
     assert torch.equal(fast, reference.run(q, kv, 0, plan))
+
+
+@pytest.mark.parametrize("heads, kv_heads, page_size, dim", [
+    (9, 3, 16, 64), (4, 4, 8, 64), (8, 1, 5, 64), (16, 2, 16, 128), (12, 2, 32, 64)])
+def test_bf16_prompts_take_the_flash_kernel_and_match_the_reference(heads, kv_heads, page_size, dim):
+    """In bf16 with AVX-512 BF16 (csrc/prompt_attention.h), prefill items that see every key
+    causally — from their start or after cached context, on scattered pages, lengths that
+    leave partial pages and partial blocks of 24 query rows — take the flash kernel and
+    match the fp32 reference within bf16 rounding (its probabilities are bf16); one with a
+    custom mask and one with a hidden key keep SDPA."""
+    g = torch.Generator().manual_seed(heads * 7 + dim)
+    pages = 160
+    kv = random_pool(g, pages, page_size, kv_heads, dim, torch.bfloat16)
+    shapes = [(0, 300), (37, 100), (16, 33), (0, 45), (20, 50), (3, 1)]
+    plan = random_plan(g, pages, page_size, shapes, [False, False, False, False, True, False], 0.0)
+    plan.kv_visible[plan.kv_indptr[3] + 2] = False  # a hidden key: item 3 keeps SDPA
+    q = torch.randn(plan.q_indptr[-1], heads, dim, generator=g).to(torch.bfloat16)
+    expected = TorchPagedAttention().run(q, kv, 0, plan)
+    kernel = CpuKernelAttention()
+    got = kernel.run(q, kv, 0, plan)
+    assert kernel.prefill_items == [0, 1, 2, 3, 4]
+    has_kernel = kernel.kernel.prompt_attention_supports(heads, kv_heads, dim)
+    assert has_kernel == ("avx512_bf16" in cpu_flags() and "avx512f" in cpu_flags())
+    assert kernel.prompt_items == (3 if has_kernel else 0)
+    torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)
+
+
+def test_the_flash_kernel_refuses_what_it_cannot_do():
+    module = CpuKernelAttention().kernel
+    if not module.prompt_attention_supports(9, 3, 64):
+        pytest.skip("this CPU has no AVX-512 BF16: prompts keep SDPA")
+    assert not module.prompt_attention_supports(5, 1, 64)  # a group of 5 does not divide 24 rows
+    assert not module.prompt_attention_supports(9, 3, 96)
+    kv = random_pool(torch.Generator().manual_seed(1), 4, 16, 3, 64, torch.bfloat16)
+    q = torch.randn(10, 9, 64).to(torch.bfloat16)
+    slots = torch.arange(12)
+    with pytest.raises(RuntimeError, match="n_context \\+ new tokens must be the keys"):
+        module.prompt_attention(q, kv.keys[0], kv.values[0], slots, 0, 0.125)
+    with pytest.raises(RuntimeError, match="KV slot out of range"):
+        module.prompt_attention(q, kv.keys[0], kv.values[0], torch.arange(10) + 60, 0, 0.125)
+    with pytest.raises(RuntimeError, match="q must be contiguous bf16"):
+        module.prompt_attention(q.float(), kv.keys[0], kv.values[0], torch.arange(10), 0, 0.125)
+
+
+def test_the_flash_kernel_gives_a_row_the_same_bits_whatever_rows_are_beside_it():
+    """chunked_forward.py calls the kernel 64 queries at a time over one item's fp32 copies of
+    its keys (`prompt_attention_dense`); the one-shot forward calls it once over the pools:
+    the same bits, since a row's sums do not depend on the other rows of its call."""
+    module = CpuKernelAttention().kernel
+    if not module.prompt_attention_supports(9, 3, 64):
+        pytest.skip("this CPU has no AVX-512 BF16: prompts keep SDPA")
+    g = torch.Generator().manual_seed(9)
+    n_ctx, n_new = 70, 200
+    kv = random_pool(g, 40, 16, 3, 64, torch.bfloat16)
+    slots = torch.randperm(40 * 16, generator=g)[: n_ctx + n_new]
+    q = torch.randn(n_new, 9, 64, generator=g).to(torch.bfloat16)
+    whole = module.prompt_attention(q, kv.keys[0], kv.values[0], slots, n_ctx, 0.125)
+    keys, values = kv.gather(0, slots)
+    keys, values = keys.float().transpose(0, 1).contiguous(), values.float().transpose(0, 1).contiguous()
+    chunks = torch.cat([module.prompt_attention_dense(q[c:c + 64].contiguous(), keys, values, n_ctx + c, 0.125)
+                        for c in range(0, n_new, 64)])
+    assert torch.equal(chunks, whole)

@@ -74,6 +74,7 @@ class ChunkedForward:
         last = len(model.layers) - 1
         out_chunks = [(a, b) for a, b in chunks if bool(((out_rows >= a) & (out_rows < b)).any())]
         visible = torch.cat([context_visible, torch.ones(tokens, dtype=torch.bool, device=x.device)])
+        flash = self._flash(q, keys, mask, visible)
         for index, layer in enumerate(model.layers):
             if n_ctx:
                 k_ctx, v_ctx = kv.gather(index, context_slots)
@@ -95,7 +96,10 @@ class ChunkedForward:
             for a, b in (out_chunks if index == last else chunks):
                 for c in range(a, b, ATTENTION_ROWS):
                     d = min(c + ATTENTION_ROWS, b)
-                    self._attend(q, keys, values, c, d, self._mask(c, d, n_ctx, visible, mask))
+                    if flash is not None:  # as the one-shot forward's prompt attention sums it
+                        q[c:d] = flash.prompt_attention_dense(q[c:d], keys, values, n_ctx + c, cfg.head_dim ** -0.5)
+                    else:
+                        self._attend(q, keys, values, c, d, self._mask(c, d, n_ctx, visible, mask))
                 if index < last:
                     xa, h = glue.add_norm(x[a:b], project(layer.o, layer.o_bias, q[a:b].view(b - a, -1)),
                                           layer.post_norm, eps)
@@ -106,6 +110,19 @@ class ChunkedForward:
         xo, h = glue.add_norm(x[out_rows], project(layer.o, layer.o_bias, q.view(tokens, -1)[out_rows]),
                               layer.post_norm, eps)
         return rms_norm(xo + model.mlp(layer, h), model.norm, eps)
+
+    @staticmethod
+    def _flash(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, visible: torch.Tensor):
+        """The kernel module when the item's attention is the one-shot forward's prompt kernel
+        (bf16 on CPU, causal over every key: pie/backend/attention.py), else None: a row's
+        result there does not depend on the other rows of its call, so chunks of 64 queries
+        give the one-shot forward's bits."""
+        if q.dtype != torch.bfloat16 or q.device.type != "cpu" or mask is not None or not bool(visible.all()):
+            return None
+        from pie.backend.kernels import paged_attention_module
+
+        module = paged_attention_module()
+        return module if module.prompt_attention_supports(q.shape[1], keys.shape[0], q.shape[2]) else None
 
     @staticmethod
     def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, a: int, b: int,

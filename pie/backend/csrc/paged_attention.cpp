@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "fast_exp.h"
+#include "prompt_attention.h"
 #include "shared_prefix.h"
 
 namespace {
@@ -478,6 +479,9 @@ void write_kv(torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor slots, t
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over the KV page pools (CPU)");
   m.def("write_kv", &write_kv, "write new keys and values to their slots in the pools (CPU)");
+  m.def("prompt_attention", &prompt_attention::attend, "causal attention of one prompt item in bf16 dot products (CPU, AVX-512 BF16)");
+  m.def("prompt_attention_dense", &prompt_attention::attend_dense, "prompt_attention over one item's fp32 [kv_heads, N, dim] keys and values");
+  m.def("prompt_attention_supports", &prompt_attention::supports, "whether this build has prompt_attention for (heads, kv_heads, dim)");
   m.def("shared_prefixes", &shared_prefix::find_groups, "groups of decode items sharing a prefix of whole pages");
 }
 #endif
