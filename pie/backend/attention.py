@@ -207,13 +207,20 @@ class CpuKernelAttention:
         return out
 
     def _prompt_kernel(self, q: torch.Tensor, kv: KvCache, plan: AttentionPlan, b: int) -> bool:
-        """Whether prefill item b takes prompt_attention: bf16, a shape and CPU it has, and
-        causal visibility of every key (no custom mask, no page mask bit)."""
-        if q.dtype != torch.bfloat16 or kv.keys[0].dtype != torch.bfloat16 or plan.custom_masks[b] is not None:
-            return False
-        if not self.kernel.prompt_attention_supports(q.shape[1], kv.keys[0].shape[1], q.shape[2]):
-            return False
-        return bool(plan.kv_visible[plan.kv_indptr[b]:plan.kv_indptr[b + 1]].all())
+        """Whether prefill item b takes prompt_attention (`takes_prompt_kernel`, over a bf16 pool)."""
+        return kv.keys[0].dtype == torch.bfloat16 and takes_prompt_kernel(
+            self.kernel, q, kv.keys[0].shape[1], plan.custom_masks[b],
+            plan.kv_visible[plan.kv_indptr[b]:plan.kv_indptr[b + 1]])
+
+
+def takes_prompt_kernel(module, q: torch.Tensor, kv_heads: int, mask: torch.Tensor | None,
+                        visible: torch.Tensor) -> bool:
+    """Whether a prefill item's attention goes to the kernel module's prompt_attention: bf16
+    queries on CPU, heads and a head size it has, and causal visibility of every key (no
+    custom mask, no hidden key). One rule for the one-shot forward and chunked_forward.py,
+    so a chunked item gives the one-shot bits."""
+    return (q.dtype == torch.bfloat16 and q.device.type == "cpu" and mask is None
+            and module.prompt_attention_supports(q.shape[1], kv_heads, q.shape[2]) and bool(visible.all()))
 
 
 def members_of(groups: list[int]) -> int:

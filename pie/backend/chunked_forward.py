@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pie.backend.attention import takes_prompt_kernel
 from pie.backend.glue import rms_norm
 from pie.backend.kv_cache import KvCache
 from pie.backend.llama import Llama, project
@@ -117,12 +118,12 @@ class ChunkedForward:
         (bf16 on CPU, causal over every key: pie/backend/attention.py), else None: a row's
         result there does not depend on the other rows of its call, so chunks of 64 queries
         give the one-shot forward's bits."""
-        if q.dtype != torch.bfloat16 or q.device.type != "cpu" or mask is not None or not bool(visible.all()):
-            return None
+        if q.dtype != torch.bfloat16 or q.device.type != "cpu":
+            return None  # (before the import: no kernel build for an fp32 or CUDA model)
         from pie.backend.kernels import paged_attention_module
 
         module = paged_attention_module()
-        return module if module.prompt_attention_supports(q.shape[1], keys.shape[0], q.shape[2]) else None
+        return module if takes_prompt_kernel(module, q, keys.shape[0], mask, visible) else None
 
     @staticmethod
     def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, a: int, b: int,
