@@ -368,7 +368,9 @@ def main() -> None:
             print(f"per token, batch {batch}: pie {row['pie_ms_per_token']:.1f} ms, direct "
                   f"{row['direct_ms_per_token']:.1f} ms, overhead {100 * row['overhead']:+.1f}%, "
                   f"mean forward batch {row['mean_forward_batch']:.1f}", flush=True)
-        results["scheduler"] = runtime.stats()["scheduler"]
+        stats = runtime.stats()
+        results["scheduler"] = stats["scheduler"]
+        results["prefix_cache"] = stats["resources"]["prefix_cache"]  # the cache's counters; None: off
         runtime.shutdown()
         link.close()
     finally:
