@@ -52,9 +52,15 @@ def run_steps(engine: Engine) -> tuple[list[torch.Tensor], list[int], int]:
     return hidden, generated, fused_calls[0]
 
 
+def no_greedy_tail(engine: Engine) -> Engine:
+    """Greedy draws through the logits and the sampler, as every other draw goes."""
+    engine.takes_greedy = lambda items, tokens: False  # type: ignore[method-assign]
+    return engine
+
+
 def test_fused_decode_is_bit_identical_to_the_python_loop(model_dir):
     config = BackendConfig(dtype="bfloat16", num_kv_pages=32, num_embeds=16)
-    fused = Engine(model_dir, config)
+    fused = no_greedy_tail(Engine(model_dir, config))
     if fused.model.fused_decode is None:
         pytest.skip("this CPU has neither AVX-512 BF16 nor AVX2 + FMA: the Python loop is the only decode path")
     eager = Engine(model_dir, config)
@@ -66,6 +72,42 @@ def test_fused_decode_is_bit_identical_to_the_python_loop(model_dir):
     assert len(fused_hidden) == len(eager_hidden) == 6
     for ours, theirs in zip(fused_hidden, eager_hidden):
         assert torch.equal(ours, theirs)
+
+
+def test_greedy_tail_draws_what_the_logits_and_sampler_draw(model_dir):
+    """The greedy tail (csrc/decode_step.cpp: final norm, LM head and argmax in the step's
+    region) gives torch.argmax's token over the same bf16 logits: on the real LM head, on one
+    whose rows repeat every 1000 (ties everywhere: the first index wins) and on one with NaN
+    rows (NaN ranks above every number). Steps that ask more than a greedy token (here the
+    prefill, which keeps the Python loop) take the logits as before."""
+    from pie.backend.linear import Linear
+
+    config = BackendConfig(dtype="bfloat16", num_kv_pages=32, num_embeds=16)
+    tail = Engine(model_dir, config)
+    if not tail.model.takes_greedy(1, tail.attention, tail.kv):
+        pytest.skip("this CPU has neither AVX-512 BF16 nor AVX2 + FMA: no fused decode step, no greedy tail")
+    plain = no_greedy_tail(Engine(model_dir, config))
+    weight = tail.model.embed_tokens.clone()
+    tied = weight[torch.arange(weight.shape[0]) % 1000].contiguous()
+    nan = weight.clone()
+    nan[[30000, 7000, 41000]] = float("nan")
+    drawn = []
+    for lm_head in (None, tied, nan):
+        if lm_head is not None:
+            tail.model.lm_head, plain.model.lm_head = Linear(lm_head), Linear(lm_head)
+        greedy, calls = tail.model.fused_decode.greedy, [0]
+
+        def counting(*args, **kwargs):
+            calls[0] += 1
+            return greedy(*args, **kwargs)
+
+        tail.model.fused_decode.greedy = counting  # type: ignore[method-assign]
+        _, ours, _ = run_steps(tail)
+        _, theirs, _ = run_steps(plain)
+        tail.model.fused_decode.greedy = greedy  # type: ignore[method-assign]
+        assert calls[0] == 5 and ours == theirs
+        drawn.append(ours)
+    assert max(drawn[1]) < 1000 and set(drawn[2]) == {7000}  # the first of the ties; the first NaN
 
 
 def test_fused_decode_is_only_for_bf16_kernels(model_dir):

@@ -33,7 +33,6 @@ import torch
 import torch.nn.functional as F
 
 from pie.backend.attention import takes_prompt_kernel
-from pie.backend.glue import rms_norm
 from pie.backend.kv_cache import KvCache
 from pie.backend.llama import Llama, project
 
@@ -110,7 +109,7 @@ class ChunkedForward:
         layer = model.layers[last]
         xo, h = glue.add_norm(x[out_rows], project(layer.o, layer.o_bias, q.view(tokens, -1)[out_rows]),
                               layer.post_norm, eps)
-        return rms_norm(xo + model.mlp(layer, h), model.norm, eps)
+        return glue.final_norm(xo + model.mlp(layer, h), model.norm, eps)
 
     @staticmethod
     def _flash(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, visible: torch.Tensor):

@@ -10,7 +10,9 @@ loop's step at batch 1, 0.96x at 16; AMD EPYC Zen 4, csrc/decode_step.cpp). Step
 `max_tokens` (16; 32 on AVX2 CPUs) tokens take it: decode steps, and prompts short enough that the bf16
 linear (pie/backend/linear.py) beats oneDNN; everything else (longer prefills, fp32, int8,
 biases, other attention backends) keeps the Python loop. A 12-token prompt's forward: 34.7
--> 27.4 ms with the 16-token linear and this loop.
+-> 27.4 ms with the 16-token linear and this loop. `greedy` also runs the final norm, the LM
+head and the argmax in the region, for steps whose rows only draw greedily: 0.95x the step at
+batch 1, 0.91x at 8 (Zen 4, docs/backend.md "The greedy tail").
 """
 
 from __future__ import annotations
@@ -57,3 +59,15 @@ class FusedDecode:
         return self.kernel.decode_layers(
             x.contiguous(), self.weights, kv.keys, kv.values, cos.contiguous(), sin.contiguous(),
             write_slots, *attention.kernel_args(plan, kv), heads, kv_heads, head_dim, eps)
+
+    def greedy(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write_slots: torch.Tensor,
+               plan: AttentionPlan, attention: CpuKernelAttention, kv: KvCache, out_rows: torch.Tensor,
+               norm: torch.Tensor, lm_head: Linear) -> torch.Tensor:
+        """`run`, then the greedy tail in the same region: rows `out_rows` through the final
+        norm and the LM head, each row's argmax token (int64 [R]; csrc/decode_step.cpp, Head)."""
+        heads, kv_heads, head_dim, eps = self.shape
+        wide = lm_head.gemv_wide if lm_head.gemv_wide is not None else torch.empty(0, dtype=torch.bfloat16)
+        return self.kernel.decode_greedy(
+            x.contiguous(), self.weights, kv.keys, kv.values, cos.contiguous(), sin.contiguous(),
+            write_slots, *attention.kernel_args(plan, kv), heads, kv_heads, head_dim, eps,
+            out_rows.contiguous(), norm, lm_head.gemv_weight, wide)

@@ -327,14 +327,14 @@ class Engine:
                            alone=scratch_cursor is None)
 
     def run_items(self, items: list[ForwardItem], x: torch.Tensor, positions: torch.Tensor,
-                  out_rows: torch.Tensor) -> torch.Tensor:
+                  out_rows: torch.Tensor, greedy: bool = False) -> torch.Tensor:
         """The items' new tokens (inputs `x` at `positions`, item after item) through the
-        model; the final hidden states of rows `out_rows`. Items longer than
-        `backend.mlp_chunk_tokens` run alone, a chunk at a time (chunked_forward.py), the
-        others in one forward per run of consecutive items, in item order (an item may read
-        an earlier one's new tokens)."""
-        if self.chunked is None or not any(i.alone for i in items):
-            return self._forward_batch(items, x, positions, out_rows)
+        model; the final hidden states of rows `out_rows` (`greedy`, where `takes_greedy`:
+        their argmax tokens). Items longer than `backend.mlp_chunk_tokens` run alone, a chunk
+        at a time (chunked_forward.py), the others in one forward per run of consecutive
+        items, in item order (an item may read an earlier one's new tokens)."""
+        if greedy or self.chunked is None or not any(i.alone for i in items):
+            return self._forward_batch(items, x, positions, out_rows, greedy)
         hidden = torch.empty(len(out_rows), self.model.config.hidden_size, dtype=self.dtype,
                              device=self.device)
         segments: list[list[ForwardItem]] = []
@@ -361,9 +361,15 @@ class Engine:
             q0 = q1
         return hidden
 
+    def takes_greedy(self, items: list[ForwardItem], tokens: int) -> bool:
+        """Whether `run_items(greedy=True)` runs these items: one forward (no item chunked
+        alone, no CUDA graph) that the model's greedy tail takes (Llama.takes_greedy)."""
+        return self.graphs is None and not (self.chunked is not None and any(i.alone for i in items)) \
+            and self.model.takes_greedy(tokens, self.attention, self.kv)
+
     def _forward_batch(self, items: list[ForwardItem], x: torch.Tensor, positions: torch.Tensor,
-                       out_rows: torch.Tensor) -> torch.Tensor:
-        """One model forward over the items' new tokens."""
+                       out_rows: torch.Tensor, greedy: bool = False) -> torch.Tensor:
+        """One model forward over the items' new tokens (`greedy`: Llama.forward's)."""
         q_indptr, kv_indptr = [0], [0]
         for item in items:
             q_indptr.append(q_indptr[-1] + item.n_new)
@@ -384,11 +390,11 @@ class Engine:
             kv_visible=~self.kv.masked[kv_slots],
             custom_masks=[item.mask for item in items],
         )
-        if self.graphs is not None:
+        if self.graphs is not None and not greedy:
             hidden = self.graphs.forward(x, positions, write_slots, plan, out_rows)
             if hidden is not None:
                 return hidden
-        return self.model.forward(x, positions, write_slots, plan, self.attention, self.kv, out_rows)
+        return self.model.forward(x, positions, write_slots, plan, self.attention, self.kv, out_rows, greedy)
 
     # --- next_dist / sample ------------------------------------------------------------
 

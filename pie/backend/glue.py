@@ -47,6 +47,10 @@ class TorchGlue:
         x = x if delta is None else x + delta
         return x, rms_norm(x, weight, eps)
 
+    def final_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """The model's last RMSNorm, over the output rows of a step."""
+        return rms_norm(x, weight, eps)
+
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return apply_rope(x, cos, sin)
 
@@ -67,6 +71,12 @@ class FusedGlue(TorchGlue):
             return super().add_norm(x, delta, weight, eps)
         x, h = self.ops.add_rms_norm(x, delta, weight, eps)
         return x, h
+
+    def final_norm(self, x, weight, eps):
+        """norm_row's arithmetic at every row count, as the greedy tail of a fused decode step
+        computes it (csrc/decode_step.cpp, decode_greedy): a row's draw is then the same
+        whichever path its step took, one-shot or chunked."""
+        return self.ops.add_rms_norm(x.contiguous(), None, weight, eps)[1]
 
     def rope(self, x, cos, sin):
         if x.shape[0] > FUSED_MAX_TOKENS:

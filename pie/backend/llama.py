@@ -16,7 +16,7 @@ import torch
 
 from pie.backend.attention import AttentionPlan, PagedAttention
 from pie.backend.decode_step import FusedDecode
-from pie.backend.glue import make_glue, rms_norm
+from pie.backend.glue import make_glue
 from pie.backend.kv_cache import KvCache
 from pie.backend.linear import Int8Linear, Linear, make_linear
 from pie.backend.weight_arena import WeightArena
@@ -192,17 +192,22 @@ class Llama:
         attention: PagedAttention,
         kv: KvCache,
         out_rows: torch.Tensor,
+        greedy: bool = False,
     ) -> torch.Tensor:
-        """Run T new tokens; return the final-normed hidden states of rows `out_rows`.
+        """Run T new tokens; return the final-normed hidden states of rows `out_rows`, or
+        with `greedy` (only where `takes_greedy`) their argmax tokens [R] (int64).
 
         x: [T, hidden]; positions, write_slots: [T]; out_rows: [R] indices into T.
         """
         cfg, glue, eps = self.config, self.glue, self.config.rms_norm_eps
         cos, sin = self.rope_tables(positions)
         tokens = x.shape[0]
+        if greedy:
+            return self.fused_decode.greedy(x, cos, sin, write_slots, plan, attention, kv,  # type: ignore[union-attr]
+                                            out_rows, self.norm, self.lm_head)  # type: ignore[arg-type]
         if self.fused_decode is not None and self.fused_decode.applies(tokens, attention, kv):
             x = self.fused_decode.run(x, cos, sin, write_slots, plan, attention, kv)  # type: ignore[arg-type]
-            return rms_norm(x[out_rows], self.norm, eps)
+            return glue.final_norm(x[out_rows], self.norm, eps)
         delta = None  # the previous layer's MLP output, added to x by the next norm
         last = len(self.layers) - 1
         for index, layer in enumerate(self.layers):
@@ -222,7 +227,13 @@ class Llama:
             x, h = glue.add_norm(x, project(layer.o, layer.o_bias, attn), layer.post_norm, eps)
             delta = self.mlp(layer, h)
         x = x if delta is None else x + delta
-        return rms_norm(x[out_rows], self.norm, eps)
+        return glue.final_norm(x[out_rows], self.norm, eps)
+
+    def takes_greedy(self, tokens: int, attention: PagedAttention, kv: KvCache) -> bool:
+        """Whether `forward(greedy=True)` runs a step of `tokens` tokens: the fused decode
+        step with the LM head on bf16 panels."""
+        return self.fused_decode is not None and self.fused_decode.applies(tokens, attention, kv) \
+            and isinstance(self.lm_head, Linear) and self.lm_head.gemv is not None
 
     def mlp(self, layer: LlamaLayer, h: torch.Tensor) -> torch.Tensor:
         """SiLU-gated MLP (a long item runs it a chunk at a time: chunked_forward.py)."""

@@ -178,20 +178,25 @@ def run_passes(engine: Engine, msg: P.Passes) -> P.PassesReply:
     if items:
         t = np.concatenate(token_rows)
         rows = np.concatenate([r for _, r in row_items])
-        hidden = _forward(engine, items, c, t, np.concatenate(out_rows))
-        keep = c["keep_embed"][rows]
-        kept = np.flatnonzero(keep != -1)
-        if len(kept):
-            ids = engine._tensor(keep[kept])
-            engine.embeds.vectors[ids] = hidden[0][engine._tensor(kept)]
-            engine.embeds.positions[ids] = hidden[1][engine._tensor(kept)]
-        # Logits only for rows that draw or score (a keep-only row needs none).
-        need = np.flatnonzero((c["flags"][rows] & (P.FLAG_SAMPLE | P.FLAG_ENTROPY) != 0)
-                              | (c["dist_k"][rows] > 0) | (np.diff(c["logprob_indptr"])[rows] > 0))
-        if len(need):
-            logits = engine.model.logits(hidden[0][engine._tensor(need)])
-            _outputs(engine, msg, c, rows[need], logits, errors, row_items, tokens, entropy,
-                     logprobs, dist_counts, dist_ids, dist_probs)
+        if _greedy_only(c, msg, rows) and engine.takes_greedy(items, len(t)):
+            # Every output row draws greedily and asks nothing else: the model's greedy tail
+            # (csrc/decode_step.cpp) returns the tokens; no logits leave the kernel.
+            tokens[rows] = _forward(engine, items, c, t, np.concatenate(out_rows), greedy=True)[0].numpy()
+        else:
+            hidden = _forward(engine, items, c, t, np.concatenate(out_rows))
+            keep = c["keep_embed"][rows]
+            kept = np.flatnonzero(keep != -1)
+            if len(kept):
+                ids = engine._tensor(keep[kept])
+                engine.embeds.vectors[ids] = hidden[0][engine._tensor(kept)]
+                engine.embeds.positions[ids] = hidden[1][engine._tensor(kept)]
+            # Logits only for rows that draw or score (a keep-only row needs none).
+            need = np.flatnonzero((c["flags"][rows] & (P.FLAG_SAMPLE | P.FLAG_ENTROPY) != 0)
+                                  | (c["dist_k"][rows] > 0) | (np.diff(c["logprob_indptr"])[rows] > 0))
+            if len(need):
+                logits = engine.model.logits(hidden[0][engine._tensor(need)])
+                _outputs(engine, msg, c, rows[need], logits, errors, row_items, tokens, entropy,
+                         logprobs, dist_counts, dist_ids, dist_probs)
     _copy_pages(engine, c["copy_after"], "copy_after")
     engine._count("pass", n, len(errors), layout.tokens)
     indptr = np.concatenate([[0], np.cumsum(dist_counts)]).astype(np.int32)
@@ -202,10 +207,20 @@ def run_passes(engine: Engine, msg: P.Passes) -> P.PassesReply:
                          dist_indptr=indptr.tobytes(), errors=errors)
 
 
+def _greedy_only(c: dict[str, np.ndarray], msg: P.Passes, rows: np.ndarray) -> bool:
+    """Every output row draws a greedy token and nothing else: no entropy, distribution,
+    log-probabilities, logit bias, allowed-token mask or kept hidden state."""
+    return bool(np.all(c["flags"][rows] == P.FLAG_SAMPLE) and np.all(c["temperature"][rows] == 0)
+                and not np.any(c["dist_k"][rows]) and not np.any(np.diff(c["logprob_indptr"])[rows])
+                and np.all(c["keep_embed"][rows] == -1)
+                and not (len(c["bias_indptr"]) and np.any(np.diff(c["bias_indptr"])[rows]))
+                and not (msg.allowed and any(msg.allowed[r] is not None for r in rows.tolist())))
+
+
 def _forward(engine: Engine, items: list, c: dict[str, np.ndarray], t: np.ndarray,
-             out_rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+             out_rows: np.ndarray, greedy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Embed the admitted token rows inside the pass, run them; (hidden of the output rows,
-    their positions)."""
+    their positions), or with `greedy` (Engine.takes_greedy) their argmax tokens first."""
     emb = c["embed_ids"][t]
     is_tok = emb == -1
     hidden_size = engine.model.config.hidden_size
@@ -222,7 +237,7 @@ def _forward(engine: Engine, items: list, c: dict[str, np.ndarray], t: np.ndarra
         x[emb_rows] = engine.embeds.vectors[ids]
         positions[emb_rows] = engine.embeds.positions[ids].to(torch.long)
     rows = engine._tensor(out_rows)
-    hidden = engine.run_items(items, x, positions, rows)
+    hidden = engine.run_items(items, x, positions, rows, greedy)
     return hidden, positions[rows]
 
 
