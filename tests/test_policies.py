@@ -8,14 +8,12 @@ from pie.control.policies import Adaptive, CountK, Eager, ReadyView, TimeT, poli
 NOW = 0.0
 
 
-def view(idle=True, last_forward_s=0.05, stragglers=(), gathering=False, quiet=None, **waits: float) -> ReadyView:
+def view(idle=True, last_forward_s=0.05, stragglers=(), gathering=False, **waits: float) -> ReadyView:
     """Kinds given as name=seconds the oldest call of that kind has waited (count 1 each,
-    `pass_` for the kind "pass"); `quiet`: seconds since every kind's newest call came (the
-    oldest's wait if not given)."""
+    `pass_` for the kind "pass")."""
     kinds = {k.rstrip("_"): w for k, w in waits.items()}
-    newest = {} if quiet is None else {k: NOW - quiet for k in kinds}
     return ReadyView({k: 1 for k in kinds}, {k: NOW - w for k, w in kinds.items()}, idle,
-                     last_forward_s, NOW, frozenset(stragglers), gathering, newest)
+                     last_forward_s, NOW, frozenset(stragglers), gathering)
 
 
 def test_cheap_kinds_go_before_the_model_unless_it_waited_a_whole_forward():
@@ -31,15 +29,10 @@ def test_adaptive_waits_for_busy_backend_and_briefly_for_stragglers():
     assert adaptive.choose(view(pass_=0.0)) == ("pass", None)
     assert adaptive.choose(view(pass_=0.0, stragglers={"pass"})) == (None, 25)  # half a forward
     assert adaptive.choose(view(pass_=0.03, stragglers={"pass"})) == ("pass", None)
-    # Only prompts waiting on a wave of launches: while the wave's prompts keep coming (the
-    # newest under GATHER_WAIT_S ago), up to GATHER_MAX_S after the oldest; or half a forward.
-    wave = {"stragglers": {"pass"}, "gathering": True, "last_forward_s": 0.02}
-    assert adaptive.choose(view(pass_=0.0, **wave)) == (None, 30)
-    assert adaptive.choose(view(pass_=0.03, **wave)) == ("pass", None)  # none came for 30 ms
-    assert adaptive.choose(view(pass_=0.1, quiet=0.01, **wave)) == (None, 20)  # still coming
-    assert adaptive.choose(view(pass_=0.24, quiet=0.0, **wave)) == (None, 10)  # the cap
-    assert adaptive.choose(view(pass_=0.25, quiet=0.0, **wave)) == ("pass", None)
-    assert adaptive.choose(view(pass_=0.0, **{**wave, "last_forward_s": 0.1})) == (None, 50)
+    # Only prompts waiting on a wave of launches: up to GATHER_WAIT_S, or half a forward if longer.
+    assert adaptive.choose(view(last_forward_s=0.02, pass_=0.0, stragglers={"pass"}, gathering=True)) == (None, 30)
+    assert adaptive.choose(view(last_forward_s=0.02, pass_=0.03, stragglers={"pass"}, gathering=True)) == ("pass", None)
+    assert adaptive.choose(view(last_forward_s=0.1, pass_=0.0, stragglers={"pass"}, gathering=True)) == (None, 50)
     assert not adaptive.single
 
 

@@ -13,7 +13,7 @@ policy's key: arrival order for every policy but `srjf`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import Protocol
 
@@ -22,14 +22,10 @@ from pie.config import ControlConfig
 
 HEAVY = (P.Kind.FORWARD, P.Kind.PASS)  # kinds that run the model: batched together, gathered
 K_POLICY_MAX_WAIT_S = 0.1
-# A wave of launches while nothing decodes: its prompts wait for the rest of the wave as
-# long as they keep coming (the newest arrived under GATHER_WAIT_S ago), up to
-# GATHER_MAX_S after the oldest. Instantiation runs one at a time: 8 launches submitted
-# their prompts over 23 ms and 32 over ~140 ms (Zen 4, 2026-12-02). A fixed 30 ms from the
-# oldest split a wave of 32 into prefills of 7, 19 and 32 passes (prompts and their first
-# decodes), 1.5 s of prefill where one batch of 32 prompts takes about half that.
+# How long prompts may wait for the rest of a wave of launches when nothing decodes: 8
+# launched at once submitted their prompts over 23 ms here (instantiation runs one at a
+# time), and the first, sent alone after half a decode step, cost the wave ~75 ms.
 GATHER_WAIT_S = 0.03
-GATHER_MAX_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -37,9 +33,8 @@ class ReadyView:
     """What a policy decides on: per kind, how many heads could go and when the oldest was
     enqueued; the backend's state; and, per heavy kind, whether open queues that ran the model
     within the last three forwards, and read what it computed, are about to submit again
-    (`stragglers`), whether only prompts wait (nothing decodes) while launched instances
-    have yet to submit theirs (`gathering`), and per kind when the newest head was enqueued
-    (`newest`; the oldest's time where absent)."""
+    (`stragglers`), and whether only prompts wait (nothing decodes) while launched instances
+    have yet to submit theirs (`gathering`)."""
 
     count: dict[str, int]
     oldest: dict[str, float]
@@ -48,7 +43,6 @@ class ReadyView:
     now: float
     stragglers: frozenset[str] = frozenset()
     gathering: bool = False
-    newest: dict[str, float] = field(default_factory=dict)
 
     def preferred(self) -> str:
         """The oldest-waiting kind, except that the model-running kinds yield to cheaper ones.
@@ -70,10 +64,6 @@ class ReadyView:
 
     def waited(self, kind: str) -> float:
         return self.now - self.oldest[kind]
-
-    def quiet(self, kind: str) -> float:
-        """Seconds since the newest head of `kind` was enqueued."""
-        return self.now - self.newest.get(kind, self.oldest[kind])
 
 
 class Objective(IntEnum):
@@ -121,9 +111,8 @@ class Adaptive(FirstCome):
     while queues that ran the model recently are still between calls (about to submit their
     next one), wait for them — at most half a forward's duration — so decoders share one
     batch instead of drifting into groups that each pay a full forward; while only prompts
-    wait for a wave of launches, for as long as the wave's prompts keep coming (see
-    GATHER_WAIT_S). (Host-side runs need no waiting: the reply that ends a run's step queues
-    its next one.)"""
+    wait for a wave of launches, up to GATHER_WAIT_S. (Host-side runs need no waiting: the
+    reply that ends a run's step queues its next one.)"""
 
     single = False
 
@@ -131,15 +120,12 @@ class Adaptive(FirstCome):
         if not view.backend_idle:
             return None, None  # the reply (or the idle signal) wakes the loop
         kind = view.preferred()
-        if kind not in view.stragglers:
-            return kind, None
-        waited = view.waited(kind)
-        left = 0.5 * view.last_forward_s - waited
+        patience = 0.5 * view.last_forward_s
         if view.gathering:
-            left = max(left, min(GATHER_WAIT_S - view.quiet(kind), GATHER_MAX_S - waited))
-        if left <= 0:
+            patience = max(patience, GATHER_WAIT_S)
+        if kind not in view.stragglers or view.waited(kind) >= patience:
             return kind, None
-        return None, max(1, round(left * 1e3))
+        return None, max(1, int((patience - view.waited(kind)) * 1e3))
 
 
 class Eager(FirstCome):

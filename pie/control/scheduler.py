@@ -36,7 +36,7 @@ from pie.control.command import MARKER, Command, CommandQueue, conflicts, reads_
 from pie.control.errors import ErrorKind, HostError
 from pie.control.future import HostFuture
 from pie.control.passes import Pass, Status, fail, settle
-from pie.control.policies import GATHER_MAX_S, HEAVY, Head, Objective, ReadyView, policy_for
+from pie.control.policies import HEAVY, Head, Objective, ReadyView, policy_for
 from pie.control.prefix_cache import PrefixCache
 from pie.control.scheduler_channel import SchedulerChannel
 from pie.control.scheduler_stats import Costs, SchedulerStats
@@ -275,13 +275,11 @@ class Scheduler:
         """What the policy decides on (under the lock)."""
         now = time.monotonic()
         oldest: dict[str, float] = {}
-        newest: dict[str, float] = {}
         count: Counter = Counter()
         ready: dict[str, set[int]] = {}
         for command in heads:
             count[command.kind] += 1
             oldest[command.kind] = min(oldest.get(command.kind, command.enqueued), command.enqueued)
-            newest[command.kind] = max(newest.get(command.kind, command.enqueued), command.enqueued)
             ready.setdefault(command.kind, set()).add(id(command.queue))
         window = 3 * self.last_forward_s
         recent = {q for q, t in self.recent_forwards.items() if now - t < window}
@@ -290,15 +288,14 @@ class Scheduler:
         # Instances launched within the window that have not submitted a model call yet: in
         # a wave of 32 launches the first prefill went alone (186 ms) and the other 31
         # waited for it; gathered, they ride one batch as the direct driver's do.
-        if self.arrivals:  # a wave's launches count for at least as long as it may gather
-            self.arrivals = {i: t for i, t in self.arrivals.items()
-                             if now - t < max(window, GATHER_MAX_S)}
+        if self.arrivals:
+            self.arrivals = {i: t for i, t in self.arrivals.items() if now - t < window}
         stragglers = frozenset(k for k in HEAVY if k in ready
                                and (self.arrivals or recent - ready[k]))
         heavy = [c for c in heads if c.kind in HEAVY]
         gathering = bool(self.arrivals) and bool(heavy) and all(c.tokens > DECODE_TOKENS for c in heavy)
         return ReadyView(dict(count), oldest, self.backend_idle, self.last_forward_s, now, stragglers,
-                         gathering, newest)
+                         gathering)
 
     def _form_batch(self, kind: str, single: bool = False) -> list[Command]:
         """The waiting commands of `kind` to send together (just the oldest one if `single`).
