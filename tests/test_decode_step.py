@@ -105,9 +105,10 @@ def test_greedy_tail_draws_what_the_logits_and_sampler_draw(model_dir):
         _, ours, _ = run_steps(tail)
         _, theirs, _ = run_steps(plain)
         tail.model.fused_decode.greedy = greedy  # type: ignore[method-assign]
-        assert calls[0] == 5 and ours == theirs
+        assert calls[0] == 5 and ours == theirs and plain.counters["pass.greedy_tail"] == 0
         drawn.append(ours)
     assert max(drawn[1]) < 1000 and set(drawn[2]) == {7000}  # the first of the ties; the first NaN
+    assert tail.counters["pass.greedy_tail"] == 15  # the backend's stats count the steps it took
 
 
 def test_fused_decode_is_only_for_bf16_kernels(model_dir):

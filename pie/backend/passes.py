@@ -182,6 +182,7 @@ def run_passes(engine: Engine, msg: P.Passes) -> P.PassesReply:
             # Every output row draws greedily and asks nothing else: the model's greedy tail
             # (csrc/decode_step.cpp) returns the tokens; no logits leave the kernel.
             tokens[rows] = _forward(engine, items, c, t, np.concatenate(out_rows), greedy=True)[0].numpy()
+            engine.counters["pass.greedy_tail"] += 1
         else:
             hidden = _forward(engine, items, c, t, np.concatenate(out_rows))
             keep = c["keep_embed"][rows]
