@@ -55,19 +55,20 @@ class FusedDecode:
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write_slots: torch.Tensor,
             plan: AttentionPlan, attention: CpuKernelAttention, kv: KvCache) -> torch.Tensor:
         """The residual stream after the last layer (before the final norm)."""
-        heads, kv_heads, head_dim, eps = self.shape
-        return self.kernel.decode_layers(
-            x.contiguous(), self.weights, kv.keys, kv.values, cos.contiguous(), sin.contiguous(),
-            write_slots, *attention.kernel_args(plan, kv), heads, kv_heads, head_dim, eps)
+        none = torch.empty(0, dtype=torch.bfloat16)
+        return self._call(x, cos, sin, write_slots, plan, attention, kv,
+                          torch.empty(0, dtype=torch.long), none, none, none)
 
     def greedy(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write_slots: torch.Tensor,
                plan: AttentionPlan, attention: CpuKernelAttention, kv: KvCache, out_rows: torch.Tensor,
                norm: torch.Tensor, lm_head: Linear) -> torch.Tensor:
         """`run`, then the greedy tail in the same region: rows `out_rows` through the final
         norm and the LM head, each row's argmax token (int64 [R]; csrc/decode_step.cpp, Head)."""
+        return self._call(x, cos, sin, write_slots, plan, attention, kv, out_rows.contiguous(), norm,
+                          lm_head.gemv_weight, lm_head.gemv_wide)
+
+    def _call(self, x, cos, sin, write_slots, plan, attention, kv, *tail) -> torch.Tensor:
         heads, kv_heads, head_dim, eps = self.shape
-        wide = lm_head.gemv_wide if lm_head.gemv_wide is not None else torch.empty(0, dtype=torch.bfloat16)
-        return self.kernel.decode_greedy(
+        return self.kernel.decode_layers(
             x.contiguous(), self.weights, kv.keys, kv.values, cos.contiguous(), sin.contiguous(),
-            write_slots, *attention.kernel_args(plan, kv), heads, kv_heads, head_dim, eps,
-            out_rows.contiguous(), norm, lm_head.gemv_weight, wide)
+            write_slots, *attention.kernel_args(plan, kv), heads, kv_heads, head_dim, eps, *tail)

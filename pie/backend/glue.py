@@ -74,7 +74,7 @@ class FusedGlue(TorchGlue):
 
     def final_norm(self, x, weight, eps):
         """norm_row's arithmetic at every row count, as the greedy tail of a fused decode step
-        computes it (csrc/decode_step.cpp, decode_greedy): a row's draw is then the same
+        computes it (csrc/decode_step.cpp, Head): a row's draw is then the same
         whichever path its step took, one-shot or chunked."""
         return self.ops.add_rms_norm(x.contiguous(), None, weight, eps)[1]
 

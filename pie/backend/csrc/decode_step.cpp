@@ -32,6 +32,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <optional>
 
 namespace {
 
@@ -47,7 +48,7 @@ struct Step {
   Shape attention() const { return Shape{heads, kv_heads, heads / kv_heads, dim, page_size}; }
 };
 
-// The greedy tail of a step whose output rows only draw greedily (decode_greedy): the final
+// The greedy tail of a step whose output rows only draw greedily (decode_layers' `rows`): the final
 // RMSNorm of rows `rows`, the LM head (bf16 panels, as Linear runs it) and the argmax of each
 // row's bf16 logits, first index on ties and NaN above all, as torch.argmax over the fp32 copy
 // of them — in the layers' region instead of four more Python-dispatched calls, a region of
@@ -113,7 +114,6 @@ torch::Tensor layers_in_one_region(torch::Tensor x_in, const std::vector<torch::
   torch::Tensor xs = torch::empty({T * std::max({s.hidden, s.q_size, s.inter})}, f32);  // the linears' input form
   const int64_t R = head ? head->n_rows : 0;
   torch::Tensor hn = torch::empty({R, s.hidden}, opts), logits = torch::empty({R, head ? head->vocab : 0}, opts);
-  std::vector<std::pair<float, int64_t>> best(R * std::max<int64_t>(1, at::get_num_threads()));
   bf16 *xp = x.data_ptr<bf16>(), *hp = h.data_ptr<bf16>(), *dp = delta.data_ptr<bf16>(), *op = o.data_ptr<bf16>();
   bf16 *qkvp = qkv.data_ptr<bf16>(), *qkp = qk.data_ptr<bf16>(), *ap = attn.data_ptr<bf16>();
   bf16 *gup = gate_up.data_ptr<bf16>(), *actp = act.data_ptr<bf16>();
@@ -133,6 +133,7 @@ torch::Tensor layers_in_one_region(torch::Tensor x_in, const std::vector<torch::
   };
   std::vector<std::vector<int64_t>> share;  // attention units by thread: the same plan for every layer
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  std::vector<std::pair<float, int64_t>> best(R * threads);  // the tail's argmax per row and thread
   // Per linear and thread: the next unclaimed block of that thread's half (each thread sets
   // its own when the region starts).
   const int64_t n_blocks[4] = {GemvCall::blocks_of(qkv_n), GemvCall::blocks_of(s.hidden),
@@ -246,21 +247,51 @@ torch::Tensor layers_in_one_region(torch::Tensor x_in, const std::vector<torch::
   return x;
 }
 
+// The greedy tail's Head for rows `rows` of a step with input x (checked: the region may not
+// throw); its tokens go to a new [R] int64 tensor in `tokens`.
+Head greedy_head(const torch::Tensor& x, const torch::Tensor& rows, const torch::Tensor& norm,
+                 const torch::Tensor& lm_head, const torch::Tensor& lm_wide, torch::Tensor* tokens) {
+  const int64_t hidden = x.size(1);
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(),
+              "decode_layers: rows must be a contiguous int64 vector");
+  const int64_t* r = rows.data_ptr<int64_t>();
+  for (int64_t j = 0; j < rows.numel(); ++j)
+    TORCH_CHECK(r[j] >= 0 && r[j] < x.size(0), "decode_layers: row ", r[j], " is not a row of the step");
+  check_bf16(norm, "norm");
+  TORCH_CHECK(norm.is_contiguous() && norm.numel() == hidden, "decode_layers: norm must be [hidden]");
+  TORCH_CHECK(lm_head.is_contiguous() && lm_head.scalar_type() == at::kBFloat16 && lm_head.dim() == 4 &&
+                  lm_head.size(1) * kPanelCols == hidden,
+              "decode_layers: lm_head must be pack() of a [vocab, hidden] weight");
+  const int64_t vocab = lm_head.size(0) * kPanelRows;
+  TORCH_CHECK(lm_wide.numel() == 0 || (lm_wide.is_contiguous() && lm_wide.numel() == vocab * hidden),
+              "decode_layers: lm_wide must be pack_wide() of the LM head");
+  *tokens = torch::empty({rows.numel()}, rows.options());
+  return Head{norm.data_ptr<bf16>(), lm_head.data_ptr<bf16>(), lm_wide.numel() ? lm_wide.data_ptr<bf16>() : nullptr,
+              vocab, rows.numel(), r, tokens->data_ptr<int64_t>()};
+}
+
 }  // namespace
 
 // x: [T, hidden] bf16 embeddings. layers: 10 tensors per layer (input norm, q/k/v, o, post
 // norm, gate/up, down; then the four projections' pack_wide() weights, empty where none).
 // The attention arguments are those of paged_attention(). Returns the last layer's residual
-// stream (x + the last MLP output), before the final norm.
-// head: the greedy tail (decode_greedy), or nullptr.
-torch::Tensor run_layers(torch::Tensor x, const std::vector<torch::Tensor>& layers,
-                         const std::vector<torch::Tensor>& k_pools,
-                         const std::vector<torch::Tensor>& v_pools, torch::Tensor cos,
-                         torch::Tensor sin, torch::Tensor write_slots, torch::Tensor q_indptr,
-                         torch::Tensor kv_indptr, torch::Tensor kv_slots, torch::Tensor visible,
-                         torch::Tensor mask_offsets, torch::Tensor masks, torch::Tensor enabled,
-                         torch::Tensor groups, torch::Tensor scratch,
-                         int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, const Head* head) {
+// stream (x + the last MLP output), before the final norm. Where `rows` ([R] int64 rows of
+// the step) is not empty, the step's greedy tail (Head) instead: each row's argmax token
+// ([R] int64), from the final norm `norm` and the LM head's pack() `lm_head` (and its
+// pack_wide(), empty where none).
+torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& layers,
+                            const std::vector<torch::Tensor>& k_pools,
+                            const std::vector<torch::Tensor>& v_pools, torch::Tensor cos,
+                            torch::Tensor sin, torch::Tensor write_slots, torch::Tensor q_indptr,
+                            torch::Tensor kv_indptr, torch::Tensor kv_slots, torch::Tensor visible,
+                            torch::Tensor mask_offsets, torch::Tensor masks, torch::Tensor enabled,
+                            torch::Tensor groups, torch::Tensor scratch,
+                            int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
+                            torch::Tensor rows, torch::Tensor norm, torch::Tensor lm_head, torch::Tensor lm_wide) {
+  torch::Tensor tokens;
+  std::optional<Head> tail;
+  if (rows.numel()) tail = greedy_head(x, rows, norm, lm_head, lm_wide, &tokens);
+  const Head* head = tail ? &*tail : nullptr;
   const int64_t n_layers = static_cast<int64_t>(k_pools.size());
   TORCH_CHECK(static_cast<int64_t>(layers.size()) == 10 * n_layers && v_pools.size() == k_pools.size(),
               "decode_layers: 10 weights and one key and value pool per layer");
@@ -270,7 +301,7 @@ torch::Tensor run_layers(torch::Tensor x, const std::vector<torch::Tensor>& laye
                heads * head_dim, kv_heads * head_dim, page_size, static_cast<float>(eps),
                static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)))};
   const bool shared = groups.numel() > 0 && groups.data_ptr<int64_t>()[0] > 0;
-  TORCH_CHECK(!(shared && head), "decode_greedy: a step with shared prefixes takes decode_layers");
+  TORCH_CHECK(!(shared && head), "decode_layers: a step with shared prefixes has no greedy tail");
   if (shared)
     return layers_op_by_op(x, layers, k_pools, v_pools, cos, sin, write_slots, q_indptr, kv_indptr, kv_slots,
                            visible, mask_offsets, masks, enabled, groups, scratch, s);
@@ -307,65 +338,18 @@ torch::Tensor run_layers(torch::Tensor x, const std::vector<torch::Tensor>& laye
   const int64_t capacity = k_pools[0].size(0) * page_size;
   const int64_t* slot = write_slots.data_ptr<int64_t>();
   for (int64_t r = 0; r < s.tokens; ++r) TORCH_CHECK(slot[r] >= 0 && slot[r] < capacity, "KV slot out of range");
-  switch (page_size) {
-    case 16: return layers_in_one_region<16>(x, layers, k_pools, v_pools, cos, sin, write_slots, q_indptr, kv_indptr,
-                                              kv_slots, visible, mask_offsets, masks, enabled, s, head);
-    case 32: return layers_in_one_region<32>(x, layers, k_pools, v_pools, cos, sin, write_slots, q_indptr, kv_indptr,
-                                              kv_slots, visible, mask_offsets, masks, enabled, s, head);
-    case 8: return layers_in_one_region<8>(x, layers, k_pools, v_pools, cos, sin, write_slots, q_indptr, kv_indptr,
-                                            kv_slots, visible, mask_offsets, masks, enabled, s, head);
-    default: return layers_in_one_region<0>(x, layers, k_pools, v_pools, cos, sin, write_slots, q_indptr, kv_indptr,
-                                             kv_slots, visible, mask_offsets, masks, enabled, s, head);
-  }
-}
-
-torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& layers,
-                            const std::vector<torch::Tensor>& k_pools,
-                            const std::vector<torch::Tensor>& v_pools, torch::Tensor cos,
-                            torch::Tensor sin, torch::Tensor write_slots, torch::Tensor q_indptr,
-                            torch::Tensor kv_indptr, torch::Tensor kv_slots, torch::Tensor visible,
-                            torch::Tensor mask_offsets, torch::Tensor masks, torch::Tensor enabled,
-                            torch::Tensor groups, torch::Tensor scratch,
-                            int64_t heads, int64_t kv_heads, int64_t head_dim, double eps) {
-  return run_layers(x, layers, k_pools, v_pools, cos, sin, write_slots, q_indptr, kv_indptr, kv_slots, visible,
-                    mask_offsets, masks, enabled, groups, scratch, heads, kv_heads, head_dim, eps, nullptr);
-}
-
-// decode_layers' step, then its greedy tail (Head): the argmax token of each row in `rows`
-// ([R] int64 rows of the step), from the final norm `norm` and the LM head's pack() `lm_head`
-// (and its pack_wide(), empty where none). Returns [R] int64 token ids.
-torch::Tensor decode_greedy(torch::Tensor x, const std::vector<torch::Tensor>& layers,
-                            const std::vector<torch::Tensor>& k_pools,
-                            const std::vector<torch::Tensor>& v_pools, torch::Tensor cos,
-                            torch::Tensor sin, torch::Tensor write_slots, torch::Tensor q_indptr,
-                            torch::Tensor kv_indptr, torch::Tensor kv_slots, torch::Tensor visible,
-                            torch::Tensor mask_offsets, torch::Tensor masks, torch::Tensor enabled,
-                            torch::Tensor groups, torch::Tensor scratch,
-                            int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
-                            torch::Tensor rows, torch::Tensor norm, torch::Tensor lm_head, torch::Tensor lm_wide) {
-  const int64_t hidden = x.size(1);
-  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous() && rows.numel() > 0,
-              "decode_greedy: rows must be a non-empty contiguous int64 vector");
-  const int64_t* r = rows.data_ptr<int64_t>();
-  for (int64_t j = 0; j < rows.numel(); ++j)
-    TORCH_CHECK(r[j] >= 0 && r[j] < x.size(0), "decode_greedy: row ", r[j], " is not a row of the step");
-  check_bf16(norm, "norm");
-  TORCH_CHECK(norm.is_contiguous() && norm.numel() == hidden, "decode_greedy: norm must be [hidden]");
-  TORCH_CHECK(lm_head.is_contiguous() && lm_head.scalar_type() == at::kBFloat16 && lm_head.dim() == 4 &&
-                  lm_head.size(1) * kPanelCols == hidden,
-              "decode_greedy: lm_head must be pack() of a [vocab, hidden] weight");
-  const int64_t vocab = lm_head.size(0) * kPanelRows;
-  TORCH_CHECK(lm_wide.numel() == 0 || (lm_wide.is_contiguous() && lm_wide.numel() == vocab * hidden),
-              "decode_greedy: lm_wide must be pack_wide() of the LM head");
-  torch::Tensor tokens = torch::empty({rows.numel()}, rows.options());
-  const Head head{norm.data_ptr<bf16>(), lm_head.data_ptr<bf16>(), lm_wide.numel() ? lm_wide.data_ptr<bf16>() : nullptr,
-                  vocab, rows.numel(), r, tokens.data_ptr<int64_t>()};
-  run_layers(x, layers, k_pools, v_pools, cos, sin, write_slots, q_indptr, kv_indptr, kv_slots, visible,
-             mask_offsets, masks, enabled, groups, scratch, heads, kv_heads, head_dim, eps, &head);
-  return tokens;
+  const auto region = [&](auto page) {  // page: the page size as a compile-time constant (0: any)
+    return layers_in_one_region<decltype(page)::value>(x, layers, k_pools, v_pools, cos, sin, write_slots, q_indptr,
+                                                       kv_indptr, kv_slots, visible, mask_offsets, masks, enabled,
+                                                       s, head);
+  };
+  const torch::Tensor out = page_size == 16 ? region(std::integral_constant<int, 16>{})
+                            : page_size == 32 ? region(std::integral_constant<int, 32>{})
+                            : page_size == 8  ? region(std::integral_constant<int, 8>{})
+                                              : region(std::integral_constant<int, 0>{});
+  return head ? tokens : out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_layers", &decode_layers, "all decoder layers of a bf16 decode step (CPU)");
-  m.def("decode_greedy", &decode_greedy, "decode_layers, then the final norm, LM head and argmax of some rows");
+  m.def("decode_layers", &decode_layers, "all decoder layers of a bf16 decode step (CPU), and optionally its greedy tail");
 }
