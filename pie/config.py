@@ -162,6 +162,12 @@ class ControlConfig:
     # (benchmarks/results/overhead.json); 4 divides that by ~4 for text that arrives in
     # bursts of 4 tokens and stop strings seen up to 3 tokens late (the SDKs cut the text).
     stream_interval: int = 1
+    # The most decode steps of a host-side run the backend takes on its own after one the
+    # scheduler sent, with no round trip between them (Passes.ahead, docs/fused-pass.md
+    # §2.5): within the page the step writes, leaving its last slot to the scheduler (whose
+    # step plans the prefix cache's copy of a page it completes), so at most page_size - 2;
+    # any other call waiting ends them at the next step. 0: the scheduler sends every step.
+    ahead_steps: int = 16
     # Chunked prefill: while the decoders are at least as many as the prompts waiting, a
     # batch carries at most this many new tokens per waiting prompt (up to
     # prefill_batch_tokens) and a longer prompt is prefilled over several batches, so
@@ -229,6 +235,8 @@ class ControlConfig:
                       ("min-waste", "swap", "discard", "preserve", "wait", "terminate-newest"))
         if self.batch_k < 1 or self.batch_t_ms <= 0 or self.max_dist_k < 1 or self.stream_interval < 1:
             raise ConfigError("control.batch_k, batch_t_ms, max_dist_k and stream_interval must be positive")
+        if self.ahead_steps < 0:
+            raise ConfigError(f"control.ahead_steps must be >= 0 (0: none), got {self.ahead_steps}")
         if self.max_step_tokens < 16:
             raise ConfigError(f"control.max_step_tokens must be at least 16, got {self.max_step_tokens}")
         if self.prefill_batch_tokens < self.max_step_tokens:

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 IDLE_REQUEST_ID = 0
 
 
@@ -35,6 +35,8 @@ class Kind(StrEnum):
     MASK_KVPAGE = "mask_kvpage"
     SWAP_KVPAGE = "swap_kvpage"
     PASS = "pass"
+    PASS_STEP = "pass_step"
+    INTERRUPT = "interrupt"
     STATS = "stats"
     IDLE = "idle"
     ERROR = "error"
@@ -269,6 +271,15 @@ class Passes(Message):
     # prefix cache's hits and the pages it keeps (pie/control/prefix_cache.py).
     copy_before: bytes = b""
     copy_after: bytes = b""
+    # Steps the backend may take on its own after this one ([i32] n, or empty: none), each
+    # item's next token its own draw at the next position and slot (docs/fused-pass.md §2.5).
+    # An item goes on while it has steps left, its draw is not one of its `stop_ids`
+    # (`stop_indptr` [i32] n + 1, or empty), and no request waits on the socket. Only an item
+    # with one output row, at its last new token, that draws and asks for nothing else, whose
+    # output slots continue its context, goes on; its pages must hold the steps' slots.
+    ahead: bytes = b""
+    stop_ids: bytes = b""
+    stop_indptr: bytes = b""
 
 
 FLAG_SAMPLE = 1
@@ -290,6 +301,30 @@ class PassesReply(Message):
     dist_probs: bytes
     dist_indptr: bytes
     errors: dict[int, str] = field(default_factory=dict)
+    # True: items go on (`Passes.ahead`); `PassesStep` replies with this request id follow,
+    # the last one `final`, and the idle signal only after it.
+    more: bool = False
+
+
+@dataclass
+class PassesStep(Message):
+    """One step the backend took on its own for a `Passes` request that replied `more`:
+    `tokens` [i32] per item of the request (-1: the item did not step); `final`: no step
+    follows (every item stopped, or a request waits). `errors`: items whose step failed."""
+
+    kind: ClassVar[Kind] = Kind.PASS_STEP
+    tokens: bytes
+    final: bool
+    errors: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass
+class Interrupt(Message):
+    """Ask the backend to end the steps it takes on its own (`Passes.ahead`) after the one it
+    is computing: the control layer has other work for the next batch. Harmless when it takes
+    none; the reply is empty."""
+
+    kind: ClassVar[Kind] = Kind.INTERRUPT
 
 
 @dataclass
@@ -333,6 +368,7 @@ _OUTER_TYPES: dict[str, tuple[type, ...]] = {
     "int": (int,),
     "float": (int, float),
     "bytes": (bytes,),
+    "bool": (bool,),
 }
 
 REQUESTS: dict[Kind, type[Message]] = {
@@ -345,6 +381,7 @@ REQUESTS: dict[Kind, type[Message]] = {
     Kind.MASK_KVPAGE: MaskKvPage,
     Kind.SWAP_KVPAGE: SwapKvPage,
     Kind.PASS: Passes,
+    Kind.INTERRUPT: Interrupt,
     Kind.STATS: StatsRequest,
 }
 
@@ -358,6 +395,8 @@ REPLIES: dict[Kind, type[Message]] = {
     Kind.MASK_KVPAGE: BatchReply,
     Kind.SWAP_KVPAGE: BatchReply,
     Kind.PASS: PassesReply,
+    Kind.PASS_STEP: PassesStep,
+    Kind.INTERRUPT: Interrupt,
     Kind.STATS: StatsReply,
     Kind.IDLE: Idle,
     Kind.ERROR: ErrorReply,

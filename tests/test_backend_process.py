@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 from array import array
+from dataclasses import replace
 
 import msgpack
 import pytest
@@ -169,3 +171,78 @@ def test_second_peer_is_served_independently(backend):
         assert other.call(P.StatsRequest()).counters
     finally:
         other.close()
+
+
+# --- steps the backend takes on its own (Passes.ahead, pie/backend/ahead.py) -------------------
+
+
+def _ahead_request(hs, prompts, ahead, out_pages, stops=None, **output):
+    """One pass per prompt, drawing greedily at its last token, granted `ahead` steps."""
+    passes = [Pass(None, i, hs.page_size, ids, list(range(len(ids))), [], [], 0, pages, 0, None,  # type: ignore[arg-type]
+                   [Output(len(ids) - 1, sample=True, **output)]) for i, (ids, pages) in enumerate(zip(prompts, out_pages))]
+    stops = stops or [[] for _ in prompts]
+    return replace(encode(passes), ahead=array("i", ahead).tobytes(),
+                   stop_ids=array("i", [t for s in stops for t in s]).tobytes(),
+                   stop_indptr=array("i", [0, *itertools.accumulate(map(len, stops))]).tobytes())
+
+
+def _collect(link, request_id):
+    """The reply and every step after it: (tokens per item, the reply, the steps)."""
+    reply = link.wait(request_id)
+    tokens = [[t] if t >= 0 else [] for t in array("i", reply.tokens)]
+    steps = []
+    while reply.more and not (steps and steps[-1].final):
+        step = link.wait(request_id)
+        assert isinstance(step, P.PassesStep)
+        steps.append(step)
+        for i, t in enumerate(array("i", step.tokens)):
+            if t >= 0:
+                tokens[i].append(t)
+    return tokens, reply, steps
+
+
+def test_steps_ahead_equal_hf_greedy_and_stop_at_a_stop_token(backend, hf_model, tokenizer):
+    """Two passes granted steps ahead: each step feeds an item its own draw, so the tokens
+    are HF's greedy continuation; the second stops at its stop token (drawn, not fed), the
+    first at its grant."""
+    link, hs = backend
+    prompts = [tokenizer.encode(t, add_special_tokens=False).ids for t in HF_PROMPTS[:2]]
+    expected = [hf_greedy(hf_model, ids, 12) for ids in prompts]
+    stop = expected[1][4]
+    first_stop = expected[1].index(stop)
+    request = _ahead_request(hs, prompts, [11, 11], [[200, 201], [210, 211]], stops=[[], [stop]])
+    tokens, reply, steps = _collect(link, link.send(request))
+    assert reply.more and steps[-1].final
+    assert tokens[0] == expected[0]
+    assert tokens[1] == expected[1][:first_stop + 1]
+    assert link.call(P.StatsRequest()).counters["pass.ahead.batches"] >= 11
+
+
+def test_steps_ahead_are_bounded_by_the_pages_and_skip_what_they_cannot_repeat(backend, hf_model, tokenizer):
+    """A grant beyond the item's pages stops where they end; an item that asks for more
+    than a draw (here its entropy) does not go on, and a grant of the wrong length fails
+    the request."""
+    link, hs = backend
+    ids = tokenizer.encode(HF_PROMPTS[0], add_special_tokens=False).ids
+    assert len(ids) < hs.page_size
+    room = hs.page_size - len(ids)
+    tokens, reply, steps = _collect(link, link.send(_ahead_request(hs, [ids], [10**6], [[220]])))
+    assert tokens[0] == hf_greedy(hf_model, ids, room + 1) and len(steps) == room
+    _, reply, steps = _collect(link, link.send(_ahead_request(hs, [ids], [5], [[221]], entropy=True)))
+    assert not reply.more and steps == []
+    request = replace(_ahead_request(hs, [ids], [5], [[222]]), ahead=array("i", [5, 5]).tobytes())
+    with pytest.raises(BackendError, match="pass.ahead must have 1 entries or none"):
+        link.call(request)
+
+
+def test_a_waiting_frame_ends_the_steps_ahead(backend, hf_model, tokenizer):
+    """An Interrupt sent right behind a request with a long grant: the backend ends its
+    steps at a step boundary (final), then answers the Interrupt; what it drew is HF's."""
+    link, hs = backend
+    ids = tokenizer.encode(HF_PROMPTS[2], add_special_tokens=False).ids
+    request_id = link.send(_ahead_request(hs, [ids], [40], [[230, 231, 232, 233]]))
+    interrupt = link.send(P.Interrupt())
+    tokens, reply, steps = _collect(link, request_id)
+    assert reply.more and steps[-1].final and len(steps) < 40
+    assert tokens[0] == hf_greedy(hf_model, ids, len(tokens[0]))
+    assert isinstance(link.wait(interrupt), P.Interrupt)

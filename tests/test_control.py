@@ -25,7 +25,12 @@ from pie.control.scheduler import Scheduler
 class FakeBackend:
     """Answers every batch (sample → token 7 per item; a pass → `pass_token` per output
     row) and records (kind, item count) and the pass requests. While `hold` is clear, it
-    takes requests but answers none (a batch in flight, for as long as a test needs)."""
+    takes requests but answers none (a batch in flight, for as long as a test needs).
+
+    With `step_ahead`, a pass request granting steps ahead (`Passes.ahead`) is answered
+    `more`, then stepped as the real backend does: step k draws 100 + k for every item
+    granted at least k steps, a frame waiting ends the steps (an empty final step), and
+    while `step_gate` is clear it waits before each step."""
 
     def __init__(self, endpoint: str):
         self.batches: list[tuple[str, int]] = []
@@ -34,6 +39,12 @@ class FakeBackend:
         self.pass_errors: dict[int, dict[int, str]] = {}  # pass batch number -> item -> error
         self.hold = threading.Event()
         self.hold.set()
+        self.step_ahead = False
+        self.step_gate = threading.Event()
+        self.step_gate.set()
+        self.stepping = threading.Event()  # set once a reply said `more`
+        self.steps: list[list[int]] = []  # tokens of each step taken ahead
+        self.interrupts = 0
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.bind(endpoint)
@@ -47,6 +58,10 @@ class FakeBackend:
                 continue
             peer, frame = self.socket.recv_multipart()
             request_id, message = P.decode_request(frame)
+            if isinstance(message, P.Interrupt):
+                self.interrupts += 1
+                self.socket.send_multipart([peer, P.encode(request_id, message)])
+                continue
             if isinstance(message, P.Passes):
                 n = len(message.kv_last_page_lens) // 4
                 self.passes.append(message)
@@ -67,8 +82,29 @@ class FakeBackend:
                                       errors=self.pass_errors.get(len(self.passes) - 1, {}))
             else:
                 reply = P.BatchReply()
+            ahead = array("i", message.ahead).tolist() if isinstance(message, P.Passes) else []
+            if self.step_ahead and any(ahead):
+                reply.more = True  # type: ignore[attr-defined]
             self.socket.send_multipart([peer, P.encode(request_id, reply, message.kind)])
+            if self.step_ahead and any(ahead):
+                self._step(peer, request_id, ahead)
             self.socket.send_multipart([peer, P.encode(0, P.Idle())])
+
+    def _step(self, peer: bytes, request_id: int, ahead: list[int]) -> None:
+        self.stepping.set()
+        for k in range(1, max(ahead) + 1):
+            while not self.step_gate.wait(0.05):
+                if not self.running:
+                    return
+            if self.socket.poll(0):
+                tokens, final = [-1] * len(ahead), True
+            else:
+                tokens, final = [100 + k if a >= k else -1 for a in ahead], k == max(ahead)
+                self.steps.append(tokens)
+            self.socket.send_multipart([peer, P.encode(request_id, P.PassesStep(
+                tokens=array("i", tokens).tobytes(), final=final))])
+            if final:
+                return
 
     def close(self) -> None:
         self.running = False

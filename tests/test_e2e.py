@@ -63,6 +63,29 @@ def test_text_completion_equals_hf_greedy(server, expected):
     assert "Paris" in messages[0]
 
 
+def test_decode_runs_step_ahead_in_the_backend_and_stay_hf_greedy(server, expected):
+    """text_completion decodes with a host-side run, whose steps the backend takes on its
+    own within each page (control.ahead_steps, docs/fused-pass.md §2.5); two completions
+    launched one after the other, the second while the first may be stepping ahead: each
+    is still HF's greedy text."""
+    before = server.scheduler()
+
+    async def run() -> list[tuple[list[str], str]]:
+        async with PieClient(server.ws, TOKEN) as client:
+            first = await client.launch("text_completion", ["--prompt", PROMPTS[1], "--max-tokens", "16"])
+            await asyncio.sleep(0.2)
+            second = await client.launch("text_completion", ["--prompt", PROMPTS[2], "--max-tokens", "16"])
+
+            async def collect(instance):
+                return [m async for m in instance], await instance.wait()
+
+            return await asyncio.gather(collect(first), collect(second))
+
+    results = asyncio.run(run())
+    assert results == [([expected[PROMPTS[1]]], "finished"), ([expected[PROMPTS[2]]], "finished")]
+    assert server.scheduler()["ahead_steps"] > before["ahead_steps"]
+
+
 def test_sixteen_concurrent_inferlets_are_batched(server, expected):
     """16 text_completions launched while the backend is paused (SIGSTOP): each queues its
     prefill and waits. Once every prefill forward is queued the backend goes on, and the

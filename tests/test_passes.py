@@ -490,3 +490,72 @@ def test_settle_records_results_and_leaves_the_wake_to_its_caller():
     assert runs == [] and wakes == [event] and not event.is_set()
     assert queue.results.take() == [(1, "done", [9], [], None)]
 
+
+
+# --- steps the backend takes on its own (Passes.ahead; the fake steps as the backend does) ---
+
+
+def test_steps_taken_ahead_are_published_and_the_run_goes_on_from_them(fake):
+    """A run's first step (slots 0-2) is granted the rest of its page but the page's last
+    slot (12 steps); the scheduler sends the page-completing step itself (no grant), then
+    grants the next page's steps up to the run's end. The tokens arrive in order, and each
+    step the scheduler sends starts where the backend's left off."""
+    controller, backend = fake
+    backend.step_ahead = True
+    a = controller.session("a", [])
+    q = a.create_queue("m")
+    pages = a.alloc_kvpage(q, 2)
+    pid = submit(a, q, [1, 2, 3], run=20, out=pages)
+    results = take_all(a, q)
+    window = [100 + k for k in range(1, 13)]
+    assert [t for r in results for t in r[2]] == [7, *window, 7, 7, 101, 102, 103, 104, 105]
+    assert results[-1][:2] == (pid, "done")
+    assert [columns(m, "ahead") for m in backend.passes] == [[12], [], [5]]  # no grant: no column
+    physical = a.resources.pages.resolve(pages)
+    after = backend.passes[1]  # the step after the first window: slot 15, the page's last
+    assert columns(after, "token_ids") == [window[-1]] and columns(after, "positions") == [15]
+    assert columns(after, "out_kv_page_ids") == [physical[0]] and columns(after, "out_kv_offsets") == [15]
+    assert columns(backend.passes[2], "positions") == [16]
+    stats = controller.stats()["scheduler"]
+    assert stats["ahead_steps"] == 17 and stats["interrupts"] == 0
+    a.close()
+
+
+def test_a_call_waiting_while_steps_run_ahead_interrupts_them_and_rides_the_next_batch(fake):
+    controller, backend = fake
+    backend.step_ahead = True
+    backend.step_gate.clear()  # the backend holds before its first step ahead
+    a, b = controller.session("a", []), controller.session("b", [])
+    qa, qb = a.create_queue("m"), b.create_queue("m")
+    submit(a, qa, [1, 2, 3], run=8, out=a.alloc_kvpage(qa, 1))
+    wait_for(backend.stepping.is_set)
+    submit(b, qb, [4, 5], out=b.alloc_kvpage(qb, 1), stream=False)
+    wait_for(lambda: controller.stats()["scheduler"]["interrupts"] == 1)
+    backend.step_gate.set()
+    tokens_a = [t for r in take_all(a, qa) for t in r[2]]
+    assert [t for r in take_all(b, qb) for t in r[2]] == [7]
+    # the Interrupt waited when the backend would have stepped: it took no step ahead, and
+    # a's second step went in one batch with b's pass, granted the rest of a's run
+    assert backend.batches[:2] == [("pass", 1), ("pass", 2)] and backend.interrupts == 1
+    assert [max(step) for step in backend.steps] == [101, 102, 103, 104, 105, 106]
+    assert all(min(step) == -1 for step in backend.steps)  # b's pass had no grant
+    assert tokens_a == [7, 7, 101, 102, 103, 104, 105, 106]
+    a.close()
+    b.close()
+
+
+def test_a_run_cancelled_while_stepping_ahead_ends_with_its_next_step(fake):
+    controller, backend = fake
+    backend.step_ahead = True
+    backend.step_gate.clear()
+    a = controller.session("a", [])
+    q = a.create_queue("m")
+    pid = submit(a, q, [1, 2, 3], run=10, out=a.alloc_kvpage(q, 1))
+    wait_for(backend.stepping.is_set)
+    a.cancel_pass(q, pid)
+    wait_for(lambda: controller.stats()["scheduler"]["interrupts"] == 1)  # sent, though nothing else waits
+    backend.step_gate.set()
+    results = take_all(a, q)
+    assert results[-1][1] == "cancelled" and [t for r in results for t in r[2]] == [7]
+    assert backend.batches == [("pass", 1)]  # nothing more was sent for it
+    a.close()

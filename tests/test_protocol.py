@@ -19,7 +19,9 @@ def test_round_trip_of_every_request():
         P.SwapKvPage([1, 2], [0, 1], [True, False]),
         replace(encode([Pass(None, 1, 16, [5, 6], [0, 1], [], [], 0, [3], 0, None,  # type: ignore[arg-type]
                              [Output(1, sample=True, seed=9, logprob_ids=[4]), Output(0, dist_k=3)])]),
-                copy_before=bytes([7, 0, 0, 0, 3, 0, 0, 0]), copy_after=bytes([3, 0, 0, 0, 8, 0, 0, 0])),
+                copy_before=bytes([7, 0, 0, 0, 3, 0, 0, 0]), copy_after=bytes([3, 0, 0, 0, 8, 0, 0, 0]),
+                ahead=bytes([5, 0, 0, 0]), stop_ids=bytes([2, 0, 0, 0]), stop_indptr=bytes([0, 0, 0, 0, 1, 0, 0, 0])),
+        P.Interrupt(),
         P.StatsRequest(),
     ]
     assert set(P.REQUESTS) == {m.kind for m in samples}
@@ -40,6 +42,17 @@ def test_round_trip_of_a_passes_reply():
         assert getattr(back, name) == getattr(reply, name)
     with pytest.raises(P.ProtocolError, match="pass.flags must be bytes"):
         P.decode_request(msgpack.packb([1, "pass", {**_passes_body(), "flags": [1]}]))
+
+
+def test_round_trip_of_a_step_taken_ahead():
+    from array import array
+
+    step = P.PassesStep(tokens=array("i", [7, -1]).tobytes(), final=True, errors={1: "bad"})
+    assert P.decode_reply(P.encode(4, step)) == (4, P.Kind.PASS_STEP, step)
+    reply = P.PassesReply(b"", b"", b"", b"", b"", b"", more=True)
+    assert P.decode_reply(P.encode(4, reply))[2].more is True
+    with pytest.raises(P.ProtocolError, match="pass_step.final must be bool"):
+        P.decode_reply(msgpack.packb([4, "pass_step", {"tokens": b"", "final": 1}]))
 
 
 def _passes_body() -> dict:

@@ -20,6 +20,7 @@ import torch
 
 from pie import protocol as P
 from pie.backend import sampling
+from pie.backend.ahead import Ahead
 from pie.backend.attention import (
     AttentionPlan,
     CpuKernelAttention,
@@ -82,6 +83,9 @@ class Engine:
         self.embeds = EmbedPool(config.num_embeds, cfg.hidden_size, self.dtype, self.device)
         self.host = HostPages(self.kv, config.num_host_kv_pages, config.swap_gbps) if config.num_host_kv_pages else None
         self.hold_reply_until: float | None = None  # see take_hold
+        # The steps a request's items take on after its reply (pie/backend/ahead.py), which
+        # the server runs before it reads the next request.
+        self.ahead: Ahead | None = None
         self.attention: PagedAttention = self._attention_backend()
         self.graphs = None  # decode steps replayed from CUDA graphs (backend.cuda_graphs)
         if config.cuda_graphs:
@@ -582,6 +586,7 @@ class Engine:
             P.Kind.MASK_KVPAGE: self.mask_kvpage,
             P.Kind.SWAP_KVPAGE: self.swap_kvpage,
             P.Kind.PASS: lambda msg: run_passes(self, msg),
+            P.Kind.INTERRUPT: lambda msg: msg,  # the server ended any steps ahead on seeing it
             P.Kind.STATS: self.stats,
         }[message.kind]
         return handler(message)  # type: ignore[arg-type]

@@ -1,7 +1,9 @@
 """The inference process: one ZeroMQ ROUTER socket, one loop, one batch at a time.
 
-Receive a frame, run its handler, reply, then tell that peer the backend is idle (the
-signal that drives the control layer's work-conserving scheduler). A swap over an emulated
+Receive a frame, run its handler, reply, take the steps the request's items go on with
+(`Passes.ahead`, pie/backend/ahead.py) until they stop or another frame waits, then tell
+that peer the backend is idle (the signal that drives the control layer's work-conserving
+scheduler). A swap over an emulated
 link (`backend.swap_gbps`) is answered once the link would have carried it; the loop goes
 on meanwhile. Nothing a peer sends
 can stop the loop: a bad frame or item gets an error reply, and so does a bug in a handler.
@@ -17,6 +19,7 @@ import time
 import traceback
 from pathlib import Path
 
+import numpy as np
 import torch
 import zmq
 
@@ -62,19 +65,24 @@ class BackendServer:
             # DEALER peers send [payload]; ROUTER prepends the peer identity. REQ peers add an
             # empty delimiter; everything before the payload is echoed back as the envelope.
             envelope, payload = frames[:-1], frames[-1]
-            reply = [*envelope, self.handle_frame(payload)]
+            request_id, frame = self.handle_frame(payload)
+            reply = [*envelope, frame]
             if (hold := self.engine.take_hold()) is not None:
                 heapq.heappush(held, (hold, next(order), reply))
             else:
                 self.socket.send_multipart(reply)
+            if self.engine.ahead is not None:
+                self.go_ahead(envelope, request_id)
             self.socket.send_multipart([*envelope, P.encode(P.IDLE_REQUEST_ID, P.Idle())])
         self.socket.close()
         if self.auth is not None:
             self.auth.stop()
         self.context.term()
 
-    def handle_frame(self, payload: bytes) -> bytes:
+    def handle_frame(self, payload: bytes) -> tuple[int, bytes]:
+        """(The request's id, -1 where unreadable; the reply frame.)"""
         request_id = -1
+        self.engine.ahead = None
         try:
             request_id, kind, body = P.decode_envelope(payload)
             if kind not in P.REQUESTS:
@@ -83,12 +91,37 @@ class BackendServer:
             started = time.perf_counter()
             reply = self.engine.handle(message)
             log.debug("%s took %.2f ms", kind, (time.perf_counter() - started) * 1e3)
-            return P.encode(request_id, reply, kind)
+            return request_id, P.encode(request_id, reply, kind)
         except P.ProtocolError as e:
-            return P.encode(request_id, P.ErrorReply(str(e)))
+            self.engine.ahead = None
+            return request_id, P.encode(request_id, P.ErrorReply(str(e)))
         except Exception as e:  # a handler bug must not take the backend down
+            self.engine.ahead = None
             log.error("internal error handling request %s:\n%s", request_id, traceback.format_exc())
-            return P.encode(request_id, P.ErrorReply(f"internal error: {type(e).__name__}: {e}"))
+            return request_id, P.encode(request_id, P.ErrorReply(f"internal error: {type(e).__name__}: {e}"))
+
+    def go_ahead(self, envelope: list[bytes], request_id: int) -> None:
+        """Step the items of the request just answered that go on (`engine.ahead`), one
+        `PassesStep` a step, the last `final`: when none has steps left or a frame waits on
+        the socket (an `Interrupt`, or any request: it is served next). A failing step ends
+        them all with its error on every item still going."""
+        ahead = self.engine.ahead
+        while ahead is not None:
+            if self.socket.poll(0):
+                tokens, errors, final = np.full(ahead.n_items, -1, np.int32), {}, True
+            else:
+                try:
+                    tokens, errors = ahead.step()
+                except Exception as e:  # a bug must not take the backend down
+                    log.error("internal error stepping request %s ahead:\n%s", request_id, traceback.format_exc())
+                    tokens = np.full(ahead.n_items, -1, np.int32)
+                    errors = {r["item"]: f"internal error: {type(e).__name__}: {e}" for r in ahead.rows}
+                    ahead.rows = []
+                final = ahead.done or bool(self.socket.poll(0))
+            self.socket.send_multipart([*envelope, P.encode(request_id, P.PassesStep(
+                tokens=tokens.tobytes(), final=final, errors=errors))])
+            if final:
+                ahead = self.engine.ahead = None
 
     def stop(self, *_: object) -> None:
         self.running = False

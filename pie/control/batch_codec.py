@@ -12,9 +12,11 @@ from pie.control.errors import ErrorKind, HostError
 from pie.control.passes import encode, fail
 
 
-def build_batch(kind: str, batch: list[Command]) -> P.Message:
+def build_batch(kind: str, batch: list[Command], ahead_steps: int = 0) -> P.Message:
+    """The batch as its protocol message; fused passes' runs may go on for up to
+    `ahead_steps` steps in the backend (`Pass.ahead`)."""
     if kind == P.Kind.PASS:
-        return encode(batch)  # type: ignore[arg-type]
+        return encode(batch, ahead_steps)  # type: ignore[arg-type]
     items = [c.item for c in batch]
     if kind == P.Kind.EMBED_TEXT:
         return P.EmbedText(*(sum((i[f] for i in items), []) for f in ("token_ids", "positions", "embed_ids")))

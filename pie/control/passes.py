@@ -12,6 +12,7 @@ through its queue's `PassResults` (`take`, `results-ready`), not one future per 
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import time
@@ -333,6 +334,24 @@ class Pass:
 
     # --- a run's next step ----------------------------------------------------------------
 
+    def ahead(self, limit: int) -> int:
+        """How many steps after this one the backend may take on its own (`Passes.ahead`,
+        at most `limit`): a run's, where its next steps depend on nothing but its draws — no
+        grammar matcher or logit rules, whose state this side updates with each draw, no
+        allowed mask, scores or kept state — and stay in the page its last new token is
+        written to, leaving that page's last slot to a step sent by the scheduler, so that
+        the prefix cache plans the copy of every page a run completes (`prepare`) and only
+        pages it stamped for this step are written meanwhile."""
+        if self.steps_left <= 1 or self.cancelled or self.parent is not None or not self.token_ids \
+                or len(self.outputs) != 1:
+            return 0
+        o = self.outputs[0]
+        if (o.matcher is not None or o.rules is not None or o.allowed is not None or o.entropy or o.dist_k
+                or o.logprob_ids or o.keep >= 0 or not o.sample):
+            return 0
+        last = self.context_slots() + self.tokens - 1  # the slot of the last new token
+        return max(0, min(limit, self.steps_left - 1, self.page_size - 2 - last % self.page_size))
+
     def advance(self, token: int) -> None:
         """Make this pass the run's next step: `token` in at the next position and slot."""
         ps = self.page_size
@@ -442,8 +461,9 @@ def _f32(values: list[float]) -> bytes:
     return array("f", values).tobytes()
 
 
-def encode(batch: list[Pass]) -> P.Passes:
-    """The batch as one `Passes` request (packed columns; x86 and ARM are little-endian)."""
+def encode(batch: list[Pass], ahead_steps: int = 0) -> P.Passes:
+    """The batch as one `Passes` request (packed columns; x86 and ARM are little-endian);
+    runs may go on for up to `ahead_steps` steps in the backend (`Pass.ahead`)."""
     tok, emb, pos, tptr = [], [], [], [0]
     kv, kvptr, lens, out, outptr, offs, masks = [], [0], [], [], [0], [], []
     oidx, flags, temp, topk, topp, minp, seed, distk, keep, lp, lpptr = ([] for _ in range(11))
@@ -484,6 +504,13 @@ def encode(batch: list[Pass]) -> P.Passes:
                 bias_values += values
             bias_ptr.append(len(bias_ids))
         oindptr.append(len(oidx))
+    ahead = [p.ahead(ahead_steps) for p in batch] if ahead_steps else []
+    stops: dict[str, bytes] = {}
+    if any(ahead):
+        stop_ids = [t for p, a in zip(batch, ahead) for t in (sorted(p.stop_tokens) if a else ())]
+        stop_ptr = list(itertools.accumulate((len(p.stop_tokens) if a else 0 for p, a in zip(batch, ahead)),
+                                             initial=0))
+        stops = {"ahead": _i32(ahead), "stop_ids": _i32(stop_ids), "stop_indptr": _i32(stop_ptr)}
     copy_before = [page for p in batch for pair in p.copy_in for page in pair]
     copy_after = [page for p in batch for _, own, cached in p.saves for page in (own, cached)]
     return P.Passes(
@@ -498,6 +525,7 @@ def encode(batch: list[Pass]) -> P.Passes:
         allowed=allowed if any(a is not None for a in allowed) else [],
         **({"bias_ids": _i32(bias_ids), "bias_values": _f32(bias_values), "bias_indptr": _i32(bias_ptr)}
            if bias_ids else {}),
+        **stops,
     )
 
 
@@ -565,6 +593,34 @@ def settle(batch: list[Pass], reply: P.PassesReply) -> tuple[list[Pass], list[th
                 p.advance(drawn[0])
                 again.append(p)
     return again, wakes
+
+
+def settle_step(going: dict[int, Pass], step: P.PassesStep) -> list[threading.Event]:
+    """Publish a step the backend took on its own (`PassesStep`) for the runs of its request
+    still going (`going`: item index -> pass, each at the step the backend computed), as
+    `settle` does a reply: each drawn token, then the run's next step (`Pass.advance`), so
+    this side's passes stay where the backend's are. Runs that end leave `going`; the
+    scheduler puts the rest back at the head of their queues after the final step. Returns
+    the events that wake the instances waiting for these results."""
+    tokens = _unpack("i", step.tokens)
+    wakes: list[threading.Event] = []
+    for item, p in list(going.items()):
+        if item in step.errors:
+            del going[item]
+            p.queue.results.publish(p, Status.FAILED, error=HostError(
+                ErrorKind.INFERENCE_FAILED, f"pass {p.pass_id}: {step.errors[item]}"), wakes=wakes)
+            continue
+        token = tokens[item] if item < len(tokens) else -1
+        if token < 0:
+            continue  # not stepped: it goes on from here in the scheduler's next batch
+        go = p.steps_left > 1 and not p.cancelled and token not in p.stop_tokens
+        ended = Status.CANCELLED if p.cancelled and p.steps_left > 1 else Status.DONE
+        p.queue.results.publish(p, Status.RUNNING if go else ended, [token], wakes=wakes)
+        if go:
+            p.advance(token)
+        else:
+            del going[item]
+    return wakes
 
 
 def fail(batch: list[Pass], error: HostError) -> None:

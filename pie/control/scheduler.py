@@ -35,13 +35,17 @@ from pie.control.batch_codec import (
 from pie.control.command import MARKER, Command, CommandQueue, conflicts, reads_result
 from pie.control.errors import ErrorKind, HostError
 from pie.control.future import HostFuture
-from pie.control.passes import Pass, Status, fail, settle
+from pie.control.passes import Pass, Status, fail, settle, settle_step
 from pie.control.policies import HEAVY, Head, Objective, ReadyView, policy_for
 from pie.control.prefix_cache import PrefixCache
 from pie.control.scheduler_channel import SchedulerChannel
 from pie.control.scheduler_stats import Costs, SchedulerStats
 
 log = logging.getLogger("pie.control")
+
+
+def _i32_values(data: bytes) -> memoryview:
+    return memoryview(data).cast("i")
 
 DECODE_TOKENS = 16  # a pass of at most this many new tokens decodes (one token, or a draft)
 MIN_CHUNK_TOKENS = 16  # no prefill chunk smaller than this (each costs a batch's fixed work)
@@ -61,6 +65,13 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.in_flight: dict[int, list[Command]] = {}
         self.sent_at: dict[int, float] = {}
+        # Requests whose runs the backend steps on its own (Passes.ahead): request id -> item
+        # index -> the pass, at the step the backend computes next; in flight until the final
+        # step. `interrupt`: an Interrupt is due (other work waits, or a run was cancelled);
+        # `interrupted`: the requests one was sent for.
+        self.ahead: dict[int, dict[int, Pass]] = {}
+        self.interrupt = False
+        self.interrupted: set[int] = set()
         self.last_forward_s = 0.05  # duration of the latest forward batch (seed: a guess)
         self.costs = Costs()  # what a token and a swapped page cost (the reclaimer's estimates)
         self.recent_forwards: dict[int, float] = {}  # id(queue) -> when its last forward left
@@ -172,6 +183,8 @@ class Scheduler:
                 q.pending.clear()
             self.in_flight.clear()
             self.sent_at.clear()
+            self.ahead.clear()
+            self.interrupted.clear()
             callbacks = [callback for _, callback in self.settle_callbacks]
             self.settle_callbacks = []
         for command in commands:
@@ -189,6 +202,10 @@ class Scheduler:
             complete(markers)
             with self.lock:
                 heads = self._eligible_heads()
+                interrupt = self._interrupt_due(bool(heads))
+            if interrupt:
+                send(P.encode(next(self.request_ids), P.Interrupt()))
+            with self.lock:
                 if not heads:
                     return None
                 kind, wait_ms = self.policy.choose(self._view(heads))
@@ -220,7 +237,19 @@ class Scheduler:
                 elif (deferred := self.prefix_cache.prepare(batch)) and not self._hold_back(  # type: ignore[arg-type]
                         request_id, deferred, batch):
                     continue
-            send(P.encode(request_id, build_batch(kind, batch)))
+            send(P.encode(request_id, build_batch(kind, batch, self.config.ahead_steps)))
+
+    def _interrupt_due(self, waiting: bool) -> bool:
+        """(Under the lock.) Whether to end the steps the backend takes on its own now: other
+        calls wait for the next batch (`waiting`) or a run stepped ahead was cancelled, and
+        no Interrupt was sent for those requests yet. Any frame ends them at the next step;
+        their runs then head their queues and ride the next batch with the waiting calls."""
+        due = (waiting or self.interrupt) and not self.interrupted.issuperset(self.ahead)
+        self.interrupt = False
+        if due:
+            self.interrupted |= set(self.ahead)
+            self.stats.interrupts += 1
+        return due
 
     def _hold_back(self, request_id: int, deferred: list[Pass], batch: list[Command]) -> bool:
         """Put passes the prefix cache held back at the head of their queues again (a
@@ -412,6 +441,10 @@ class Scheduler:
             with self.lock:
                 self.backend_idle = self._computing_nothing()
             return wakes
+        if kind is P.Kind.INTERRUPT:
+            return wakes
+        if kind is P.Kind.PASS_STEP:
+            return self._stepped(request_id, reply)  # type: ignore[arg-type]
         with self.lock:
             batch = self.in_flight.pop(request_id, None)
             sent = self.sent_at.pop(request_id, None)
@@ -437,10 +470,55 @@ class Scheduler:
                     settle_command(command, message, None)
         elif kind is P.Kind.PASS:
             runs, wakes = settle(batch, reply)  # type: ignore[arg-type]
+            if reply.more:  # type: ignore[attr-defined]
+                # The backend steps these runs on: the batch stays in flight until its final step.
+                at = {id(p): item for item, p in enumerate(batch)}
+                with self.lock:
+                    self.in_flight[request_id] = batch
+                    self.sent_at[request_id] = time.monotonic()
+                    self.backend_idle = False
+                    self.ahead[request_id] = {at[id(p)]: p for p in runs}
+                self._drop_failed_parents(batch)
+                return wakes
             self._continue(runs)
         else:
             resolve_batch(batch, reply)
         self._drop_failed_parents(batch)
+        self._settled(request_id)
+        return wakes
+
+    def _stepped(self, request_id: int, step: P.PassesStep) -> list[threading.Event]:
+        """A step the backend took on its own: publish its tokens; after the final one, the
+        runs still going head their queues again and the batch is settled."""
+        with self.lock:
+            going = self.ahead.get(request_id)
+            if going is None:
+                log.warning("step of unknown request %s", request_id)
+                return []
+            now = time.monotonic()
+            self.last_forward_s = now - self.sent_at.get(request_id, now)
+            self.sent_at[request_id] = now
+            stepped = sum(1 for t in _i32_values(step.tokens) if t >= 0)
+            if stepped:
+                self.stats.batches[P.Kind.PASS] += 1
+                self.stats.calls[P.Kind.PASS] += stepped
+                self.stats.batch_sizes[stepped] += 1
+                self.stats.stepped(self.last_forward_s)
+                self.stats.ahead_steps += 1
+        wakes = settle_step(going, step)
+        if not step.final:
+            return wakes
+        with self.lock:
+            self.ahead.pop(request_id, None)
+            self.interrupted.discard(request_id)
+            self.in_flight.pop(request_id, None)
+            self.sent_at.pop(request_id, None)
+            self.backend_idle = self._computing_nothing()
+        runs = [p for p in going.values() if not p.cancelled]
+        for p in going.values():
+            if p.cancelled:  # cancelled after its last step ahead: nothing more runs
+                p.queue.results.publish(p, Status.CANCELLED, wakes=wakes)
+        self._continue(runs)
         self._settled(request_id)
         return wakes
 
@@ -452,6 +530,8 @@ class Scheduler:
             lost = dict(self.in_flight)
             self.in_flight.clear()
             self.sent_at.clear()
+            self.ahead.clear()
+            self.interrupted.clear()
             self.backend_idle = True
         for request_id, batch in lost.items():
             for command in batch:
@@ -487,14 +567,19 @@ class Scheduler:
         return closed
 
     def cancel(self, p: Pass) -> None:
-        """A waiting pass never runs; one in flight (a run's step) is the run's last."""
+        """A waiting pass never runs; one in flight (a run's step) is the run's last, and
+        the backend stops stepping it on its own at its next step."""
         with self.lock:
             waiting = p in p.queue.pending
             if waiting:
                 p.queue.pending.remove(p)  # type: ignore[arg-type]
             p.cancelled = True
+            ahead = any(p in going.values() for going in self.ahead.values())
+            self.interrupt = self.interrupt or ahead
         if waiting:
             p.queue.results.publish(p, Status.CANCELLED)
+        if ahead:
+            self.channel.wake()
 
     def when_settled(self, instance_id: str, callback: Callable[[], Any]) -> None:
         """Run `callback` once no batch in flight holds a call of `instance_id` (at once if

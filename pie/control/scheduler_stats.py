@@ -24,6 +24,10 @@ class SchedulerStats:
     # the round trip; counted per bucket of STEP_BOUNDS_S (the last bucket: slower than all).
     step_buckets: Counter = field(default_factory=Counter)
     step_s_total: float = 0.0
+    # Steps the backend took on its own (Passes.ahead; each also counts as a pass batch of
+    # the runs it stepped) and the Interrupts that ended them early for other work.
+    ahead_steps: int = 0
+    interrupts: int = 0
 
     def stepped(self, seconds: float) -> None:
         self.step_buckets[bisect.bisect_left(STEP_BOUNDS_S, seconds)] += 1
@@ -38,6 +42,8 @@ class SchedulerStats:
                                for b, bound in enumerate(STEP_BOUNDS_S)},
             "steps": steps,
             "step_s_total": self.step_s_total,
+            "ahead_steps": self.ahead_steps,
+            "interrupts": self.interrupts,
             "batches": {str(k): v for k, v in self.batches.items()},
             "calls": {str(k): v for k, v in self.calls.items()},
             "batch_sizes": {str(k): v for k, v in sorted(self.batch_sizes.items())},

@@ -86,6 +86,14 @@ class StatsCollector:
                                          "sent to the backend -> its reply", labels=["replica"])
             step.add_metric([replica], steps, sum_value=scheduler["step_s_total"])
             yield step
+        for name, key, what in (("pie_scheduler_ahead_steps", "ahead_steps",
+                                 "Decode steps the backend took on its own (control.ahead_steps)"),
+                                ("pie_scheduler_interrupts", "interrupts",
+                                 "Interrupts that ended the backend's steps ahead for other work")):
+            if key in scheduler:
+                family = CounterMetricFamily(name, what, labels=["replica"])
+                family.add_metric([replica], scheduler[key])
+                yield family
         for name, key, what in (("pie_scheduler_wait_seconds_mean", "mean_wait_ms", "Mean time a call waited"),
                                 ("pie_scheduler_wait_seconds_max", "max_wait_ms", "Longest time a call waited")):
             family = GaugeMetricFamily(name, f"{what} in the scheduler before its batch left", labels=["replica"])
