@@ -328,6 +328,9 @@ def test_a_long_prefill_goes_in_chunks_while_a_run_decodes(chunking):
     # batch sizes: the decoder's prefill, then its steps each beside a 16-token chunk
     # (16 = max_step_tokens - 1 rounded up to the minimum chunk), then the last 12 tokens
     assert [n for _, n in backend.batches][:5] == [1, 2, 2, 2, 2]
+    # beside a chunk the decoder is granted no steps ahead: they would run without the
+    # prompt's next chunk, which waits for the reply
+    assert [bool(m.ahead) for m in backend.passes[1:4]] == [False] * 3 and backend.passes[4].ahead
     physical = p.resources.pages.resolve(pages)
     seen = 0
     for msg in backend.passes[1:5]:
@@ -525,10 +528,12 @@ def test_a_call_waiting_while_steps_run_ahead_interrupts_them_and_rides_the_next
     controller, backend = fake
     backend.step_ahead = True
     backend.step_gate.clear()  # the backend holds before its first step ahead
-    a, b = controller.session("a", []), controller.session("b", [])
-    qa, qb = a.create_queue("m"), b.create_queue("m")
+    a = controller.session("a", [])
+    qa = a.create_queue("m")
     submit(a, qa, [1, 2, 3], run=8, out=a.alloc_kvpage(qa, 1))
     wait_for(backend.stepping.is_set)
+    b = controller.session("b", [])
+    qb = b.create_queue("m")
     submit(b, qb, [4, 5], out=b.alloc_kvpage(qb, 1), stream=False)
     wait_for(lambda: controller.stats()["scheduler"]["interrupts"] == 1)
     backend.step_gate.set()
