@@ -564,3 +564,24 @@ def test_a_run_cancelled_while_stepping_ahead_ends_with_its_next_step(fake):
     assert results[-1][1] == "cancelled" and [t for r in results for t in r[2]] == [7]
     assert backend.batches == [("pass", 1)]  # nothing more was sent for it
     a.close()
+
+
+def test_teardown_while_stepping_ahead_frees_pages_after_the_final_step(fake):
+    """An instance that ends while the backend steps its run on its own: its pages stay
+    held until the backend's final step (it still writes them), then all come back; the
+    run is not put back on the closed queue, and an Interrupt ends the steps it no longer needs."""
+    controller, backend = fake
+    backend.step_ahead = True
+    backend.step_gate.clear()
+    a = controller.session("a", [])
+    q = a.create_queue("m")
+    submit(a, q, [1, 2, 3], run=10, out=a.alloc_kvpage(q, 1))
+    wait_for(backend.stepping.is_set)
+    pages = controller.replicas[0].resources.pages
+    a.close()
+    assert pages.available == pages.size - 1  # the steps ahead still write it
+    wait_for(lambda: controller.stats()["scheduler"]["interrupts"] == 1)
+    backend.step_gate.set()
+    wait_for(lambda: pages.available == pages.size)
+    assert backend.batches == [("pass", 1)]  # nothing was sent for the closed queue
+    assert backend.interrupts == 1 and backend.steps == []

@@ -123,6 +123,11 @@ class Scheduler:
             self.arrivals.pop(instance_id, None)
             for queue in mine:
                 self.recent_forwards.pop(id(queue), None)
+            # Its runs stepped ahead in the backend are of no use now: end those steps.
+            ahead = any(p.queue.instance_id == instance_id for going in self.ahead.values() for p in going.values())
+            self.interrupt = self.interrupt or ahead
+        if ahead:
+            self.channel.wake()
         for queue in mine:
             queue.closed = True
             for command in queue.pending:
