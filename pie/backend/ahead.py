@@ -18,6 +18,7 @@ tokens were drawn here), so they skip the request checks; `pass_compute.compute`
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -29,12 +30,28 @@ if TYPE_CHECKING:
     from pie.backend.engine import Engine
 
 
-class Ahead:
-    """The items of one request that go on: per item, the request's item index, its pages in
-    slot order, slots filled, its next token and position, steps left, stop tokens and
-    sampler (seeded samplers advance their seed by one a step, as `Pass.advance` does)."""
+@dataclass(slots=True)
+class Row:
+    """One item that goes on: the request's item index, its pages in slot order, slots
+    filled, its next token and position, steps left, stop tokens, sampler (temperature,
+    top_k, top_p, min_p) and seed (a seeded sampler's advances by one a step, as
+    `Pass.advance` does)."""
 
-    def __init__(self, engine: Engine, n_items: int, rows: list[dict]):
+    item: int
+    pages: np.ndarray
+    filled: int
+    token: int
+    position: int
+    left: int
+    stops: set[int]
+    sampler: tuple[float, int, float, float]
+    seed: int
+
+
+class Ahead:
+    """The items of one request that go on (`Row`s)."""
+
+    def __init__(self, engine: Engine, n_items: int, rows: list[Row]):
         self.engine = engine
         self.n_items = n_items
         self.rows = rows
@@ -65,16 +82,24 @@ class Ahead:
             steps = min(int(c["ahead"][b]), len(pages) * ps - filled)
             if steps <= 0:
                 continue
-            seed = int(c["seed"][r0])
-            rows.append({"item": b, "pages": pages, "filled": filled, "token": int(tokens[r0]),
-                         "position": int(c["positions"][t1 - 1]) + 1, "left": steps, "stops": stops,
-                         "sampler": (float(c["temperature"][r0]), int(c["top_k"][r0]), float(c["top_p"][r0]),
-                                     float(c["min_p"][r0])), "seed": seed})
+            rows.append(Row(b, pages, filled, int(tokens[r0]), int(c["positions"][t1 - 1]) + 1, steps, stops,
+                            (float(c["temperature"][r0]), int(c["top_k"][r0]), float(c["top_p"][r0]),
+                             float(c["min_p"][r0])), int(c["seed"][r0])))
         return cls(engine, n, rows) if rows else None
 
     @property
     def done(self) -> bool:
         return not self.rows
+
+    def unstepped(self) -> np.ndarray:
+        """A step's tokens where no item stepped."""
+        return np.full(self.n_items, -1, dtype=np.int32)
+
+    def abandon(self, reason: str) -> dict[int, str]:
+        """Stop every item that goes on: {request item: `reason`}."""
+        errors = {r.item: reason for r in self.rows}
+        self.rows = []
+        return errors
 
     def step(self) -> tuple[np.ndarray, dict[int, str]]:
         """One decode step of every item that goes on: the token each drew (-1 for items of
@@ -83,45 +108,42 @@ class Ahead:
         n = len(rows)
         kv, kv_ptr, last, out, off = [], [0], [], [], []
         for r in rows:
-            f = r["filled"]
+            f = r.filled
             k = -(-f // ps)
-            kv.append(r["pages"][:k])
+            kv.append(r.pages[:k])
             kv_ptr.append(kv_ptr[-1] + k)
             last.append(f - (k - 1) * ps)
-            out.append(r["pages"][f // ps])
+            out.append(r.pages[f // ps])
             off.append(f % ps)
         ones, zeros = np.arange(n + 1, dtype=np.int64), np.zeros(n, dtype=np.int64)
-        samplers = np.array([r["sampler"] for r in rows], dtype=np.float64).reshape(n, 4)
+        samplers = np.array([r.sampler for r in rows], dtype=np.float64).reshape(n, 4)
         c = {
-            "token_ids": np.array([r["token"] for r in rows], dtype=np.int64),
-            "embed_ids": zeros - 1, "positions": np.array([r["position"] for r in rows], dtype=np.int64),
+            "token_ids": np.array([r.token for r in rows], dtype=np.int64),
+            "embed_ids": zeros - 1, "positions": np.array([r.position for r in rows], dtype=np.int64),
             "token_indptr": ones, "kv_page_ids": np.concatenate(kv), "kv_page_indptr": np.array(kv_ptr),
             "kv_last_page_lens": np.array(last, dtype=np.int64), "out_kv_page_ids": np.array(out, dtype=np.int64),
             "out_kv_page_indptr": ones, "out_kv_offsets": np.array(off, dtype=np.int64),
             "out_indptr": ones, "out_index": zeros, "flags": np.full(n, P.FLAG_SAMPLE, dtype=np.uint8),
             "temperature": samplers[:, 0].astype(np.float32), "top_k": samplers[:, 1].astype(np.int64),
             "top_p": samplers[:, 2].astype(np.float32), "min_p": samplers[:, 3].astype(np.float32),
-            "seed": np.array([r["seed"] for r in rows], dtype=np.int64), "dist_k": zeros,
+            "seed": np.array([r.seed for r in rows], dtype=np.int64), "dist_k": zeros,
             "keep_embed": zeros - 1, "logprob_ids": zeros[:0], "logprob_indptr": np.zeros(n + 1, dtype=np.int64),
             "bias_ids": zeros[:0], "bias_values": np.zeros(0, np.float32), "bias_indptr": zeros[:0],
         }
         errors: dict[int, str] = {}
         drawn, _ = compute(self.engine, c, [], [], errors, counter="pass.ahead")
-        tokens = np.full(self.n_items, -1, dtype=np.int32)
+        tokens = self.unstepped()
         failed, going = {}, []
         for i, r in enumerate(rows):
             if i in errors or drawn[i] < 0:
-                failed[r["item"]] = errors.get(i, "no token drawn")
+                failed[r.item] = errors.get(i, "no token drawn")
                 continue
             t = int(drawn[i])
-            tokens[r["item"]] = t
-            r["filled"] += 1
-            r["position"] += 1
-            r["token"] = t
-            r["left"] -= 1
-            if r["seed"] >= 0:
-                r["seed"] = (r["seed"] + 1) % (1 << 63)
-            if r["left"] > 0 and t not in r["stops"]:
+            tokens[r.item] = t
+            r.filled, r.position, r.token, r.left = r.filled + 1, r.position + 1, t, r.left - 1
+            if r.seed >= 0:
+                r.seed = (r.seed + 1) % (1 << 63)
+            if r.left > 0 and t not in r.stops:
                 going.append(r)
         self.rows = going
         return tokens, failed

@@ -19,7 +19,6 @@ import time
 import traceback
 from pathlib import Path
 
-import numpy as np
 import torch
 import zmq
 
@@ -108,15 +107,13 @@ class BackendServer:
         ahead = self.engine.ahead
         while ahead is not None:
             if self.socket.poll(0):
-                tokens, errors, final = np.full(ahead.n_items, -1, np.int32), {}, True
+                tokens, errors, final = ahead.unstepped(), {}, True
             else:
                 try:
                     tokens, errors = ahead.step()
                 except Exception as e:  # a bug must not take the backend down
                     log.error("internal error stepping request %s ahead:\n%s", request_id, traceback.format_exc())
-                    tokens = np.full(ahead.n_items, -1, np.int32)
-                    errors = {r["item"]: f"internal error: {type(e).__name__}: {e}" for r in ahead.rows}
-                    ahead.rows = []
+                    tokens, errors = ahead.unstepped(), ahead.abandon(f"internal error: {type(e).__name__}: {e}")
                 final = ahead.done or bool(self.socket.poll(0))
             self.socket.send_multipart([*envelope, P.encode(request_id, P.PassesStep(
                 tokens=tokens.tobytes(), final=final, errors=errors))])

@@ -595,13 +595,14 @@ def settle(batch: list[Pass], reply: P.PassesReply) -> tuple[list[Pass], list[th
     return again, wakes
 
 
-def settle_step(going: dict[int, Pass], step: P.PassesStep) -> list[threading.Event]:
+def settle_step(going: dict[int, Pass], step: P.PassesStep) -> tuple[list[threading.Event], int]:
     """Publish a step the backend took on its own (`PassesStep`) for the runs of its request
     still going (`going`: item index -> pass, each at the step the backend computed), as
     `settle` does a reply: each drawn token, then the run's next step (`Pass.advance`), so
     this side's passes stay where the backend's are. Runs that end leave `going`; the
     scheduler puts the rest back at the head of their queues after the final step. Returns
-    the events that wake the instances waiting for these results."""
+    the events that wake the instances waiting for these results, and how many items the
+    backend stepped."""
     tokens = _unpack("i", step.tokens)
     wakes: list[threading.Event] = []
     for item, p in list(going.items()):
@@ -620,7 +621,7 @@ def settle_step(going: dict[int, Pass], step: P.PassesStep) -> list[threading.Ev
             p.advance(token)
         else:
             del going[item]
-    return wakes
+    return wakes, sum(t >= 0 for t in tokens)
 
 
 def fail(batch: list[Pass], error: HostError) -> None:

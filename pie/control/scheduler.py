@@ -43,10 +43,6 @@ from pie.control.scheduler_stats import Costs, SchedulerStats
 
 log = logging.getLogger("pie.control")
 
-
-def _i32_values(data: bytes) -> memoryview:
-    return memoryview(data).cast("i")
-
 DECODE_TOKENS = 16  # a pass of at most this many new tokens decodes (one token, or a draft)
 MIN_CHUNK_TOKENS = 16  # no prefill chunk smaller than this (each costs a batch's fixed work)
 
@@ -514,20 +510,19 @@ class Scheduler:
             if going is None:
                 log.warning("step of unknown request %s", request_id)
                 return []
+        wakes, stepped = settle_step(going, step)
+        with self.lock:
             now = time.monotonic()
             self.last_forward_s = now - self.sent_at.get(request_id, now)
             self.sent_at[request_id] = now
-            stepped = sum(1 for t in _i32_values(step.tokens) if t >= 0)
             if stepped:
                 self.stats.batches[P.Kind.PASS] += 1
                 self.stats.calls[P.Kind.PASS] += stepped
                 self.stats.batch_sizes[stepped] += 1
                 self.stats.stepped(self.last_forward_s)
                 self.stats.ahead_steps += 1
-        wakes = settle_step(going, step)
-        if not step.final:
-            return wakes
-        with self.lock:
+            if not step.final:
+                return wakes
             self.ahead.pop(request_id, None)
             self.interrupted.discard(request_id)
             self.in_flight.pop(request_id, None)
