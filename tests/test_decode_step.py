@@ -121,3 +121,56 @@ def test_fused_decode_is_only_for_bf16_kernels(model_dir):
                                                       num_kv_pages=8, num_embeds=8))
     assert torch_attention.model.fused_decode is None or not torch_attention.model.fused_decode.applies(
         1, torch_attention.attention, torch_attention.kv)
+
+
+def shared_prefix_steps(engine: Engine) -> tuple[list[torch.Tensor], list[int]]:
+    """Three users on one 48-token prefix (pages 0-2, prefilled once), each with a question of
+    its own, then greedy decode steps of the three: every forward's output, every draw."""
+    hidden: list[torch.Tensor] = []
+    forward = engine.model.forward
+
+    def recording_forward(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        hidden.append(out.clone())
+        return out
+
+    engine.model.forward = recording_forward  # type: ignore[method-assign]
+    ps = engine.page_size
+    prefix = [(7 * i) % 3000 + 50 for i in range(3 * ps)]
+    run_sampling_passes(engine, [sampling_pass(prefix, 0, [0, 1, 2], ps)])
+    pages = [[0, 1, 2, 3 + 2 * u, 4 + 2 * u] for u in range(3)]
+    tokens = run_sampling_passes(engine, [sampling_pass([900 + 11 * u + i for i in range(4 + u)], len(prefix), pg, ps)
+                                          for u, pg in enumerate(pages)])
+    lengths = [len(prefix) + 4 + u for u in range(3)]
+    drawn = list(tokens)
+    for _ in range(4):
+        tokens = run_sampling_passes(engine, [sampling_pass([t], n, pg, ps) for t, n, pg in zip(tokens, lengths, pages)])
+        lengths = [n + 1 for n in lengths]
+        drawn += tokens
+    return hidden, drawn
+
+
+def test_a_step_whose_items_share_a_prefix_takes_the_fused_step_and_its_greedy_tail(model_dir):
+    """Decode items on one shared prefix (csrc/shared_prefix.h's groups) in a greedy step: the
+    fused step takes them with its greedy tail (on AVX-512 BF16 the prefix is a phase of the
+    layers' region, elsewhere the op loop and the tail by ops; this step used to be refused,
+    "a step with shared prefixes has no greedy tail"), and draws what the Python loop draws
+    over the same groups, its hidden states bit for bit."""
+    config = BackendConfig(dtype="bfloat16", num_kv_pages=32, num_embeds=16, shared_prefix_keys=32)
+    tail = Engine(model_dir, config)
+    if not tail.model.takes_greedy(1, tail.attention, tail.kv):
+        pytest.skip("this CPU has neither AVX-512 BF16 nor AVX2 + FMA: no fused decode step, no greedy tail")
+    fused = no_greedy_tail(Engine(model_dir, config))
+    eager = no_greedy_tail(Engine(model_dir, config))
+    eager.model.fused_decode = None
+    for engine in (tail, fused, eager):
+        engine.attention.SHARED_PREFIX_MEMBERS = 2
+    _, tail_draws = shared_prefix_steps(tail)
+    fused_hidden, fused_draws = shared_prefix_steps(fused)
+    eager_hidden, eager_draws = shared_prefix_steps(eager)
+    assert tail.counters["pass.greedy_tail"] == 5  # the questions and 4 decode steps; the 48-token prefix: logits
+    assert tail.attention.grouped_items == fused.attention.grouped_items == eager.attention.grouped_items == 4 * 3
+    assert tail_draws == fused_draws == eager_draws
+    assert len(fused_hidden) == len(eager_hidden) == 6
+    for ours, theirs in zip(fused_hidden, eager_hidden):
+        assert torch.equal(ours, theirs)

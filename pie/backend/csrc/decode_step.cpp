@@ -21,7 +21,8 @@
 // batch 1, 0.90x at 8 against fixed halves; level without it. Claiming from one shared
 // counter instead was 1-15 % slower (the two streams interleave). A step that shares a
 // prefix among its items (shared_prefix.h: batched products per group, their own parallel
-// regions) keeps the op loop.
+// regions) keeps the op loop where the prefix's bf16 flash loop is missing (no AVX-512 BF16);
+// with it, the prefix is a phase of each layer in the region (Bf16Prefixes).
 // The kernels' sources are included (their bindings compiled out) so this is one extension.
 #define PIE_NO_BINDINGS
 #include "bf16_gemv.cpp"
@@ -99,7 +100,8 @@ torch::Tensor layers_in_one_region(torch::Tensor x_in, const std::vector<torch::
                                    torch::Tensor cos, torch::Tensor sin, torch::Tensor write_slots,
                                    torch::Tensor q_indptr, torch::Tensor kv_indptr, torch::Tensor kv_slots,
                                    torch::Tensor visible, torch::Tensor mask_offsets, torch::Tensor masks,
-                                   torch::Tensor enabled, const Step& s, const Head* head) {
+                                   torch::Tensor enabled, torch::Tensor groups, torch::Tensor scratch, const Step& s,
+                                   const Head* head) {
   const int64_t T = s.tokens, n_layers = static_cast<int64_t>(k_pools.size());
   const int64_t qkv_n = s.q_size + 2 * s.kv_size, n_items = q_indptr.size(0) - 1;
   const auto opts = x_in.options();
@@ -122,7 +124,13 @@ torch::Tensor layers_in_one_region(torch::Tensor x_in, const std::vector<torch::
   const int64_t* slot = write_slots.data_ptr<int64_t>();
   const int64_t *qi = q_indptr.data_ptr<int64_t>(), *ki = kv_indptr.data_ptr<int64_t>();
   const bool* on = enabled.data_ptr<bool>();
-  const std::vector<shared_prefix::ItemPart> no_prefix(n_items);
+  // Items sharing a prefix (groups): its part of their attention, a phase of every layer.
+  std::vector<shared_prefix::ItemPart> prefix(n_items);
+  std::optional<shared_prefix::Bf16Prefixes> shared;
+  if (groups.numel() && groups.data_ptr<int64_t>()[0] > 0)
+    shared.emplace(groups, scratch, s.heads, s.kv_heads, s.dim, s.page_size, prefix);
+  std::vector<std::atomic<int64_t>> prefix_cursor(shared ? n_layers : 0);  // each layer's next prefix unit
+  for (auto& c : prefix_cursor) c.store(0, std::memory_order_relaxed);
   const auto weight = [&](int64_t i, int j) -> const bf16* {
     const torch::Tensor& t = layers[10 * i + j];
     return t.numel() ? t.data_ptr<bf16>() : nullptr;
@@ -148,7 +156,7 @@ torch::Tensor layers_in_one_region(torch::Tensor x_in, const std::vector<torch::
           run_of(c < 4 * n_layers ? n_blocks[c % 4] : GemvCall::blocks_of(head->vocab), t, nt).first,
           std::memory_order_relaxed);
 #pragma omp single
-    share = deal_units(qi, ki, on, no_prefix.data(), n_items, s.kv_heads, nt);  // (a barrier after it)
+    share = deal_units(qi, ki, on, prefix.data(), n_items, s.kv_heads, nt);  // (a barrier after it)
     const std::pair<int64_t, int64_t> rows = run_of(T, t, nt);  // this thread's rows of the elementwise steps
     const int64_t r0 = rows.first, r1 = rows.second;
     const std::pair<int64_t, int64_t> cols = run_of(s.inter, t, nt);  // and its columns of SiLU * up
@@ -191,8 +199,16 @@ torch::Tensor layers_in_one_region(torch::Tensor x_in, const std::vector<torch::
                      s.dim, s.page_size);
       }
 #pragma omp barrier
+      if (shared) {  // the prefixes repacked, a barrier, their units, a barrier
+        const std::pair<int64_t, int64_t> tasks = run_of(shared->tasks(), t, nt);
+        shared->repack(kp, vp, tasks.first, tasks.second);
+#pragma omp barrier
+        for (int64_t u; (u = prefix_cursor[i].fetch_add(1, std::memory_order_relaxed)) < shared->units();)
+          shared->attend(u, qkp, (s.heads + s.kv_heads) * s.dim, qi, s.scale);
+#pragma omp barrier
+      }
       const Attention<bf16> a{qfp, kp, vp, outp, qi, ki, kv_slots.data_ptr<int64_t>(), visible.data_ptr<bool>(),
-                              mask_offsets.data_ptr<int64_t>(), masks.data_ptr<bool>(), no_prefix.data(),
+                              mask_offsets.data_ptr<int64_t>(), masks.data_ptr<bool>(), prefix.data(),
                               s.attention(), s.scale};
       for (const int64_t u : share[t]) {
         attend_unit<bf16, PS>(a, u, unit);
@@ -270,6 +286,14 @@ Head greedy_head(const torch::Tensor& x, const torch::Tensor& rows, const torch:
               vocab, rows.numel(), r, tokens->data_ptr<int64_t>()};
 }
 
+// The greedy tail by ops, for a shared-prefix step that keeps the op loop (no AVX-512 BF16):
+// the same final norm, LM head panels and argmax over the fp32 copy of the bf16 logits.
+torch::Tensor greedy_by_ops(const torch::Tensor& x, const torch::Tensor& rows, const torch::Tensor& norm,
+                            const torch::Tensor& lm_head, const torch::Tensor& lm_wide, double eps) {
+  const auto h = add_rms_norm(x.index_select(0, rows).contiguous(), c10::nullopt, norm, eps)[1];
+  return gemv(h, lm_head, lm_wide).to(at::kFloat).argmax(-1);
+}
+
 }  // namespace
 
 // x: [T, hidden] bf16 embeddings. layers: 10 tensors per layer (input norm, q/k/v, o, post
@@ -300,11 +324,14 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& l
   const Step s{x.size(0), x.size(1), heads, kv_heads, head_dim, layers[4].size(0) * kPanelRows / 2,
                heads * head_dim, kv_heads * head_dim, page_size, static_cast<float>(eps),
                static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)))};
+  // A step whose items share a prefix keeps the region where the prefix's flash loop exists
+  // (shared_prefix.h, Bf16Prefixes), else the op loop with the prefix's fp32 products.
   const bool shared = groups.numel() > 0 && groups.data_ptr<int64_t>()[0] > 0;
-  TORCH_CHECK(!(shared && head), "decode_layers: a step with shared prefixes has no greedy tail");
-  if (shared)
-    return layers_op_by_op(x, layers, k_pools, v_pools, cos, sin, write_slots, q_indptr, kv_indptr, kv_slots,
-                           visible, mask_offsets, masks, enabled, groups, scratch, s);
+  if (shared && !prompt_attention::supports(heads, kv_heads, head_dim)) {
+    const auto out = layers_op_by_op(x, layers, k_pools, v_pools, cos, sin, write_slots, q_indptr, kv_indptr,
+                                     kv_slots, visible, mask_offsets, masks, enabled, groups, scratch, s);
+    return head ? greedy_by_ops(out, rows, norm, lm_head, lm_wide, eps) : out;
+  }
   // Everything the region reads is checked here: nothing inside it may throw.
   check_bf16(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decode_layers: x must be contiguous [T, hidden]");
@@ -341,7 +368,7 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& l
   const auto region = [&](auto page) {  // page: the page size as a compile-time constant (0: any)
     return layers_in_one_region<decltype(page)::value>(x, layers, k_pools, v_pools, cos, sin, write_slots, q_indptr,
                                                        kv_indptr, kv_slots, visible, mask_offsets, masks, enabled,
-                                                       s, head);
+                                                       groups, scratch, s, head);
   };
   const torch::Tensor out = page_size == 16 ? region(std::integral_constant<int, 16>{})
                             : page_size == 32 ? region(std::integral_constant<int, 32>{})
