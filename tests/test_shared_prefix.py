@@ -90,7 +90,7 @@ def test_a_hidden_or_masked_prefix_key_leaves_the_item_out():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads, page_size, dim", [
-    (9, 3, 16, 64), (8, 1, 5, 64), (16, 2, 8, 128), (5, 1, 16, 96)])
+    (9, 3, 16, 64), (8, 1, 5, 64), (16, 2, 8, 128), (16, 2, 16, 128), (5, 1, 16, 96)])
 def test_shared_prefix_attention_equals_the_reference(dtype, heads, kv_heads, page_size, dim):
     g = torch.Generator().manual_seed(heads + page_size)
     kv = random_pool(g, 200, page_size, kv_heads, dim, dtype)

@@ -85,17 +85,22 @@ void flash_rows(const bf16* const* qr, const int64_t* limit, int64_t pages, int6
     const int nb = static_cast<int>(std::min<int64_t>(kBlock, pages - p0));
     // Scores: q_r . k over each page's 16 keys, a dim pair per instruction.
     for (int b = 0; b < nb; ++b) {
+      // The 24 accumulators stay in registers only with the row loops unrolled: GCC otherwise
+      // keeps them in memory, a load and a store around every product (~40 % of the loop's time).
       __m512 acc[kRows];
+#pragma GCC unroll 24
       for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
       const bf16* kpage = kp + (p0 + b) * (D / 2) * 2 * kKeys;
       for (int c = 0; c < D / 2; ++c) {
         const __m512bh kz = (__m512bh)_mm512_loadu_si512(kpage + c * 2 * kKeys);
+#pragma GCC unroll 24
         for (int r = 0; r < kRows; ++r) {
           int32_t pair;
           std::memcpy(&pair, qr[r] + 2 * c, sizeof pair);
           acc[r] = _mm512_dpbf16_ps(acc[r], kz, (__m512bh)_mm512_set1_epi32(pair));
         }
       }
+#pragma GCC unroll 24
       for (int r = 0; r < kRows; ++r) _mm512_store_ps(sc[r] + b * kKeys, _mm512_mul_ps(acc[r], scale));
     }
     const int64_t k0 = p0 * kKeys;
