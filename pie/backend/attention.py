@@ -113,17 +113,19 @@ class CpuKernelAttention:
     per-query loop there. In bf16 on a CPU with AVX-512 BF16, a prefill item that sees every
     key of its context causally (no page mask bit, no custom mask) goes instead to a
     flash-attention loop in bf16 dot products (`csrc/prompt_attention.h`): one layer at 512
-    tokens 2.3 against SDPA's 5.3 ms, 850 new tokens after 16 cached 6.2 against 17.0 (AMD
-    EPYC Zen 4, 2 vCPUs, one-off); its probabilities are rounded to bf16 before they weight
+    tokens 2.2 against SDPA's 5.3 ms, 850 new tokens after 16 cached 5.3 against 17.0 (AMD
+    EPYC Zen 4, 2 vCPUs, one-off; docs/backend.md); its probabilities are rounded to bf16 before they weight
     the values, so it is held to the reference within bf16 rounding (tests/test_attention.py).
 
     Decode items whose contexts begin with the same pages (a shared system prompt, forks of
-    one context) of at least `shared_prefix_keys` keys attend to that prefix together, as
-    matrix products over one copy of it (csrc/shared_prefix.h); 0 turns that off. It takes
-    groups of at least SHARED_PREFIX_MEMBERS, where one layer's attention over a shared prefix
-    turns faster (benchmarks/results/shared_prefix_attention.json, bf16, 2 vCPUs, 2026-11-27:
-    4 users 0.72x on 512 and on 2,048 keys, 8 users 1.19x and 1.05x, 16 users 1.44x and
-    1.52x, 32 users 1.59x and 1.80x; the copy of the prefix is the fixed cost).
+    one context) of at least `shared_prefix_keys` keys attend to that prefix together, over
+    one copy of it (csrc/shared_prefix.h: with bf16 pools and AVX-512 BF16 the prompt kernel's
+    flash loop, else fp32 matrix products); 0 turns that off. It takes groups of at least
+    SHARED_PREFIX_MEMBERS, where one layer's attention over a shared prefix turns faster
+    (fp32 products, benchmarks/results/shared_prefix_attention.json, Xeon, 2026-11-27: 4 users
+    0.72x on 512 and on 2,048 keys, 8 users 1.19x and 1.05x, 32 users 1.59x and 1.80x; the
+    flash loop, epyc-zen4/shared_prefix_attention.json, 2026-12-02: 4 users 0.98x and 1.11x,
+    8 users 1.58x and 2.32x, 32 users 2.29x and 2.49x; the copy of the prefix is the fixed cost).
     """
 
     PREFILL_TOKENS = 32  # measured crossover between the kernel and gather + SDPA (Xeon, AVX-512)
