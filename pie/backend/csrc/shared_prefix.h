@@ -19,7 +19,6 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -185,10 +184,12 @@ void repack_page(const bf16* k_pool, const bf16* v_pool, const int64_t* pages, i
 // (8 members' 3 heads of one KV head with SmolLM2's shapes) that write each group's part.
 // Callers run the phases with their own threads: at::parallel_for (attend_prefixes, the op
 // loop) or the threads of csrc/decode_step.cpp's layer region, which keeps a shared-prefix
-// step in its one parallel region. Every buffer is carved out of `scratch` once per step.
+// step in its one parallel region. Every buffer is carved out of `scratch` when it is built
+// (once a step in the region, once a layer in the op loop).
 // Why: the fp32 products above spent 1.8 ms a layer on 32 members x 2,048 keys (AMD EPYC
-// Zen 4, 2 vCPUs, 2026-12-02), at fp32's rate; VDPBF16PS does two products per lane: 0.89 ms
-// (benchmarks/results/shared_prefix_attention.json). The queries and the prefix are bf16
+// Zen 4, 2 vCPUs, 2026-12-02), at fp32's rate; VDPBF16PS does two products per lane: 0.72-1.11
+// ms on the same noisy VM (benchmarks/results/epyc-zen4/shared_prefix_attention.json: 1.11,
+// 9 rounds; single runs from 0.72). The queries and the prefix are bf16
 // already (the pools are; the queries come from bf16 RoPE), so the scores are exact products
 // summed in fp32; the probabilities are rounded to bf16 before they weight the values, as in
 // the prompt kernel (tests/test_shared_prefix.py: within bf16 rounding). A row's result does
