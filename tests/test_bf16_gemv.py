@@ -32,20 +32,36 @@ NONE = torch.empty(0, dtype=BF16)  # gemv()'s `wide` when there is none: its own
 
 
 @pytest.mark.parametrize("wide", [False, True], ids=["panels", "wide"])
-@pytest.mark.parametrize("rows", range(1, 33))
+@pytest.mark.parametrize("rows", [*range(1, 33), 37, 64, 100, 255])
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (12, 64), (132, 32), (20, 64), (48, 64)])
 def test_gemv_matches_exact_products(gemv, rows, n, k, wide):
-    """Every token count the kernel takes (16 with AVX-512 BF16, 32 with AVX2: two passes of
-    at most 16); row counts that leave partial blocks of 4 / 3 / 2 rows, blocks of 3 or 2 rows
-    that straddle two of AVX2's 4-row panels, and partial 16-row blocks. With `wide`, AVX2's
-    GEMM tiles from wide_from() rows on (tiles of 1-6 tokens; n a multiple of 16, else
-    pack_wide() is empty and the loop of 4-row panels runs)."""
-    if rows > gemv.max_tokens():
-        pytest.skip(f"an AVX-512 BF16 build takes at most {gemv.max_tokens()} rows (oneDNN takes larger steps); "
-                    "17-32 are the AVX2 build's")
+    """Every token count the loop over 4-row panels takes (32: two passes of at most 16); row
+    counts that leave partial blocks of 4 / 3 / 2 rows, blocks of 3 or 2 rows that straddle
+    two of AVX2's 4-row panels, and partial 16-row blocks. With `wide`, the GEMM tiles from
+    wide_from() rows up to wide_to() (AVX-512 BF16: tiles of 1-12 tokens over one or two
+    16-row blocks; AVX2: 1-6 tokens; n a multiple of 16, else pack_wide() is empty and the
+    loop of 4-row panels runs)."""
+    tiles = wide and n % 16 == 0 and gemv.wide_from() > 0
+    if rows > (gemv.wide_to() if tiles else gemv.max_tokens()):
+        pytest.skip(f"past {gemv.max_tokens()} rows only the GEMM tiles take a call (a weight from pack_wide())")
     torch.manual_seed(rows * n + k)
     x, w = torch.randn(rows, k).to(BF16), (torch.randn(n, k) / k ** 0.5).to(BF16)
     check_close(gemv.gemv(x, gemv.pack(w), gemv.pack_wide(w) if wide else NONE), x, w)
+
+
+def test_a_tiles_row_does_not_depend_on_the_rows_beside_it(gemv):
+    """The GEMM tiles sum each (token, row) over k in one order whatever the call's row count
+    and tiling: a token's output is the same bits alone, in a tile of 12 and in a call of
+    255 (so a step's rows do not change with who shares the step)."""
+    if not gemv.wide_from():
+        pytest.skip("this build has no GEMM tiles")
+    torch.manual_seed(3)
+    w = (torch.randn(96, 576) / 24).to(BF16)
+    packed, wide = gemv.pack(w), gemv.pack_wide(w)
+    x = torch.randn(gemv.wide_to(), 576).to(BF16)
+    full = gemv.gemv(x, packed, wide)
+    for rows in (gemv.wide_from(), 12, 13, 32, 100):
+        assert torch.equal(gemv.gemv(x[:rows].contiguous(), packed, wide), full[:rows])
 
 
 def test_gemv_rejects_what_it_cannot_do(gemv):
@@ -89,31 +105,36 @@ def test_panels_hold_the_weight_unchanged(gemv):
 
 
 def test_wide_layout_holds_the_weight_unchanged(gemv):
-    """pack_wide() (AVX2): [n/16, k, 16], column j of rows 16b..16b+15 as pairs (row r, row
-    r + 8); empty where the build has no GEMM tiles or n is no multiple of 16."""
+    """pack_wide(): [n/16, k, 16]; with AVX-512 BF16 each 16-row block's column pairs
+    ([k/2, 16, 2]: rows side by side, their columns 2j and 2j + 1 adjacent), with AVX2
+    column j of rows 16b..16b+15 as pairs (row r, row r + 8); empty where n is no multiple
+    of 16."""
     w = torch.arange(32 * 64, dtype=torch.float32).view(32, 64).to(BF16)
     before = w.clone()
     wide = gemv.pack_wide(w)
     assert torch.equal(w, before)
-    if not gemv.wide_from():
-        assert wide.numel() == 0
-        return
     assert wide.shape == (2, 64, 16)
-    for b, j, r, h in ((0, 0, 0, 0), (0, 5, 3, 1), (1, 63, 7, 1), (1, 10, 2, 0)):
-        assert torch.equal(wide[b, j, 2 * r + h], w[16 * b + 8 * h + r, j])
+    if gemv.native_bf16():
+        pairs = wide.view(2, 32, 16, 2)
+        for b, j, r, h in ((0, 0, 0, 0), (0, 5, 3, 1), (1, 31, 15, 1), (1, 10, 2, 0)):
+            assert torch.equal(pairs[b, j, r, h], w[16 * b + r, 2 * j + h])
+    else:
+        for b, j, r, h in ((0, 0, 0, 0), (0, 5, 3, 1), (1, 63, 7, 1), (1, 10, 2, 0)):
+            assert torch.equal(wide[b, j, 2 * r + h], w[16 * b + 8 * h + r, j])
     assert gemv.pack_wide(torch.randn(40, 64).to(BF16)).numel() == 0
 
 
 def test_linear_chooses_between_the_kernel_and_onednn(gemv):
-    """Up to max_tokens rows the kernel (on AVX2 up to wide_to() rows, in its GEMM tiles from
-    wide_from() on), above it oneDNN (on AVX2 an fp32 copy of the weight): all close to the
-    exact product. A weight whose width is no multiple of 32 never takes the kernel."""
+    """Up to wide_to() rows the kernel (in its GEMM tiles from wide_from() on), above it
+    oneDNN (on AVX2 an fp32 copy of the weight): all close to the exact product. A weight
+    whose width is no multiple of 32 never takes the kernel; one whose height is no multiple
+    of 16 has no tiles and stops at max_tokens."""
     torch.manual_seed(0)
     weight = (torch.randn(96, 576) / 24).to(BF16)
     layer = Linear(weight)
     top = gemv.max_tokens()
-    assert layer.gemv is gemv and layer.gemv_max_tokens == top and top == (16 if gemv.native_bf16() else 32)
-    assert (layer.gemv_wide.numel() > 0) == bool(gemv.wide_from())  # AVX2: GEMM tiles from wide_from() rows
+    assert layer.gemv is gemv and layer.gemv_max_tokens == top == 32
+    assert layer.gemv_wide.numel() > 0 and gemv.wide_from() > 0  # GEMM tiles from wide_from() rows
     for rows in (1, 16, top, top + 1, 70):
         x = torch.randn(rows, 576).to(BF16)
         check_close(layer(x), x, weight)
@@ -125,7 +146,7 @@ def test_linear_chooses_between_the_kernel_and_onednn(gemv):
     assert layer.gemv_limit == limit
     if layer.packed is None:
         assert layer.fp32_from == limit + 1
-    if gemv.wide_to():  # AVX2: the tiles up to wide_to() rows, then the fp32 copy
+    if gemv.wide_to():  # the tiles up to wide_to() rows, then oneDNN (AVX2: the fp32 copy)
         x = torch.randn(limit + 1, 576).to(BF16)
         assert torch.equal(layer(x[:limit]), gemv.gemv(x[:limit].contiguous(), layer.gemv_weight, layer.gemv_wide))
         check_close(layer(x), x, weight)

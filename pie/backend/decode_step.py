@@ -7,12 +7,16 @@ memory bandwidth). The C++ loop runs the same kernels in the same order, so its 
 bit-identical to the Python loop's (tests/test_decode_step.py), and runs them inside one
 OpenMP parallel region with barriers between them instead of a region per op (0.88x the op
 loop's step at batch 1, 0.96x at 16; AMD EPYC Zen 4, csrc/decode_step.cpp). Steps of at most
-`max_tokens` (16; 32 on AVX2 CPUs) tokens take it: decode steps, and prompts short enough that the bf16
-linear (pie/backend/linear.py) beats oneDNN; everything else (longer prefills, fp32, int8,
+`max_tokens` (32) tokens take it: decode steps, and short prompts (whose attention the paged
+kernel still takes); everything else (longer prefills, fp32, int8,
 biases, other attention backends) keeps the Python loop. A 12-token prompt's forward: 34.7
 -> 27.4 ms with the 16-token linear and this loop. `greedy` also runs the final norm, the LM
 head and the argmax in the region, for steps whose rows only draw greedily: 0.95x the step at
-batch 1, 0.91x at 8 (Zen 4, docs/backend.md "The greedy tail").
+batch 1, 0.91x at 8 (Zen 4, docs/backend.md "The greedy tail"). With AVX-512 BF16 the step
+took 16 tokens until the bf16 linear's GEMM tiles (csrc/bf16_gemv.cpp) beat oneDNN at 17-32:
+the in-process step at 32 users on a shared 2,048-token prefix 94.9 -> 49.9 ms (Zen 4,
+2026-12-02: the Python loop with oneDNN's linears before), at 32 users of 128 tokens each
+~49 -> ~42, at 16 users 29.1 -> 22.6 (the linears' tiles alone).
 """
 
 from __future__ import annotations

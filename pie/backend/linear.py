@@ -2,15 +2,16 @@
 
 On CPU in bf16 the weight is prepacked once into oneDNN's blocked layout (AMX/AVX-512
 kernels): measured 1.3-1.5x faster than F.linear across batch sizes here (DESIGN §6).
-Steps of at most 16 tokens (decode, short prompts) go instead to our AVX-512 BF16 loop
-(csrc/bf16_gemv.cpp; on AVX2-only CPUs its AVX2 + FMA twin, bf16 widened to fp32): it streams
-each weight once, and the 120 layer linears of a SmolLM2-135M step took 8.7 / 11.1 / 16.3 /
-21.4 / 27.2 ms at 1 / 4 / 8 / 12 / 16 tokens against oneDNN's 14.0 / 15.6 / 23.9 / 25.2 / 30.0
-(Xeon, avx512_bf16, 2 vCPUs; weights not in cache), before it read the weight from 4-row
-panels in huge pages (weight_arena.py), which took the layer linears and LM head at 1 token
-from 13.6 to 8.6 ms on an AMD EPYC Zen 4 (docs/backend.md). Past 16 tokens oneDNN's blocked
-kernels win (50 vs 54 ms at 32). The AVX2 build takes steps of up to 255 tokens, from 8 on in GEMM tiles
-that read a second copy of the weight (`gemv_wide`): 109 against 121 ms at 32 tokens, and ahead
+Steps of up to 255 tokens (decode, short prompts) go instead to our AVX-512 BF16 kernel
+(csrc/bf16_gemv.cpp; on AVX2-only CPUs its AVX2 + FMA twin, bf16 widened to fp32). For the
+fewest tokens a loop that streams each weight once: the 120 layer linears of a SmolLM2-135M
+step took 8.7 / 11.1 ms at 1 / 4 tokens against oneDNN's 14.0 / 15.6 (Xeon, avx512_bf16, 2
+vCPUs; weights not in cache), before it read the weight from 4-row panels in huge pages
+(weight_arena.py), which took the layer linears and LM head at 1 token from 13.6 to 8.6 ms
+on an AMD EPYC Zen 4 (docs/backend.md). From `wide_from()` tokens (6; AVX2: 8) GEMM tiles
+that read a second copy of the weight (`gemv_wide`): on the Zen 4 the 120 layer linears at
+16 / 32 / 128 tokens 11.8 / 19.4 / 72.4 ms against oneDNN's bf16 17.3 / 23.6 / 75.4 (more
+in csrc/bf16_gemv.cpp); the AVX2 build's tiles: 109 against 121 ms at 32 tokens, and ahead
 of oneDNN's fp32 kernels on the fp32 copy up to ~256 tokens (docs/backend.md).
 fp32 keeps F.linear so the fp32 path stays HF's arithmetic for the correctness oracle. On a
 CPU without oneDNN's bf16 kernels (AVX2 only), steps past the bf16 kernel's multiply an fp32
@@ -71,14 +72,16 @@ class Linear:
                 # the embedding table. In the model's arena of huge pages where it has one.
                 self.gemv_weight = module.pack(dense) if arena is None else \
                     module.pack_into(dense, arena.reserve(tuple(module.packed_shape(*dense.shape)), dense.dtype))
-                # On AVX2, for 8-255 tokens, a second copy in the GEMM tiles' layout (another
-                # bf16 copy of the weight: ~270 MB for SmolLM2-135M); empty elsewhere.
+                # For 8-255 tokens, a second copy in the GEMM tiles' layout (another bf16 copy
+                # of the weight: ~270 MB for SmolLM2-135M); empty where n is no multiple of 16.
                 self.gemv_wide = module.pack_wide(dense)
                 self.gemv_limit = module.wide_to() if self.gemv_wide.numel() else self.gemv_max_tokens
         no_onednn = bf16_cpu and self.packed is None
         # The fp32 copy (one of the two), for steps of at least fp32_from tokens.
         self.weight32 = self.packed32 = None
         self.fp32_from = self.gemv_limit + 1 if no_onednn else PREFILL_MIN_TOKENS
+        if prefill_fp32 and not no_onednn:  # backend.prefill_dtype = fp32 keeps its prefills
+            self.gemv_limit = min(self.gemv_limit, PREFILL_MIN_TOKENS - 1)
         if (prefill_fp32 or no_onednn) and weight.dtype != torch.float32:
             if no_onednn and torch.backends.mkldnn.is_available():
                 # oneDNN's fp32 kernels (blocked layout) beat F.linear's MKL on an AMD EPYC

@@ -28,11 +28,10 @@ constexpr int64_t kPassTokens = 16;
 // pass of a 17-32-token call streamed a thread's whole share (up to 1.8 MB, past L2) before
 // the next pass read it all again.
 constexpr int64_t kBlockRows = 16;
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-constexpr int64_t kMaxTokens = 16;  // past 16, oneDNN's blocked bf16 kernels win (linear.py)
-#else
+// The most tokens a call takes without a wide weight (pack_wide()), and the most a fused
+// decode step takes (csrc/decode_step.cpp): past 32 an item's attention leaves the paged
+// kernel (CpuKernelAttention.PREFILL_TOKENS).
 constexpr int64_t kMaxTokens = 32;
-#endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 constexpr bool kSupported = true;
@@ -112,6 +111,93 @@ void rows(const at::BFloat16* x, const at::BFloat16* w, int64_t k, int64_t n, in
 
 using XType = at::BFloat16;  // x as the dot products read it: x itself
 constexpr bool kWidens = false;
+
+// From kWideFrom tokens on, GEMM tiles: x's column pair (x[t][2j], x[t][2j+1]) broadcast
+// against 16 weight rows' pairs at those columns, one VDPBF16PS per 16 rows and token, 12
+// tokens x 32 rows (24 accumulators) a tile. The loop above instead sums each (token, row)
+// across 16 lanes and reduces them at the end, and re-reads x for every 4 rows.
+// It reads W in a second layout, `pack_wide()`: [n/16, k/2, 16, 2] (16 rows' column pairs
+// side by side), x in place. Sums run over k in column pairs, in order, one accumulator per
+// (token, row): a row's result does not depend on the tokens beside it or their number
+// (the loop above sums in another order: results agree to fp32 rounding, not bit for bit).
+// The 120 layer linears of a SmolLM2-135M step, weights not in cache (AMD EPYC Zen 4, 2 vCPUs,
+// 2026-12-02, two runs on a noisy VM): 11.8-15.4 ms at 16 tokens against the loop's
+// 17.7-23.1 and oneDNN's 17.3-19.6, 19.4-21.1 at 32 against oneDNN's 23.6-26.1, 72.3-72.4 at
+// 128 against 75.4-81.0, 146 at 255 against 161; level with the loop at 1-4 tokens, ahead
+// from 6 (8.8 vs 11.8 ms at 6 in one run, 6.8 vs 7.3 in the other). Past 255 oneDNN keeps
+// the prefills (chunked_forward.py's chunks, 256 rows and up, stay on one library).
+constexpr int64_t kWideRows = 16;
+constexpr int64_t kWideFrom = 6;
+constexpr int64_t kWideTo = 255;
+constexpr int kTileTokens = 12;
+inline torch::Tensor to_wide(const torch::Tensor& w) {
+  const int64_t n = w.size(0), k = w.size(1);
+  return w.view({n / kWideRows, kWideRows, k / 2, 2}).permute({0, 2, 1, 3}).contiguous().view({n / kWideRows, k, kWideRows});
+}
+
+// y[0:R, 0:16 B] (row stride n) = x[0:R, 0:k] (row stride k) @ B blocks of W (pack_wide).
+template <int R, int B>
+inline void wide_tile(const at::BFloat16* x, int64_t k, const at::BFloat16* w0, const at::BFloat16* w1,
+                      at::BFloat16* y, int64_t n) {
+  __m512 acc[B][R];
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) acc[b][r] = _mm512_setzero_ps();
+  const int32_t* xp = reinterpret_cast<const int32_t*>(x);  // column pairs
+  const int64_t pairs = k / 2;
+  for (int64_t j = 0; j < pairs; ++j) {
+    const __m512bh a = load_bh(w0 + j * 2 * kWideRows);
+    const __m512bh b = B > 1 ? load_bh(w1 + j * 2 * kWideRows) : a;
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const __m512bh s = (__m512bh)_mm512_set1_epi32(xp[r * pairs + j]);
+      acc[0][r] = _mm512_dpbf16_ps(acc[0][r], s, a);
+      if constexpr (B > 1) acc[B - 1][r] = _mm512_dpbf16_ps(acc[B - 1][r], s, b);
+    }
+  }
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * n + b * kWideRows), (__m256i)_mm512_cvtneps_pbh(acc[b][r]));
+}
+
+template <int B>
+inline void wide_tile_of(int64_t rows, const at::BFloat16* x, int64_t k, const at::BFloat16* w0,
+                         const at::BFloat16* w1, at::BFloat16* y, int64_t n) {
+  switch (rows) {
+    case 12: return wide_tile<12, B>(x, k, w0, w1, y, n);
+    case 11: return wide_tile<11, B>(x, k, w0, w1, y, n);
+    case 10: return wide_tile<10, B>(x, k, w0, w1, y, n);
+    case 9: return wide_tile<9, B>(x, k, w0, w1, y, n);
+    case 8: return wide_tile<8, B>(x, k, w0, w1, y, n);
+    case 7: return wide_tile<7, B>(x, k, w0, w1, y, n);
+    case 6: return wide_tile<6, B>(x, k, w0, w1, y, n);
+    case 5: return wide_tile<5, B>(x, k, w0, w1, y, n);
+    case 4: return wide_tile<4, B>(x, k, w0, w1, y, n);
+    case 3: return wide_tile<3, B>(x, k, w0, w1, y, n);
+    case 2: return wide_tile<2, B>(x, k, w0, w1, y, n);
+    default: return wide_tile<1, B>(x, k, w0, w1, y, n);
+  }
+}
+
+// y's columns of weight blocks [b, e) (16 rows each, two at a time) for all m tokens, in
+// tiles of at most kTileTokens tokens, as even as they can be; a block pair's tiles run one
+// after another, so its W (18-48 KB) is re-read from L1/L2.
+inline void wide_blocks(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16* w, int64_t n,
+                        int64_t b, int64_t e, at::BFloat16* y) {
+  const int64_t tiles = (m + kTileTokens - 1) / kTileTokens;
+  for (int64_t blk = b; blk < e; blk += 2) {
+    const at::BFloat16* w0 = w + blk * kWideRows * k;
+    at::BFloat16* yb = y + blk * kWideRows;
+    for (int64_t i = 0, t = 0; i < tiles; ++i) {
+      const int64_t rows = (m - t) / (tiles - i) + ((m - t) % (tiles - i) != 0);
+      if (blk + 1 < e) wide_tile_of<2>(rows, x + t * k, k, w0, w0 + kWideRows * k, yb + t * n, n);
+      else wide_tile_of<1>(rows, x + t * k, k, w0, w0, yb + t * n, n);
+      t += rows;
+    }
+  }
+}
+#define PIE_WIDE 1
 #elif defined(__AVX2__) && defined(__FMA__)
 // CPUs without bf16 arithmetic (AVX2 + FMA, e.g. AMD EPYC before Zen 4): the weight stays
 // bf16 in memory, which is what a few-token linear is bound by, and each 8 bf16 become 8
@@ -318,6 +404,7 @@ inline void wide_blocks(const float* xs, int64_t m, int64_t k, const at::BFloat1
   }
 }
 #define PIE_WIDE 1
+#define PIE_WIDE_FP32_INPUT 1  // the tiles read x widened and regrouped (wide_input)
 #else
 constexpr bool kSupported = false;
 constexpr int64_t kPanelRows = 4, kPanelCols = 8;  // pack()'s layout in a build without the loop
@@ -353,12 +440,17 @@ struct GemvCall {
     return false;
 #endif
   }
-  bool needs_input() const { return kWidens || tiles(); }
+  bool needs_input() const {
+#ifdef PIE_WIDE_FP32_INPUT
+    if (tiles()) return true;
+#endif
+    return kWidens;
+  }
   int64_t blocks() const { return blocks_of(n); }
   static int64_t blocks_of(int64_t n) { return (n + kBlockRows - 1) / kBlockRows; }
 
   void input(int64_t r0, int64_t r1) const {
-#ifdef PIE_WIDE
+#ifdef PIE_WIDE_FP32_INPUT
     if (tiles()) return wide_input(x, m, k, xs, r0, r1);
 #endif
     if constexpr (kWidens)
@@ -366,8 +458,10 @@ struct GemvCall {
   }
 
   void blocks(int64_t b, int64_t e) const {
-#ifdef PIE_WIDE
+#ifdef PIE_WIDE_FP32_INPUT
     if (tiles()) return wide_blocks(xs, m, k, wide, n, b, e, y);
+#elif defined(PIE_WIDE)
+    if (tiles()) return wide_blocks(x, m, k, wide, n, b, e, y);
 #endif
 #if (defined(__AVX512BF16__) && defined(__AVX512F__)) || (defined(__AVX2__) && defined(__FMA__))
     const XType* xp;

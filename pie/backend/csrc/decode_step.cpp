@@ -1,4 +1,4 @@
-// Every decoder layer of a bf16 step of at most 16 tokens (32 on AVX2) in one C++ call: the
+// Every decoder layer of a bf16 step of at most 32 tokens in one C++ call: the
 // same kernels, in the same order, as the Python loop of pie/backend/llama.py (add + RMSNorm,
 // fused q/k/v, RoPE, KV write, paged attention, o, add + RMSNorm, gate/up, SiLU * up, down),
 // so the result is bit-identical to it. Why: the loop made ~270 Python-dispatched calls per
