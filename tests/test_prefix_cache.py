@@ -306,14 +306,17 @@ def test_concurrent_requests_with_a_new_shared_start_prefill_it_once(pie_server,
     import openai
     from pie_server import TOKEN
 
-    client = openai.AsyncOpenAI(base_url=f"http://{pie_server.address}/v1", api_key=TOKEN, max_retries=0)
     text = "A new prompt that no request has sent before: " + PROMPT
     ids = tokenizer.encode(text, add_special_tokens=False).ids
     before = pie_server.resources()["prefix_cache"]
 
     async def both():
-        return await asyncio.gather(*(client.completions.create(
-            model="smollm2-135m-instruct", prompt=text, max_tokens=4, temperature=0) for _ in range(2)))
+        # Opened and closed inside the loop: a client left to the garbage collector closes
+        # its connections on a loop that has ended, and the error surfaced in a later test.
+        async with openai.AsyncOpenAI(base_url=f"http://{pie_server.address}/v1", api_key=TOKEN,
+                                      max_retries=0) as client:
+            return await asyncio.gather(*(client.completions.create(
+                model="smollm2-135m-instruct", prompt=text, max_tokens=4, temperature=0) for _ in range(2)))
 
     answers = asyncio.run(both())
     expected = tokenizer.decode(hf_greedy(hf_model, ids, 4), skip_special_tokens=False)
