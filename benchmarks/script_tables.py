@@ -444,6 +444,7 @@ VARIANTS: dict[str, tuple[str, Callable[[Json], list[str]]]] = {
     "soak-pressure": ("Soak under memory pressure", soak),
     "prefill_only-batch512": ("Scoring requests with batches of at most 512 tokens", prefill_only),
     "prefill_only-spread": ("Scoring requests of users whose profiles differ in length", prefill_only),
+    "prefill_only-lambda2": ("Scoring requests, the waiting credit at 2 (a calibration run)", prefill_only),
 }
 
 
