@@ -45,7 +45,8 @@ Scaled to this CPU: the seed paper's ~1.8k-token profiles make a request ~2 s of
 on 2 cores; profiles of ~800 tokens keep the arrival rates where queueing, not one
 request's length, decides latency. The pool still holds 4-6 profiles. The rates suit an
 AMD EPYC Zen 4 (2 vCPUs: first-come-first-served saturates near 1.5/s); slower CPUs need
-lower ones (`--rates`).
+lower ones (`--rates`), a Zen 5 about twice them (`--rates 1,2,3,4,5,6`,
+benchmarks/results/epyc-zen5/prefill_only-lambda2.json).
 
 Results: benchmarks/results/prefill_only.json and prefill_only.png.
 """

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks.run_info import cpu_label
+
 Json = dict[str, Any]
 
 
@@ -32,7 +34,7 @@ def _dtype(data: Json) -> str:
 def _header(data: Json, name: str) -> list[str]:
     meta = data.get("meta", data)
     rounds = meta.get("rounds")
-    return [f"`{name}.json`, {meta.get('date', '?')}, {meta.get('cpu', 'CPU not recorded')}" + (f", rounds {rounds}" if rounds else "")
+    return [f"`{name}.json`, {meta.get('date', '?')}, {cpu_label(meta)}" + (f", rounds {rounds}" if rounds else "")
             + (", quick" if meta.get("quick") else "") + f"; `{meta.get('command', f'benchmarks/{name}.py')}`.", ""]
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.run_info import CPU_FLAGS, machine_settings, rotated
+from benchmarks.run_info import CPU_FLAGS, cpu_label, cpu_microarchitecture, machine_settings, rotated
 from benchmarks.soak import WORKLOADS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,6 +96,39 @@ def test_rotation_and_machine_settings():
     assert [rotated(["a", "b", "c"], r)[0] for r in range(3)] == ["a", "b", "c"]
     settings = machine_settings()
     assert settings["cores"] >= 1 and set(settings["cpu_flags"]) == set(CPU_FLAGS)
+    assert "cpu_microarchitecture" in settings  # None where unknown (not AMD, no /proc/cpuinfo)
+
+
+@pytest.mark.parametrize(("vendor", "family", "model", "arch"), [
+    ("AuthenticAMD", 23, 0x01, "Zen/Zen+"),  # Naples
+    ("AuthenticAMD", 23, 0x31, "Zen 2"),  # Rome
+    ("AuthenticAMD", 23, 0x88, "Zen (family 17h)"),  # a family-17h model the ranges do not name
+    ("AuthenticAMD", 25, 0x01, "Zen 3"),  # Milan
+    ("AuthenticAMD", 25, 0x21, "Zen 3"),
+    ("AuthenticAMD", 25, 0x11, "Zen 4"),  # Genoa: benchmarks/results/epyc-zen4
+    ("AuthenticAMD", 25, 0x61, "Zen 4"),
+    ("AuthenticAMD", 25, 0xA0, "Zen 4"),
+    ("AuthenticAMD", 25, 0x30, None),
+    ("AuthenticAMD", 26, 0x02, "Zen 5"),  # Turin: benchmarks/results/epyc-zen5
+    ("AuthenticAMD", 26, 0x44, "Zen 5"),
+    ("AuthenticAMD", 26, 0x90, None),
+    ("AuthenticAMD", 21, 0x02, None),  # Bulldozer's family: not mapped
+    ("GenuineIntel", 6, 0x8F, None),  # Intel is not mapped
+    ("AuthenticAMD", None, None, None),
+])
+def test_cpu_microarchitecture(vendor, family, model, arch):
+    assert cpu_microarchitecture(vendor, family, model) == arch
+
+
+def test_cpu_label_names_the_microarchitecture():
+    """What RESULTS.md shows for a file's CPU: derived from family/model where the file
+    predates `cpu_microarchitecture`, so two "AMD EPYC" of different families differ."""
+    assert cpu_label({"cpu": "AMD EPYC", "cpu_family_model": "26/2"}) == "AMD EPYC (family 26 model 2, Zen 5)"
+    assert cpu_label({"cpu": "AMD EPYC", "cpu_family_model": "25/17", "cpu_microarchitecture": "Zen 4"}) \
+        == "AMD EPYC (family 25 model 17, Zen 4)"
+    assert cpu_label({"cpu": "Intel(R) Xeon(R) Processor", "cpu_family_model": "6/143"}) \
+        == "Intel(R) Xeon(R) Processor (family 6 model 143)"
+    assert cpu_label({"cpu": "AMD EPYC"}) == "AMD EPYC" and cpu_label({}) == "CPU not recorded"
 
 
 def test_full_runs_take_at_least_three_rounds():
