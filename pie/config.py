@@ -169,16 +169,15 @@ class ControlConfig:
     # any other call waiting ends them at the next step. 0: the scheduler sends every step.
     ahead_steps: int = 16
     # Chunked prefill: while the decoders are at least as many as the prompts waiting, a
-    # batch carries at most this many new tokens per waiting prompt (up to
-    # prefill_batch_tokens) and a longer prompt is prefilled over several batches, so
-    # decoders keep going (docs/architecture.md, "Chunked prefill"). 64 keeps 16 decoders'
+    # batch carries every decoder and this many new tokens of prompts (a prompt that would
+    # leave no more than this goes whole), and a longer prompt is prefilled over several
+    # batches, so decoders keep going (docs/architecture.md, "Chunked prefill"). 64 keeps 16 decoders'
     # p99 gap under 3x their median while a 2,000-token prompt prefills (1.6x here; 128: 4.4x; unchunked: 64x) at +67% on that
     # prompt's time to first token (benchmarks/results/interference.json, Xeon 2 vCPU).
     max_step_tokens: int = 64
     # A backlog of prompts goes in batches of at most this many prompt tokens: whole prompts,
-    # oldest first (at least one), while the prompts outnumber the decoders; chunks of
-    # max_step_tokens per waiting prompt (up to this) while the decoders are more. Every
-    # decoder rides along. So the first prompts of a wave start decoding while the rest
+    # oldest first (at least one), while the prompts outnumber the decoders. Every decoder
+    # rides along. So the first prompts of a wave start decoding while the rest
     # prefill, instead of all of them waiting for one batch of the whole wave (32 streaming
     # clients, AMD EPYC 2 vCPUs: mean time to first token 15.2 -> 7.0 s at equal tokens/s).
     prefill_batch_tokens: int = 512

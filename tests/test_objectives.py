@@ -100,10 +100,10 @@ def test_while_a_latency_queue_is_open_other_prompts_go_in_chunks(make):
     """No latency queue: a 900-token prompt goes whole. One open and idle: in chunks of
     control.latency_batch_tokens (256) a batch. With its decode step waiting, the step goes
     first and, with control.latency_step_tokens = 0, chunked prefill's own rule applies (as
-    many decoders as prompts: a batch of control.max_step_tokens = 64)."""
+    many decoders as prompts: the decoder and control.max_step_tokens = 64 of the prompt)."""
     from conftest import sampling_pass
 
-    for latency, sent in ((None, 900), ("idle", 256), ("waiting", 64)):
+    for latency, sent in ((None, 900), ("idle", 256), ("waiting", 1 + 64)):
         s = make(max_batch_tokens=4096, latency_step_tokens=0)  # no cap: the next test's
         if latency:
             chat = s.create_queue("chat")
@@ -126,7 +126,8 @@ def test_a_latency_call_caps_the_others_share_of_its_batch(make):
     """control.latency_step_tokens = 24: beside a waiting latency decode, 20 decoders of
     other queues go (20 tokens) and a 900-token prompt does not (the 4 tokens of room left
     are less than a chunk); cap 48: the decoders, then a 28-token chunk. Without a latency
-    call waiting, or with cap 0, chunked prefill's 64-token step. The default cap is 16."""
+    call waiting, or with cap 0, chunked prefill's step: the decoders and 64 prompt tokens.
+    The default cap is 16."""
     from conftest import sampling_pass
 
     def batch_of(cap: int, chat_waits: bool) -> list[tuple[str, int]]:
@@ -150,8 +151,8 @@ def test_a_latency_call_caps_the_others_share_of_its_batch(make):
     capped = batch_of(24, True)
     assert capped[0] == ("chat", 1) and len(capped) == 21 and sum(t for _, t in capped) == 21
     assert batch_of(48, True)[-1] == ("map prompt", 28)
-    assert sum(t for _, t in batch_of(0, True)) == 1 + 20 + 43  # chunked prefill's 64-token step
-    assert sum(t for _, t in batch_of(24, False)) == 20 + 44
+    assert sum(t for _, t in batch_of(0, True)) == 1 + 20 + 64  # chunked prefill's step
+    assert sum(t for _, t in batch_of(24, False)) == 20 + 64
     assert ControlConfig().latency_step_tokens == 16
     with pytest.raises(Exception, match="latency_step_tokens"):
         ControlConfig(latency_step_tokens=8)

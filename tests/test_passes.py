@@ -326,14 +326,16 @@ def test_a_long_prefill_goes_in_chunks_while_a_run_decodes(chunking):
     assert (got, status, tokens, error) == (pid, "done", [7], None) and len(details) == 1
     assert sum(len(r[2]) for r in take_all(d, qd)) == 8
     # batch sizes: the decoder's prefill, then its steps each beside a 16-token chunk
-    # (16 = max_step_tokens - 1 rounded up to the minimum chunk), then the last 12 tokens
-    assert [n for _, n in backend.batches][:5] == [1, 2, 2, 2, 2]
+    # (max_step_tokens of prompt; the decoder's row is not counted against it), then the
+    # last 28 tokens whole (no tail shorter than a chunk), then the decoder alone
+    assert [n for _, n in backend.batches][:5] == [1, 2, 2, 2, 1]
+    assert [len(columns(m, "token_ids")) for m in backend.passes[1:4]] == [16 + 1, 16 + 1, 28 + 1]
     # beside a chunk the decoder is granted no steps ahead: they would run without the
     # prompt's next chunk, which waits for the reply
-    assert [bool(m.ahead) for m in backend.passes[1:4]] == [False] * 3 and backend.passes[4].ahead
+    assert [bool(m.ahead) for m in backend.passes[1:3]] == [False] * 2 and backend.passes[3].ahead
     physical = p.resources.pages.resolve(pages)
     seen = 0
-    for msg in backend.passes[1:5]:
+    for msg in backend.passes[1:4]:
         optr = columns(msg, "out_kv_page_ids"), columns(msg, "out_kv_page_indptr")
         item = next(i for i in range(2) if optr[0][optr[1][i]] in physical)  # the prefill's
         tptr = columns(msg, "token_indptr")
@@ -407,10 +409,14 @@ def test_a_wave_of_prompts_goes_in_batches_of_prefill_batch_tokens(backlog):
         s.close()
 
 
-def test_decoders_beside_several_prompts_give_each_prompt_a_step_share(backlog):
-    """While decoders are at least as many as the prompts waiting, a batch carries
-    max_step_tokens per waiting prompt (capped by prefill_batch_tokens): two prompts beside
-    two decoders get 2 x 16 tokens a batch, decoders included, where one prompt got 16."""
+def test_prompts_beside_decoders_start_and_finish_a_batch_apart(backlog):
+    """While decoders are at least as many as the prompts waiting, a batch carries the
+    decoders and max_step_tokens of prompt (16 here; the decoders' rows not counted), a
+    prompt that would leave at most that much goes whole, and a prompt that finished does
+    not keep the next from starting: two 40-token prompts beside two decoders go 16, then
+    24 (whole) beside the other's first 16, then its last 24. They finish one batch apart,
+    so they do not come back together (the old budget, 16 per waiting prompt, sent them
+    side by side in every batch)."""
     controller, backend = backlog
     decoders = [controller.session(f"d{i}", []) for i in range(2)]
     dq = [s.create_queue("m") for s in decoders]
@@ -421,9 +427,10 @@ def test_decoders_beside_several_prompts_give_each_prompt_a_step_share(backlog):
     prompts = waiting_prompts(controller, 2, 40, 3)
     backend.hold.set()
     all_done(prompts)
-    # two decode tokens and a 30-token chunk (32 in all), where the single-prompt rule
-    # would have sent 2 + 16
-    assert 2 + 30 in [columns(m, "token_indptr")[-1] for m in backend.passes]
+    sizes = [columns(m, "token_indptr")[-1] for m in backend.passes[:4]]
+    assert sizes == [2 * 3, 2 + 16, 2 + 24 + 16, 2 + 24]
+    outputs = [columns(m, "out_indptr")[-1] for m in backend.passes[1:4]]
+    assert outputs == [2, 3, 3]  # the decoders' two draws, plus one prompt's first token
     for s in decoders + [s for s, _ in prompts]:
         s.close()
 

@@ -247,7 +247,7 @@ class Scheduler:
         go now, the rest of a prompt whose chunk this batch carries, an instance launched
         whose first call is due. Granted beside a chunk, the runs stepped once more without
         the prompt before its Interrupt landed: +130 / +440 ms mean time to first token at 8
-        / 32 streamed clients (benchmarks/results/epyc-zen4/serving.json, one run)."""
+        / 32 streamed clients (Zen 4: benchmarks/results/epyc-zen4/serving.json of commit a895fe9, one run)."""
         if not self.config.ahead_steps or self.arrivals or self._eligible_heads():
             return 0
         if any(getattr(c, "parent", None) is not None for c in batch):
@@ -345,11 +345,19 @@ class Scheduler:
         """The waiting commands of `kind` to send together (just the oldest one if `single`).
 
         Chunked prefill: while decoding passes (at most DECODE_TOKENS new tokens) wait and
-        are at least as many as the prefills beside them, a batch carries at most
-        `control.max_step_tokens` new tokens per waiting prefill (up to
-        `control.prefill_batch_tokens`), decoders first; a longer pass sends its leading
-        tokens as a chunk (`Pass.split`) and keeps the rest at the head of its queue, so a
-        long prompt no longer stalls every decoder for its whole prefill. When prefills
+        are at least as many as the prefills beside them, a batch carries every decoder and
+        `control.max_step_tokens` new tokens of prompts, oldest first; a longer pass sends
+        its leading tokens as a chunk (`Pass.split`) and keeps the rest at the head of its
+        queue, so a long prompt no longer stalls every decoder for its whole prefill. A
+        prompt that would leave no more than `max_step_tokens` goes whole (so up to 2x a
+        chunk in one batch): prompts that arrive together then start one batch apart,
+        finish apart and come back apart. Sending such a group together (one budget per
+        waiting prompt, up to `prefill_batch_tokens`) kept it together for good in a closed
+        loop of streamed clients, each of its members paying for all: at 8 clients those in
+        4-prompt batches waited 266 ms for their first token, those alone 125 ms (one traced
+        run, AMD EPYC Zen 5); one prompt a batch took the mean from 193 to 169 ms at 8 and
+        1059 to 874 ms at 32, tokens/s unchanged (8 and 6 alternating rounds in one server,
+        docs/architecture.md). When prefills
         outnumber decoders (a wave's first arrivals already decoding), they go whole, oldest
         first, up to `prefill_batch_tokens` of prompt tokens a batch (at least one prompt),
         every decoder beside them: holding them back to a few tokens a step delayed more
@@ -366,8 +374,7 @@ class Scheduler:
         latency = any(q.objective is Objective.LATENCY for q in self.queues)
         prompts = len(queues) - decoders
         decoding = 0 < decoders >= prompts
-        step = min(self.config.prefill_batch_tokens, self.config.max_step_tokens * prompts) if decoding \
-            else self.config.latency_batch_tokens
+        step = self.config.max_step_tokens if decoding else self.config.latency_batch_tokens
         passes = kind == P.Kind.PASS and not single
         chunking = passes and (decoding or latency)
         # A latency call waits to go: the others' share of its batch is capped.
@@ -380,7 +387,7 @@ class Scheduler:
         # A wave of prompts goes in batches of control.prefill_batch_tokens (whole prompts).
         prompt_cap = self.config.prefill_batch_tokens if passes and not chunking else 0
         batch: list[Command] = []
-        used, chunked, latency_used, prompted = 0, False, 0, 0
+        used, chunked, latency_used, prompted, decoded = 0, False, 0, 0, 0
         for queue in queues:
             taken: list[Command] = []
             for command in queue.pending:  # vertical batching within the queue
@@ -398,9 +405,13 @@ class Scheduler:
                             used, chunked = used + cut, True
                         break
                 if chunking and queue.objective is not Objective.LATENCY:  # every step moves a prefill on by at least MIN_CHUNK_TOKENS
-                    room = step - used
+                    room = step - (used - decoded)  # the budget is the prompts' tokens
                     room = room if chunked else max(room, MIN_CHUNK_TOKENS)
-                    cut = command.chunkable() if command.tokens > room else 0  # type: ignore[attr-defined]
+                    # No tail shorter than a chunk: a prompt that would leave at most
+                    # max_step_tokens after this chunk goes whole (a 128-token prompt beside
+                    # 7 decoders went as 57 + 57 + 14 tokens, three steps for one prompt).
+                    whole = room >= MIN_CHUNK_TOKENS and command.tokens <= room + self.config.max_step_tokens
+                    cut = command.chunkable() if command.tokens > room and not whole else 0  # type: ignore[attr-defined]
                     if cut >= MIN_CHUNK_TOKENS:  # the rest stays at the head of its queue
                         if not taken and room >= MIN_CHUNK_TOKENS:
                             batch.append(command.split(min(room, cut)))  # type: ignore[attr-defined]
@@ -411,6 +422,7 @@ class Scheduler:
                 taken.append(command)
                 used += command.tokens
                 prompted += prompt
+                decoded += command.tokens if not prompt else 0
                 if queue.objective is Objective.LATENCY:
                     latency_used += command.tokens
                 if single:
