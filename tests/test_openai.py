@@ -48,9 +48,10 @@ def test_each_request_is_served_by_the_openai_completion_inferlet(client, pie_se
     assert after.get("sample", 0) == before.get("sample", 0)
 
 
-def test_a_whole_response_wakes_its_inferlet_once_and_prefills_in_the_run(client, pie_server):
-    """Not streamed, no stop strings: the run reports its tokens at its end (a take or two,
-    not one per token), and one choice needs no separate prefill pass (`execute`)."""
+def test_a_response_wakes_its_inferlet_once_and_prefills_in_the_run(client, pie_server):
+    """The run reports its tokens at its end (a take or two, not one per token), streamed
+    or not (streamed, the host sends the text: `run-text`), and one choice needs no
+    separate prefill pass (`execute`)."""
     def calls() -> dict:
         return dict(pie_server.get("/stats")[1]["host_calls"].get("openai_completion", {}))
 
@@ -60,10 +61,12 @@ def test_a_whole_response_wakes_its_inferlet_once_and_prefills_in_the_run(client
     after = calls()
     assert after.get("take", 0) - before.get("take", 0) <= 2
     assert after.get("execute", 0) == before.get("execute", 0)
-    streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
-                                         stream=True)
+    streamed = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                              stream=True))
     assert "".join(chunk.choices[0].text for chunk in streamed) == whole.choices[0].text
-    assert calls().get("take", 0) - after.get("take", 0) >= 12  # streamed: woken per token
+    assert len([c for c in streamed if c.choices[0].text]) > 3  # token by token, sent by the host
+    assert calls().get("take", 0) - after.get("take", 0) <= 2  # run-text: not woken per token
+    assert calls().get("run-text", 0) - after.get("run-text", 0) == 1
 
 
 def test_completion_equals_hf_greedy_with_logprobs(client, hf_model, tokenizer):

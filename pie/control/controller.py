@@ -27,6 +27,7 @@ from pie.control.policies import Objective
 from pie.control.quotas import ANONYMOUS, Charges, QuotaBook
 from pie.control.replica import Replica
 from pie.control.resources import InstanceResources
+from pie.control.text_echo import TextEcho
 from pie.control.tokenizer import TextTokenizer
 
 MAX_ALLOC = 1 << 16  # most pages or embeds one call may ask for
@@ -468,9 +469,9 @@ class InstanceSession:
     def submit_pass(self, q: CommandQueue, run_steps: int | None, *, stream: bool = True, token_ids: list[int],
                     positions: list[int], embeds: list[int], kv_pages: list[int], last_len: int,
                     out_pages: list[int], out_offset: int, mask: bytes | None,
-                    outputs: list[Output], stop_tokens: list[int]) -> int:
-        """`inference.execute` (run_steps None) and `inference.run`: resolve the instance's
-        ids, check the pass once (`Pass.validate`), enqueue it; its id."""
+                    outputs: list[Output], stop_tokens: list[int], echo: TextEcho | None = None) -> int:
+        """`inference.execute` (run_steps None), `inference.run` and `run-text` (`echo`):
+        resolve the instance's ids, check the pass once (`Pass.validate`), enqueue it; its id."""
         if q.instance_id != self.instance_id:
             raise HostError(ErrorKind.INVALID_HANDLE, "the queue belongs to another instance")
         if len(self.passes) >= self.c.config.runtime.max_pending_calls:
@@ -490,7 +491,7 @@ class InstanceSession:
                  self.resources.embeds.resolve(embeds), self._pages(kv_pages),
                  last_len, self._pages(out_pages, writable=True), out_offset,
                  mask, outputs, frozenset(stop_tokens), stream=stream,
-                 stream_every=self.c.config.control.stream_interval, scope=self.resources.user)
+                 stream_every=self.c.config.control.stream_interval, echo=echo, scope=self.resources.user)
         p.validate(self.limits, run_steps)
         self.next_pass_id += 1
         self.passes[p.pass_id] = p

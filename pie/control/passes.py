@@ -25,6 +25,7 @@ from pie import protocol as P
 from pie.control.errors import ErrorKind, HostError
 from pie.control.grammar import Matcher
 from pie.control.logit_rules import LogitRules
+from pie.control.text_echo import TextEcho
 
 if TYPE_CHECKING:
     from pie.control.command import CommandQueue
@@ -95,6 +96,7 @@ class Pass:
     stop_tokens: frozenset[int] = frozenset()
     stream: bool = True  # a run reports each step's token (else once, at its end)
     stream_every: int = 1  # a streaming run wakes its taker once per this many tokens (control.stream_interval)
+    echo: TextEcho | None = None  # a run that sends its own text (`inference.run-text`)
     steps_left: int = 1
     kind: str = P.Kind.PASS  # what the scheduler batches by
     tokens: int = 0  # new tokens: counts toward max_batch_tokens
@@ -352,6 +354,13 @@ class Pass:
         last = self.context_slots() + self.tokens - 1  # the slot of the last new token
         return max(0, min(limit, self.steps_left - 1, self.page_size - 2 - last % self.page_size))
 
+    def ends_with(self, token: int) -> bool:
+        """Whether `token`, just drawn, ends the run: a stop token, or (a run that sends its
+        text) the token that completes a stop string, whose text goes out from here."""
+        if token in self.stop_tokens:
+            return True
+        return self.echo is not None and self.echo.feed(token)
+
     def advance(self, token: int) -> None:
         """Make this pass the run's next step: `token` in at the next position and slot."""
         ps = self.page_size
@@ -407,6 +416,8 @@ class PassResults:
             p.status, p.error = status, error
             if status is not Status.RUNNING:
                 self.open -= 1
+                if p.echo is not None:  # the rest of its text, before the taker wakes for the end
+                    p.echo.close()
             if status is Status.RUNNING and (not p.stream or len(p.fresh) < p.stream_every):
                 return  # kept for the end of the run or the next wake: nobody is woken now
             if not p.listed:
@@ -586,7 +597,8 @@ def settle(batch: list[Pass], reply: P.PassesReply) -> tuple[list[Pass], list[th
                                 "entropy": entropy[r] if o.entropy else None})
             at += n_lp
         else:
-            going = p.steps_left > 1 and not p.cancelled and drawn[0] not in p.stop_tokens
+            ends = bool(drawn) and p.ends_with(drawn[0])  # (feeds a text echo every draw)
+            going = p.steps_left > 1 and not p.cancelled and not ends
             ended = Status.CANCELLED if p.cancelled and p.steps_left > 1 else Status.DONE
             results.publish(p, Status.RUNNING if going else ended, drawn, details, wakes=wakes)
             if going:
@@ -614,7 +626,8 @@ def settle_step(going: dict[int, Pass], step: P.PassesStep) -> tuple[list[thread
         token = tokens[item] if item < len(tokens) else -1
         if token < 0:
             continue  # not stepped: it goes on from here in the scheduler's next batch
-        go = p.steps_left > 1 and not p.cancelled and token not in p.stop_tokens
+        ends = p.ends_with(token)  # (feeds a text echo every draw)
+        go = p.steps_left > 1 and not p.cancelled and not ends
         ended = Status.CANCELLED if p.cancelled and p.steps_left > 1 else Status.DONE
         p.queue.results.publish(p, Status.RUNNING if go else ended, [token], wakes=wakes)
         if go:

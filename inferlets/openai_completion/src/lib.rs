@@ -5,12 +5,14 @@
 //! The request arrives as flags; the inferlet prefills the prompt once, forks it `n` ways,
 //! decodes the choices concurrently (their calls batch together), and streams one JSON line
 //! per text delta, so the endpoint can answer with server-sent events or collect a whole
-//! response. Stop strings are held back until they can no longer match; log-probabilities
-//! come from the host's next-token distribution. With `--whole` (the endpoint adds it for a
-//! non-streamed response) and no stop strings the decode run wakes the inferlet once, at its
-//! end, not per token (at 8 concurrent requests the per-token wake, detokenization and
-//! message were ~8 ms of control CPU per step on 2 cores); one choice decodes from the prompt
-//! itself, with no separate prefill pass and no fork. A one-token completion with
+//! response. A choice without log-probabilities is one host-side decode run that wakes the
+//! inferlet once, at its end, not per token: streamed (or with stop strings) the host sends
+//! its text deltas and cuts it at a stop string itself (`inference.run-text`; waking the
+//! inferlet to detokenize and send each token cost ~0.4 ms of control CPU per token, 16 x 64
+//! tokens on a Zen 5); with `--whole` and no stop strings the text is decoded once, at the
+//! end. Otherwise stop strings are held back until they can no longer match, and
+//! log-probabilities come from the host's next-token distribution. One choice decodes from
+//! the prompt itself, with no separate prefill pass and no fork. A one-token completion with
 //! log-probabilities (a scoring request) is one pass that writes no KV (`Context::peek_next`).
 //!
 //! With `--grammar KIND SOURCE` every draw of every choice is masked by that grammar (each
@@ -26,11 +28,11 @@
 //! writes no KV).
 //!
 //! Requirements: R2
-//! Host APIs: apply-chat-template, tokenize, inference (execute, run, take, cancel), forward, sample, get-next-dist (log-probabilities), copy-kvpage (fork), grammar (compile, matcher sample and accept)
+//! Host APIs: apply-chat-template, tokenize, inference (execute, run, run-text, take, cancel), forward, sample, get-next-dist (log-probabilities), copy-kvpage (fork), grammar (compile, matcher sample and accept)
 //! Arguments: (--prompt TEXT | --message ROLE CONTENT ...) --max-tokens N [--temperature T] [--top-p P] [--seed S] [--stop TEXT ...] [--n N] [--logprobs K] [--ignore-eos] [--whole] [--grammar KIND SOURCE] [--logit-bias ID BIAS ...] [--presence-penalty P] [--frequency-penalty F] [--min-tokens N] [--stop-token ID ...] [--echo]
 //! Output: JSON lines: {"prompt_tokens": n}, then per choice {"index", "text", "logprobs"?} deltas and a final {"index", "finish_reason", "completion_tokens"}.
 
-use inferlet::{chat, join_all, ChatMessage, Context, Grammar, GrammarKind, LogitRules, Model, Sampler, TextStream};
+use inferlet::{chat, join_all, ChatMessage, Context, Grammar, GrammarKind, LogitRules, Model, Sampler, TextEcho, TextStream};
 use inferlet::json::json_string;
 
 inferlet::main!(main);
@@ -230,51 +232,42 @@ async fn choice(index: usize, mut ctx: Context, r: &Request, eos: &[u32]) -> Res
 async fn streamed(index: usize, mut ctx: Context, r: &Request, eos: &[u32], stops: &[u32], sampler: Sampler,
                   grammar: Option<&Grammar>) -> Result<(), String> {
     let queue = ctx.queue().clone();
-    // Live, the text grows a token at a time (TextStream); otherwise it is decoded once.
-    let (mut generated, mut text) = (Vec::new(), TextStream::new(&queue));
-    let (mut count, mut sent, mut finish) = (0usize, 0usize, "length");
+    let (mut count, mut finish) = (0usize, "length");
     if r.max_tokens > 0 {
         // Text goes out as it is drawn when the client streams or a stop string must be
-        // watched for; otherwise the run reports its tokens once, when it ends.
+        // watched for: the host sends it (`run-text`), so this inferlet is not woken per
+        // token; otherwise the run reports its tokens once, when it ends.
         let live = !r.whole || !r.stops.is_empty();
-        let mut run = ctx.run_with_rules(&sampler, &r.rules(stops, &[]), grammar, r.max_tokens as u32, stops, live)?;
-        let mut ended = false;
+        let rules = r.rules(stops, &[]);
+        let mut run = if live {
+            let echo = TextEcho { prefix: format!("{{\"index\":{index},\"text\":"), suffix: "}".into(), json: true,
+                                  stop_strings: r.stops.clone(), hidden: eos.to_vec() };
+            ctx.run_text(&sampler, &rules, grammar, r.max_tokens as u32, stops, echo)?
+        } else {
+            ctx.run_with_rules(&sampler, &rules, grammar, r.max_tokens as u32, stops, false)?
+        };
+        let mut drawn = Vec::new();
         while let Some(tokens) = run.next().await? {
-            for token in tokens {
-                if ended {
-                    continue;  // drawn before the cancel took effect: not part of the answer
-                }
-                if stops.contains(&token) {
-                    finish = "stop";
-                    ended = true;
-                    continue;
-                }
-                count += 1;
-                if eos.contains(&token) {
-                    continue;
-                }
-                if !live {
-                    generated.push(token);
-                    continue;
-                }
-                text.push(&[token])?;
-                let cut = r.stops.iter().filter_map(|s| text.text().find(s.as_str())).min();
-                let end = cut.unwrap_or_else(|| safe_len(text.text(), &r.stops));
-                if end > sent {
-                    inferlet::send(&format!("{{\"index\":{index},\"text\":{}}}", json_string(&text.text()[sent..end])));
-                }
-                sent = sent.max(end);
-                if cut.is_some() {
-                    finish = "stop";
-                    ended = true;
-                    run.cancel()?;
-                }
-            }
+            drawn.extend(tokens);
         }
         run.finish()?;
+        if drawn.last().is_some_and(|t| stops.contains(t)) {
+            drawn.pop();
+            finish = "stop";
+        }
+        count = drawn.len();
+        let visible: Vec<u32> = drawn.into_iter().filter(|t| !eos.contains(t)).collect();
+        let text = queue.detokenize(&visible)?;
+        if live {
+            // The host sent the text, up to a stop string if one ended the run.
+            if r.stops.iter().any(|s| text.contains(s.as_str())) {
+                finish = "stop";
+            }
+            return end_choice(index, "", 0, finish, count, r);
+        }
+        return end_choice(index, &text, 0, finish, count, r);
     }
-    let text = if generated.is_empty() { text.finish()? } else { queue.detokenize(&generated)? };
-    end_choice(index, &text, sent, finish, count, r)
+    end_choice(index, "", 0, finish, count, r)
 }
 
 /// The rest of the text (up to a stop string) and the choice's finish line.

@@ -11,6 +11,7 @@ from typing import Any
 
 from pie.control.logit_rules import LogitRules
 from pie.control.passes import Output
+from pie.control.text_echo import TextEcho
 from pie.runtime.bindings.common import PACKAGE, Bindings, Kind, error_record, record
 from pie.runtime.host import HostState, Terminated
 
@@ -34,14 +35,22 @@ def _output(o: Any) -> Output:
     return out
 
 
-def _submit(st: HostState, q: Any, p: Any, run_steps: int | None, stream: bool = True) -> int:
+def _submit(st: HostState, q: Any, p: Any, run_steps: int | None, stream: bool = True,
+            echo: TextEcho | None = None) -> int:
     mask = getattr(p, "attention-mask")
     return st.session.submit_pass(
-        q, run_steps, stream=stream, token_ids=getattr(p, "input-tokens"), positions=p.positions,
+        q, run_steps, stream=stream, echo=echo, token_ids=getattr(p, "input-tokens"), positions=p.positions,
         embeds=getattr(p, "input-embeds"), kv_pages=getattr(p, "input-kv-pages"),
         last_len=getattr(p, "input-kv-last-page-len"), out_pages=getattr(p, "output-kv-pages"),
         out_offset=getattr(p, "output-kv-offset"), mask=None if mask is None else bytes(mask),
         outputs=[_output(o) for o in p.outputs], stop_tokens=getattr(p, "stop-tokens"))
+
+
+def _echo(st: HostState, tokenizer: Any, e: Any) -> TextEcho:
+    """`text-echo`: the run's text goes out as the instance's messages, from the scheduler
+    thread (no pacing or back-pressure: a message per drawn token at most)."""
+    return TextEcho(tokenizer, st.send_message, e.prefix, e.suffix, e.json, list(getattr(e, "stop-strings")),
+                    list(e.hidden))
 
 
 def _result(pass_id: int, status: str, tokens: list[int], details: list[dict], error: Any) -> Any:
@@ -61,6 +70,9 @@ def register(root: Any, b: Bindings) -> None:
             lambda st, store, q, p: _submit(st, b.queue(st, store, q), p, None)))
         inference.add_func("run", b.call(
             lambda st, store, q, p, steps, stream: _submit(st, b.queue(st, store, q), p, steps, stream)))
+        inference.add_func("run-text", b.call(
+            lambda st, store, q, p, steps, e: _submit(st, b.queue(st, store, q), p, steps, False,
+                                                      _echo(st, b.controller.tokenizer.tokenizer, e))))
 
         def take(st: HostState, store: Any, q: Any, block: bool) -> list[Any]:
             taken = st.session.take(b.queue(st, store, q), block, st.cancelled)

@@ -2316,6 +2316,23 @@ pub mod inference {
         pub failure: Option<Error>,
     }
 
+    /// How a host-side run streams its text itself (`run-text`).
+    #[derive(Clone, Debug, PartialEq)]
+    pub struct TextEcho {
+        /// Written before each piece of text, e.g. `{"index":0,"text":`.
+        pub prefix: String,
+        /// Written after it, e.g. `}`.
+        pub suffix: String,
+        /// The piece as a JSON string literal (quoted and escaped) rather than as is.
+        pub json: bool,
+        /// The run ends at the token that completes the first of these in its text; the
+        /// text stops before the stop string.
+        pub stop_strings: Vec<String>,
+        /// Drawn tokens left out of the text (say EOS while `--ignore-eos` keeps it from
+        /// stopping the run).
+        pub hidden: Vec<u32>,
+    }
+
     /// Enqueues one fused pass and returns at once.
     ///
     /// Arguments:
@@ -2433,6 +2450,75 @@ pub mod inference {
         }
     }
 
+    /// `run` whose text the host sends to the instance's client as it is drawn, so that a
+    /// streamed answer wakes no inferlet code per token: after each step the host
+    /// detokenizes the drawn token (held while a character is incomplete or the text could
+    /// be the start of a stop string) and sends the text it adds as one message, `prefix`,
+    /// the text, `suffix`; at the end of the run, what was held. `take` reports the tokens
+    /// once, when the run ends, up to and including the one that completed a stop string
+    /// (the run's later KV slots are left to be overwritten).
+    ///
+    /// Arguments:
+    /// - q: the queue; fixes the model.
+    /// - pass: the first step, as for `run`.
+    /// - steps: the most tokens to draw, at least 1.
+    /// - echo: how the text is sent.
+    ///
+    /// Returns: the run's id; `take` returns its tokens.
+    ///
+    /// Layer: inference
+    ///
+    /// Errors:
+    /// - invalid-handle: as for `execute`.
+    /// - invalid-argument: as for `run`, or a stop string in `echo` is empty.
+    /// - out-of-resources: as for `execute`.
+    pub fn run_text(q: &Queue, pass: ForwardPass, steps: u32, echo: TextEcho) -> Result<PassId, Error> {
+        #[link(wasm_import_module = "pie:inferlet/inference@0.1.0")]
+        extern "C" {
+            #[link_name = "run-text"]
+            fn import(p0: i32, p1: i32);
+        }
+        unsafe {
+            let mut cleanup = crate::abi::Cleanup::new();
+            let mut ret_area = crate::abi::RetArea::<24>::new();
+            let args = cleanup.alloc(120, 4);
+            args.cast::<i32>().write(q.handle());
+            args.add(4).cast::<i32>().write((&pass.input_embeds).as_ptr() as i32);
+            args.add(8).cast::<i32>().write((&pass.input_embeds).len() as i32);
+            args.add(12).cast::<i32>().write((&pass.input_tokens).as_ptr() as i32);
+            args.add(16).cast::<i32>().write((&pass.input_tokens).len() as i32);
+            args.add(20).cast::<i32>().write((&pass.positions).as_ptr() as i32);
+            args.add(24).cast::<i32>().write((&pass.positions).len() as i32);
+            args.add(28).cast::<i32>().write((&pass.input_kv_pages).as_ptr() as i32);
+            args.add(32).cast::<i32>().write((&pass.input_kv_pages).len() as i32);
+            args.add(36).cast::<u32>().write(*(&pass.input_kv_last_page_len));
+            args.add(40).cast::<i32>().write((&pass.output_kv_pages).as_ptr() as i32);
+            args.add(44).cast::<i32>().write((&pass.output_kv_pages).len() as i32);
+            args.add(48).cast::<u32>().write(*(&pass.output_kv_offset));
+            match (&pass.attention_mask) { None => { args.add(52).cast::<u8>().write(0); } Some(v) => { args.add(52).cast::<u8>().write(1); args.add(56).cast::<i32>().write(v.as_ptr() as i32); args.add(60).cast::<i32>().write(v.len() as i32); } }
+            let buf28 = cleanup.alloc((&pass.outputs).len() * 136, 8);
+            for (i, e29) in (&pass.outputs).iter().enumerate() { buf28.add(i * 136).cast::<u32>().write(*(&e29.index)); match (&e29.sample) { None => { buf28.add(i * 136).add(8).cast::<u8>().write(0); } Some(v) => { buf28.add(i * 136).add(8).cast::<u8>().write(1); buf28.add(i * 136).add(16).cast::<f32>().write(*(&v.temperature)); buf28.add(i * 136).add(20).cast::<u32>().write(*(&v.top_k)); buf28.add(i * 136).add(24).cast::<f32>().write(*(&v.top_p)); buf28.add(i * 136).add(28).cast::<f32>().write(*(&v.min_p)); match (&v.seed) { None => { buf28.add(i * 136).add(32).cast::<u8>().write(0); } Some(v) => { buf28.add(i * 136).add(32).cast::<u8>().write(1); buf28.add(i * 136).add(40).cast::<u64>().write(*v); } } } } buf28.add(i * 136).add(48).cast::<u32>().write(*(&e29.top_k)); buf28.add(i * 136).add(52).cast::<i32>().write((&e29.logprobs_of).as_ptr() as i32); buf28.add(i * 136).add(56).cast::<i32>().write((&e29.logprobs_of).len() as i32); buf28.add(i * 136).add(60).cast::<u8>().write(*(&e29.entropy) as u8); match (&e29.allowed) { None => { buf28.add(i * 136).add(64).cast::<u8>().write(0); } Some(v) => { buf28.add(i * 136).add(64).cast::<u8>().write(1); buf28.add(i * 136).add(68).cast::<i32>().write(v.as_ptr() as i32); buf28.add(i * 136).add(72).cast::<i32>().write(v.len() as i32); } } match (&e29.grammar) { None => { buf28.add(i * 136).add(76).cast::<u8>().write(0); } Some(v) => { buf28.add(i * 136).add(76).cast::<u8>().write(1); buf28.add(i * 136).add(80).cast::<u32>().write(*(&v.matcher)); buf28.add(i * 136).add(84).cast::<u8>().write(*(&v.advance) as u8); } } match (&e29.rules) { None => { buf28.add(i * 136).add(88).cast::<u8>().write(0); } Some(v) => { buf28.add(i * 136).add(88).cast::<u8>().write(1); let buf30 = cleanup.alloc((&v.bias).len() * 8, 4); for (i, e31) in (&v.bias).iter().enumerate() { buf30.add(i * 8).cast::<u32>().write(*(&e31.0)); buf30.add(i * 8).add(4).cast::<f32>().write(*(&e31.1)); } buf28.add(i * 136).add(92).cast::<i32>().write(buf30 as i32); buf28.add(i * 136).add(96).cast::<i32>().write((&v.bias).len() as i32); buf28.add(i * 136).add(100).cast::<f32>().write(*(&v.presence_penalty)); buf28.add(i * 136).add(104).cast::<f32>().write(*(&v.frequency_penalty)); buf28.add(i * 136).add(108).cast::<i32>().write((&v.seen).as_ptr() as i32); buf28.add(i * 136).add(112).cast::<i32>().write((&v.seen).len() as i32); buf28.add(i * 136).add(116).cast::<i32>().write((&v.banned).as_ptr() as i32); buf28.add(i * 136).add(120).cast::<i32>().write((&v.banned).len() as i32); buf28.add(i * 136).add(124).cast::<u32>().write(*(&v.banned_until)); } } match (&e29.keep) { None => { buf28.add(i * 136).add(128).cast::<u8>().write(0); } Some(v) => { buf28.add(i * 136).add(128).cast::<u8>().write(1); buf28.add(i * 136).add(132).cast::<u32>().write(*v); } } }
+            args.add(64).cast::<i32>().write(buf28 as i32);
+            args.add(68).cast::<i32>().write((&pass.outputs).len() as i32);
+            args.add(72).cast::<i32>().write((&pass.stop_tokens).as_ptr() as i32);
+            args.add(76).cast::<i32>().write((&pass.stop_tokens).len() as i32);
+            args.add(80).cast::<u32>().write(*(&steps));
+            args.add(84).cast::<i32>().write((&echo.prefix).as_ptr() as i32);
+            args.add(88).cast::<i32>().write((&echo.prefix).len() as i32);
+            args.add(92).cast::<i32>().write((&echo.suffix).as_ptr() as i32);
+            args.add(96).cast::<i32>().write((&echo.suffix).len() as i32);
+            args.add(100).cast::<u8>().write(*(&echo.json) as u8);
+            let buf32 = cleanup.alloc((&echo.stop_strings).len() * 8, 4);
+            for (i, e33) in (&echo.stop_strings).iter().enumerate() { buf32.add(i * 8).cast::<i32>().write(e33.as_ptr() as i32); buf32.add(i * 8).add(4).cast::<i32>().write(e33.len() as i32); }
+            args.add(104).cast::<i32>().write(buf32 as i32);
+            args.add(108).cast::<i32>().write((&echo.stop_strings).len() as i32);
+            args.add(112).cast::<i32>().write((&echo.hidden).as_ptr() as i32);
+            args.add(116).cast::<i32>().write((&echo.hidden).len() as i32);
+            import(args as i32, ret_area.ptr() as i32);
+            match ret_area.ptr().cast::<u8>().read() { 0 => Ok(ret_area.ptr().add(8).cast::<u64>().read()), 1 => Err(Error { kind: super::types::ErrorKind::_lift(ret_area.ptr().add(8).cast::<u8>().read() as u32), message: crate::abi::take_string(ret_area.ptr().add(12).cast::<i32>().read(), ret_area.ptr().add(16).cast::<i32>().read()) }), _ => unreachable!() }
+        }
+    }
+
     /// The results of the queue's passes not yet taken: finished passes and runs that
     /// progressed, in the order they did.
     ///
@@ -2453,7 +2539,7 @@ pub mod inference {
         unsafe {
             let mut ret_area = crate::abi::RetArea::<8>::new();
             import(q.handle(), *(&block) as i32, ret_area.ptr() as i32);
-            crate::abi::take_list(ret_area.ptr().cast::<i32>().read(), ret_area.ptr().add(4).cast::<i32>().read(), 48, 8, |p28| PassResult { pass: p28.cast::<u64>().read(), status: PassStatus::_lift(p28.add(8).cast::<u8>().read() as u32), tokens: crate::abi::take_vec(p28.add(12).cast::<i32>().read(), p28.add(16).cast::<i32>().read()), details: crate::abi::take_list(p28.add(20).cast::<i32>().read(), p28.add(24).cast::<i32>().read(), 36, 4, |p29| OutputDetail { index: p29.cast::<u32>().read(), top_ids: crate::abi::take_vec(p29.add(4).cast::<i32>().read(), p29.add(8).cast::<i32>().read()), top_probs: crate::abi::take_vec(p29.add(12).cast::<i32>().read(), p29.add(16).cast::<i32>().read()), logprobs: crate::abi::take_vec(p29.add(20).cast::<i32>().read(), p29.add(24).cast::<i32>().read()), entropy: match p29.add(28).cast::<u8>().read() { 0 => None, 1 => Some(p29.add(32).cast::<f32>().read()), _ => unreachable!() } }), failure: match p28.add(28).cast::<u8>().read() { 0 => None, 1 => Some(Error { kind: super::types::ErrorKind::_lift(p28.add(32).cast::<u8>().read() as u32), message: crate::abi::take_string(p28.add(36).cast::<i32>().read(), p28.add(40).cast::<i32>().read()) }), _ => unreachable!() } })
+            crate::abi::take_list(ret_area.ptr().cast::<i32>().read(), ret_area.ptr().add(4).cast::<i32>().read(), 48, 8, |p34| PassResult { pass: p34.cast::<u64>().read(), status: PassStatus::_lift(p34.add(8).cast::<u8>().read() as u32), tokens: crate::abi::take_vec(p34.add(12).cast::<i32>().read(), p34.add(16).cast::<i32>().read()), details: crate::abi::take_list(p34.add(20).cast::<i32>().read(), p34.add(24).cast::<i32>().read(), 36, 4, |p35| OutputDetail { index: p35.cast::<u32>().read(), top_ids: crate::abi::take_vec(p35.add(4).cast::<i32>().read(), p35.add(8).cast::<i32>().read()), top_probs: crate::abi::take_vec(p35.add(12).cast::<i32>().read(), p35.add(16).cast::<i32>().read()), logprobs: crate::abi::take_vec(p35.add(20).cast::<i32>().read(), p35.add(24).cast::<i32>().read()), entropy: match p35.add(28).cast::<u8>().read() { 0 => None, 1 => Some(p35.add(32).cast::<f32>().read()), _ => unreachable!() } }), failure: match p34.add(28).cast::<u8>().read() { 0 => None, 1 => Some(Error { kind: super::types::ErrorKind::_lift(p34.add(32).cast::<u8>().read() as u32), message: crate::abi::take_string(p34.add(36).cast::<i32>().read(), p34.add(40).cast::<i32>().read()) }), _ => unreachable!() } })
         }
     }
 
@@ -2656,7 +2742,7 @@ static mut RET_RUN: RetAreaRun = RetAreaRun([0; 12]);
 pub unsafe fn _export_run(f: impl FnOnce() -> Result<(), String>) -> i32 {
     let result = f();
     let ptr = core::ptr::addr_of_mut!(RET_RUN) as *mut u8;
-    match result { Ok(_) => { ptr.cast::<u8>().write(0); } Err(e) => { ptr.cast::<u8>().write(1); let pl30 = crate::abi::leak_string(e); ptr.add(4).cast::<i32>().write(pl30.0); ptr.add(8).cast::<i32>().write(pl30.1); } }
+    match result { Ok(_) => { ptr.cast::<u8>().write(0); } Err(e) => { ptr.cast::<u8>().write(1); let pl36 = crate::abi::leak_string(e); ptr.add(4).cast::<i32>().write(pl36.0); ptr.add(8).cast::<i32>().write(pl36.1); } }
     ptr as i32
 }
 

@@ -476,14 +476,14 @@ impl Context {
     /// `streaming`, `Run::next` returns the tokens as each step draws them; without, once,
     /// at the end (the inferlet is not woken per token). Call `Run::finish` at the end.
     pub fn run(&mut self, sampler: &Sampler, steps: u32, stop_tokens: &[u32], streaming: bool) -> Result<Run<'_>, Error> {
-        self.start_run(sampler, steps, stop_tokens, streaming, None, None)
+        self.start_run(sampler, steps, stop_tokens, streaming, None, None, None)
     }
 
     /// `run` with every draw masked by a grammar, which the host advances over each drawn
     /// token (`Context::run_constrained` in grammar.rs).
     pub(crate) fn start_run(&mut self, sampler: &Sampler, steps: u32, stop_tokens: &[u32], streaming: bool,
-                            grammar: Option<inference::GrammarMask>, rules: Option<inference::LogitRules>)
-                            -> Result<Run<'_>, Error> {
+                            grammar: Option<inference::GrammarMask>, rules: Option<inference::LogitRules>,
+                            echo: Option<inference::TextEcho>) -> Result<Run<'_>, Error> {
         if self.pending.is_empty() || steps == 0 {
             return Err(Error { kind: ErrorKind::InvalidArgument,
                                message: "a run needs a pending token to predict from and at least one step".into() });
@@ -504,7 +504,11 @@ impl Context {
                                rules: rules.clone(), ..output(0) };
             let started = self.pass_over(&tokens, n + steps - 1, vec![out], stop_tokens.to_vec())
                 .and_then(|(pass, new_pages)| {
-                    Ok((inference::run(self.queue.raw(), pass, steps, streaming)?, new_pages))
+                    let id = match &echo {
+                        Some(e) => inference::run_text(self.queue.raw(), pass, steps, e.clone())?,
+                        None => inference::run(self.queue.raw(), pass, steps, streaming)?,
+                    };
+                    Ok((id, new_pages))
                 });
             match started {
                 Ok((id, new_pages)) => {

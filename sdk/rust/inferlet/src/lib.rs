@@ -48,7 +48,7 @@ pub use branch::{generate_branches, Branch};
 pub use context::{Context, Run};
 pub use executor::{block_on, join_all, spawn, HostFuture, HostResult, JoinHandle};
 pub use bindings::grammar::GrammarKind;
-pub use bindings::inference::LogitRules;
+pub use bindings::inference::{LogitRules, TextEcho};
 pub use grammar::Grammar;
 pub use lines::Line;
 pub use model::{Model, Queue};

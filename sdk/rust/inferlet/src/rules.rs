@@ -3,7 +3,7 @@
 //! (`inference.logit-rules`). In a host-side run the host counts each drawn token as seen,
 //! so a penalised run still never wakes the inferlet per token.
 
-use crate::bindings::inference::{GrammarMask, LogitRules, Output};
+use crate::bindings::inference::{GrammarMask, LogitRules, Output, TextEcho};
 use crate::bindings::types::Error;
 use crate::context::{output, pass_sampler, Run};
 use crate::{Context, Grammar, Sampler};
@@ -61,7 +61,19 @@ impl Context {
                           stop_tokens: &[u32], streaming: bool) -> Result<Run<'_>, Error> {
         let mask = grammar.map(|g| GrammarMask { matcher: g.matcher().id(), advance: true });
         let rules = if rules.is_empty() { None } else { Some(rules.clone()) };
-        self.start_run(sampler, steps, stop_tokens, streaming, mask, rules)
+        self.start_run(sampler, steps, stop_tokens, streaming, mask, rules, None)
+    }
+
+    /// `run_with_rules` whose text the host sends to the client as it is drawn
+    /// (`inference.run-text`): each piece as one message `echo.prefix`, the text (a JSON
+    /// string literal with `echo.json`), `echo.suffix`; the run ends at a stop token or at
+    /// the token that completes one of `echo.stop_strings`. No inferlet code runs per token:
+    /// `Run::next` returns the tokens once, at the end.
+    pub fn run_text(&mut self, sampler: &Sampler, rules: &LogitRules, grammar: Option<&Grammar>, steps: u32,
+                    stop_tokens: &[u32], echo: TextEcho) -> Result<Run<'_>, Error> {
+        let mask = grammar.map(|g| GrammarMask { matcher: g.matcher().id(), advance: true });
+        let rules = if rules.is_empty() { None } else { Some(rules.clone()) };
+        self.start_run(sampler, steps, stop_tokens, false, mask, rules, Some(echo))
     }
 
     /// Runs the pending tokens and draws the next one in one fused pass, under `rules` and,
