@@ -25,10 +25,10 @@ from pie import protocol as P
 from pie.control.errors import ErrorKind, HostError
 from pie.control.grammar import Matcher
 from pie.control.logit_rules import LogitRules
-from pie.control.text_echo import TextEcho
 
 if TYPE_CHECKING:
     from pie.control.command import CommandQueue
+    from pie.control.text_echo import TextEcho
 
 
 class Status(StrEnum):

@@ -232,7 +232,7 @@ async fn choice(index: usize, mut ctx: Context, r: &Request, eos: &[u32]) -> Res
 async fn streamed(index: usize, mut ctx: Context, r: &Request, eos: &[u32], stops: &[u32], sampler: Sampler,
                   grammar: Option<&Grammar>) -> Result<(), String> {
     let queue = ctx.queue().clone();
-    let (mut count, mut finish) = (0usize, "length");
+    let (mut count, mut finish, mut text) = (0usize, "length", String::new());
     if r.max_tokens > 0 {
         // Text goes out as it is drawn when the client streams or a stop string must be
         // watched for: the host sends it (`run-text`), so this inferlet is not woken per
@@ -257,17 +257,17 @@ async fn streamed(index: usize, mut ctx: Context, r: &Request, eos: &[u32], stop
         }
         count = drawn.len();
         let visible: Vec<u32> = drawn.into_iter().filter(|t| !eos.contains(t)).collect();
-        let text = queue.detokenize(&visible)?;
-        if live {
-            // The host sent the text, up to a stop string if one ended the run.
-            if r.stops.iter().any(|s| text.contains(s.as_str())) {
+        if !live {
+            text = queue.detokenize(&visible)?;  // sent now, whole
+        } else if !r.stops.is_empty() {
+            // The host sent the text, cut before a stop string if one ended the run.
+            let sent = queue.detokenize(&visible)?;
+            if r.stops.iter().any(|s| sent.contains(s.as_str())) {
                 finish = "stop";
             }
-            return end_choice(index, "", 0, finish, count, r);
         }
-        return end_choice(index, &text, 0, finish, count, r);
     }
-    end_choice(index, "", 0, finish, count, r)
+    end_choice(index, &text, 0, finish, count, r)
 }
 
 /// The rest of the text (up to a stop string) and the choice's finish line.

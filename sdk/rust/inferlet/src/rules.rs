@@ -59,9 +59,7 @@ impl Context {
     /// masked by a grammar the host advances (as `run_constrained`).
     pub fn run_with_rules(&mut self, sampler: &Sampler, rules: &LogitRules, grammar: Option<&Grammar>, steps: u32,
                           stop_tokens: &[u32], streaming: bool) -> Result<Run<'_>, Error> {
-        let mask = grammar.map(|g| GrammarMask { matcher: g.matcher().id(), advance: true });
-        let rules = if rules.is_empty() { None } else { Some(rules.clone()) };
-        self.start_run(sampler, steps, stop_tokens, streaming, mask, rules, None)
+        self.ruled_run(sampler, rules, grammar, steps, stop_tokens, streaming, None)
     }
 
     /// `run_with_rules` whose text the host sends to the client as it is drawn
@@ -71,9 +69,14 @@ impl Context {
     /// `Run::next` returns the tokens once, at the end.
     pub fn run_text(&mut self, sampler: &Sampler, rules: &LogitRules, grammar: Option<&Grammar>, steps: u32,
                     stop_tokens: &[u32], echo: TextEcho) -> Result<Run<'_>, Error> {
+        self.ruled_run(sampler, rules, grammar, steps, stop_tokens, false, Some(echo))
+    }
+
+    fn ruled_run(&mut self, sampler: &Sampler, rules: &LogitRules, grammar: Option<&Grammar>, steps: u32,
+                 stop_tokens: &[u32], streaming: bool, echo: Option<TextEcho>) -> Result<Run<'_>, Error> {
         let mask = grammar.map(|g| GrammarMask { matcher: g.matcher().id(), advance: true });
         let rules = if rules.is_empty() { None } else { Some(rules.clone()) };
-        self.start_run(sampler, steps, stop_tokens, false, mask, rules, Some(echo))
+        self.start_run(sampler, steps, stop_tokens, streaming, mask, rules, echo)
     }
 
     /// Runs the pending tokens and draws the next one in one fused pass, under `rules` and,
