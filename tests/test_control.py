@@ -30,7 +30,8 @@ class FakeBackend:
     With `step_ahead`, a pass request granting steps ahead (`Passes.ahead`) is answered
     `more`, then stepped as the real backend does: step k draws 100 + k for every item
     granted at least k steps, a frame waiting ends the steps (an empty final step), and
-    while `step_gate` is clear it waits before each step."""
+    while `step_gate` is clear it waits before each step; with `step_permits` (a
+    semaphore) each step takes one permit first, so a test lets them go one by one."""
 
     def __init__(self, endpoint: str):
         self.batches: list[tuple[str, int]] = []
@@ -43,6 +44,7 @@ class FakeBackend:
         self.step_gate = threading.Event()
         self.step_gate.set()
         self.stepping = threading.Event()  # set once a reply said `more`
+        self.step_permits: threading.Semaphore | None = None
         self.steps: list[list[int]] = []  # tokens of each step taken ahead
         self.interrupts = 0
         self.context = zmq.Context()
@@ -93,7 +95,8 @@ class FakeBackend:
     def _step(self, peer: bytes, request_id: int, ahead: list[int]) -> None:
         self.stepping.set()
         for k in range(1, max(ahead) + 1):
-            while not self.step_gate.wait(0.05):
+            while not self.step_gate.wait(0.05) or (self.step_permits is not None
+                                                      and not self.step_permits.acquire(timeout=0.05)):
                 if not self.running:
                     return
             if self.socket.poll(0):

@@ -172,6 +172,58 @@ def _rust_importer(tmp_path):
     return crate
 
 
+ECHO_PROGRAM = '''
+import inferlet
+
+def main(args):
+    prompt, stop_string, n, as_json = args
+    ctx = inferlet.Model.default().create_context()
+    ctx.fill(prompt)
+    stop = inferlet.Stop(int(n), eos=ctx.queue.eos_tokens(), strings=[stop_string] if stop_string else [])
+    echo = inferlet.Echo(prefix='{"t":', suffix="}", json=True) if as_json == "json" else inferlet.Echo(prefix="+")
+    inferlet.send("=" + ctx.generate(inferlet.Sampler.greedy(), stop, echo=echo))
+'''
+
+
+def test_python_sdk_generate_echo_streams_from_the_host(tmp_path, pie_server, hf_model, tokenizer):
+    """`generate(..., echo=Echo(...))` (`inference.run-text`): the host sends the text piece
+    by piece as it is drawn, cut before a stop string, and the inferlet is woken for the
+    run's end only (a take or two, not one per token); the text is HF's greedy one."""
+    source = tmp_path / "py_echo.py"
+    source.write_text(ECHO_PROGRAM)
+    program = build_python_inferlet(source).read_bytes()
+    prompt = "The capital of France is"
+    ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+    greedy = tokenizer.decode(hf_greedy(hf_model, ids, 16), skip_special_tokens=False)
+
+    def calls() -> dict:
+        totals: dict = {}
+        for by_function in pie_server.get("/stats")[1]["host_calls"].values():
+            for name, count in by_function.items():
+                totals[name] = totals.get(name, 0) + count
+        return totals
+
+    before = calls()
+    plain = run_inferlet(pie_server, program, [prompt, "", "16", "plain"])
+    after = calls()
+    assert plain.reason == "finished", plain.reason
+    *pieces, final = plain.messages
+    assert final == "=" + greedy and len(pieces) > 3 and all(m.startswith("+") for m in pieces)
+    assert "".join(m[1:] for m in pieces) == greedy
+    assert after.get("run-text", 0) - before.get("run-text", 0) == 1
+    assert after.get("take", 0) - before.get("take", 0) <= 2  # not woken per token
+
+    stop = greedy.split()[2]  # a word in the middle: the run ends at the token completing it
+    cut = run_inferlet(pie_server, program, [prompt, stop, "16", "json"])
+    assert cut.reason == "finished", cut.reason
+    *pieces, final = cut.messages
+    expected = greedy[:greedy.find(stop)]
+    assert final == "=" + expected
+    assert "".join(json.loads(m)["t"] for m in pieces) == expected
+    resources = pie_server.resources()
+    assert resources["kv_pages_free"] == resources["kv_pages_total"]
+
+
 SCORING_PROGRAM = '''
 import json
 import inferlet

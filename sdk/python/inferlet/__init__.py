@@ -36,13 +36,13 @@ from inferlet.grammar import Grammar
 from inferlet.io import (Response, Subscription, args, broadcast, chat, http_get, http_post, log,
                          receive, send, store_delete, store_get, store_set, subscribe)
 from inferlet.model import Model, Queue
-from inferlet.sampling import Sampler, Stop
+from inferlet.sampling import Echo, Sampler, Stop
 from inferlet.select import Selection
 from inferlet.snapshot_finder import SnapshotFinder
 from inferlet.stdio import LogStream
 from inferlet.text_stream import TextStream
 
-__all__ = ["Branch", "Context", "Error", "Future", "Grammar", "Model", "Queue", "Response", "Sampler",
+__all__ = ["Branch", "Context", "Echo", "Error", "Future", "Grammar", "Model", "Queue", "Response", "Sampler",
            "Selection", "Stop", "Subscription", "TextStream", "args", "beam_search", "broadcast", "chat",
            "generate_branches", "http_get", "http_post", "log", "receive", "run_main",
            "send", "store_delete", "store_get", "store_set", "subscribe", "wait_all",

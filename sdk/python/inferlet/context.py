@@ -18,7 +18,7 @@ from wit_world.imports import allocate, forward, inference, input_text, kvs, mem
 from inferlet.errors import Error, host
 from inferlet.grammar import Grammar
 from inferlet.model import Queue
-from inferlet.sampling import Sampler, Stop
+from inferlet.sampling import Echo, Sampler, Stop
 from inferlet.select import Selection, select
 from inferlet.text_stream import TextStream
 
@@ -161,7 +161,8 @@ class Context:
         _check(result)
         return result
 
-    def generate(self, sampler: Sampler, stop: Stop, grammar: Grammar | None = None) -> str:
+    def generate(self, sampler: Sampler, stop: Stop, grammar: Grammar | None = None,
+                 echo: Echo | None = None) -> str:
         """Decode until `stop`; the text without the EOS token or the stop string.
 
         The decoding runs on the host (`inference.run`, at most RUN_STEPS steps a run): the
@@ -169,10 +170,14 @@ class Context:
         come back per step only when stop strings must be checked. With a `grammar`
         (compiled on this context's queue) every draw is masked to what it allows and the
         host advances it: Rust's `generate_constrained` / `run_constrained`; put the EOS
-        tokens in `stop.eos`, the only tokens allowed once the grammar is complete."""
-        return self.start_generate(sampler, stop, grammar).result()
+        tokens in `stop.eos`, the only tokens allowed once the grammar is complete. With
+        `echo` the host also sends the text to the client as it is drawn (`Echo`; Rust's
+        `Context::run_text`), one run of `stop.max_tokens` steps that ends at the token
+        completing a stop string: the inferlet is not woken per token."""
+        return self.start_generate(sampler, stop, grammar, echo).result()
 
-    def start_generate(self, sampler: Sampler, stop: Stop, grammar: Grammar | None = None) -> Generation:
+    def start_generate(self, sampler: Sampler, stop: Stop, grammar: Grammar | None = None,
+                       echo: Echo | None = None) -> Generation:
         """`generate` in two halves: this starts the host-side run and returns at once;
         `result()` waits for the text. Started on contexts of different queues, several
         generations decode together (their steps batch), as Rust's concurrent tasks do."""
@@ -180,7 +185,7 @@ class Context:
             raise Error("invalid-argument", "no pending token to predict from; fill the context first")
         if grammar is not None and grammar.queue is not self.queue:
             raise Error("invalid-argument", "the grammar was compiled on another queue than the context's")
-        return Generation(self, sampler, stop, grammar)
+        return Generation(self, sampler, stop, grammar, echo)
 
     def gen(self, max_tokens: int, regex: str | None = None, choices: list[str] | None = None,
             stop: list[str] = (), sampler: Sampler | None = None) -> str:  # type: ignore[assignment]
@@ -272,9 +277,11 @@ class Context:
 
     # --- internals -------------------------------------------------------------------------
 
-    def _start_run(self, sampler: Sampler, steps: int, stop_tokens: list[int], streaming: bool, mask=None):
+    def _start_run(self, sampler: Sampler, steps: int, stop_tokens: list[int], streaming: bool, mask=None,
+                   echo=None):
         """A host-side run from the pending tokens (a long prompt prefilled first, in chunks
-        of the host's limit, learnt from its refusal): (its input tokens, its id, its pages)."""
+        of the host's limit, learnt from its refusal), `run-text` with an `echo` record:
+        (its input tokens, its id, its pages)."""
         tokens, self.pending = self.pending, []
         recomputed = False
         while True:
@@ -288,7 +295,9 @@ class Context:
             out = _output(index=len(tokens) - 1, sample=_pass_sampler(sampler), grammar=mask)
             try:
                 record, new = self._pass_over(tokens, len(tokens) + steps - 1, [out], stop_tokens)
-                return tokens, host(inference.run, self.queue.raw, record, steps, streaming), new
+                started = (host(inference.run, self.queue.raw, record, steps, streaming) if echo is None
+                           else host(inference.run_text, self.queue.raw, record, steps, echo))
+                return tokens, started, new
             except Error as e:
                 if self._lost(e) and not recomputed:
                     recomputed = True
@@ -467,10 +476,13 @@ _RESULTS: dict[int, list] = {}
 
 class Generation:
     """A `Context.start_generate` in progress: one host-side run at a time (RUN_STEPS steps
-    at most), the next started when one ends short of `stop`."""
+    at most), the next started when one ends short of `stop`. With an `Echo`, one run of
+    every step: the host looks for the stop strings in its text, so it must see it whole."""
 
-    def __init__(self, ctx: Context, sampler: Sampler, stop: Stop, grammar: Grammar | None = None):
+    def __init__(self, ctx: Context, sampler: Sampler, stop: Stop, grammar: Grammar | None = None,
+                 echo: Echo | None = None):
         self.ctx, self.sampler, self.stop = ctx, sampler, stop
+        self.echo = None if echo is None else echo.to_host(stop)
         self.mask = None if grammar is None else inference.GrammarMask(matcher=grammar.id(), advance=True)
         self.generated: list[int] = []
         self.text = TextStream(ctx.queue)  # what stop strings are looked for in
@@ -478,9 +490,12 @@ class Generation:
         self.run = self._start() if stop.max_tokens > 0 else None
 
     def _start(self):
-        steps = min(self.stop.max_tokens - len(self.generated), RUN_STEPS)
-        return self.ctx._start_run(self.sampler.with_seed(self.seed), steps, list(self.stop.eos),
-                                   bool(self.stop.strings), self.mask)
+        steps = self.stop.max_tokens - len(self.generated)
+        if self.echo is not None:  # streams nothing back: the text goes out from the host
+            return self.ctx._start_run(self.sampler.with_seed(self.seed), steps, list(self.stop.eos),
+                                       False, self.mask, self.echo)
+        return self.ctx._start_run(self.sampler.with_seed(self.seed), min(steps, RUN_STEPS),
+                                   list(self.stop.eos), bool(self.stop.strings), self.mask)
 
     def result(self) -> str:
         """The generated text (blocking until the decoding ends)."""
