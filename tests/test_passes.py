@@ -4,6 +4,7 @@ advance without the instance, cancellation, and teardown with passes in flight."
 
 from __future__ import annotations
 
+import threading
 import time
 from array import array
 
@@ -13,6 +14,7 @@ from test_control import controller_on_fake_backend
 from pie.config import PieConfig
 from pie.control.errors import ErrorKind, HostError
 from pie.control.passes import Output
+from pie.control.text_echo import TextEcho
 
 PS = 16  # the fake model's page size
 
@@ -331,8 +333,10 @@ def test_a_long_prefill_goes_in_chunks_while_a_run_decodes(chunking):
     assert [n for _, n in backend.batches][:5] == [1, 2, 2, 2, 1]
     assert [len(columns(m, "token_ids")) for m in backend.passes[1:4]] == [16 + 1, 16 + 1, 28 + 1]
     # beside a chunk the decoder is granted no steps ahead: they would run without the
-    # prompt's next chunk, which waits for the reply
-    assert [bool(m.ahead) for m in backend.passes[1:3]] == [False] * 2 and backend.passes[3].ahead
+    # prompt's next chunk, which waits for the reply; beside the prompt's last part neither:
+    # one grant for the batch, and the prompt's pass (no run) takes none, its queue held
+    # until the batch's final step
+    assert [bool(m.ahead) for m in backend.passes[1:4]] == [False] * 3 and backend.passes[4].ahead
     physical = p.resources.pages.resolve(pages)
     seen = 0
     for msg in backend.passes[1:4]:
@@ -531,6 +535,32 @@ def test_steps_taken_ahead_are_published_and_the_run_goes_on_from_them(fake):
     a.close()
 
 
+def test_runs_in_one_batch_get_one_grant_the_least_of_theirs(fake):
+    """Two runs at different offsets in their pages share a batch: both are granted the
+    lesser number of steps ahead (6: the second's 9th slot leaves 6 before its page's last;
+    the first's would be 9),
+    so neither sits out steps the other takes, its queue busy until the final one."""
+    controller, backend = fake
+    backend.step_ahead = True
+    backend.hold.clear()
+    c = controller.session("c", [])
+    qc = c.create_queue("m")
+    submit(c, qc, [9, 9], out=c.alloc_kvpage(qc, 1), stream=False)  # in flight, unanswered
+    wait_for(lambda: backend.batches)
+    a, b = controller.session("a", []), controller.session("b", [])
+    qa, qb = a.create_queue("m"), b.create_queue("m")
+    submit(a, qa, [1, 2, 3], run=10, out=a.alloc_kvpage(qa, 1))
+    submit(b, qb, list(range(1, 10)), run=8, out=b.alloc_kvpage(qb, 1))
+    backend.hold.set()
+    window = [101, 102, 103, 104, 105, 106]
+    assert [t for r in take_all(a, qa) for t in r[2]] == [7, *window, 7, 7, 101]
+    assert [t for r in take_all(b, qb) for t in r[2]] == [7, *window, 7]
+    assert columns(backend.passes[1], "ahead") == [6, 6] and backend.batches[1] == ("pass", 2)
+    assert backend.steps[:6] == [[t, t] for t in window]
+    for s in (a, b, c):
+        s.close()
+
+
 def test_a_call_waiting_while_steps_run_ahead_interrupts_them_and_rides_the_next_batch(fake):
     controller, backend = fake
     backend.step_ahead = True
@@ -547,11 +577,11 @@ def test_a_call_waiting_while_steps_run_ahead_interrupts_them_and_rides_the_next
     tokens_a = [t for r in take_all(a, qa) for t in r[2]]
     assert [t for r in take_all(b, qb) for t in r[2]] == [7]
     # the Interrupt waited when the backend would have stepped: it took no step ahead, and
-    # a's second step went in one batch with b's pass, granted the rest of a's run
-    assert backend.batches[:2] == [("pass", 1), ("pass", 2)] and backend.interrupts == 1
-    assert [max(step) for step in backend.steps] == [101, 102, 103, 104, 105, 106]
-    assert all(min(step) == -1 for step in backend.steps)  # b's pass had no grant
-    assert tokens_a == [7, 7, 101, 102, 103, 104, 105, 106]
+    # a's second step went in one batch with b's pass, with no grant (b's queue would have
+    # been held through a's steps); a's third step, alone, was granted the rest of its run
+    assert backend.batches[:3] == [("pass", 1), ("pass", 2), ("pass", 1)] and backend.interrupts == 1
+    assert backend.steps == [[101], [102], [103], [104], [105]]
+    assert tokens_a == [7, 7, 7, 101, 102, 103, 104, 105]
     a.close()
     b.close()
 
@@ -569,6 +599,40 @@ def test_a_run_cancelled_while_stepping_ahead_ends_with_its_next_step(fake):
     backend.step_gate.set()
     results = take_all(a, q)
     assert results[-1][1] == "cancelled" and [t for r in results for t in r[2]] == [7]
+    assert backend.batches == [("pass", 1)]  # nothing more was sent for it
+    a.close()
+
+
+def test_a_stop_string_completed_while_stepping_ahead_ends_the_run_and_interrupts(fake):
+    """A `run-text` run (a TextEcho on the pass, the real tokenizer) whose text completes a
+    stop string during steps the backend takes on its own: the run ends done with the token
+    that completed it, the text sent stops before the stop string, and one Interrupt ends
+    the steps ahead (none is drawn after it). Tokens 7, 101, 102, 103 are
+    "<gh_stars>", "u", "v", "w"; the stop string "vw" holds "v" back until "w" cuts it."""
+    import threading
+
+    from pie.control.text_echo import TextEcho
+
+    controller, backend = fake
+    backend.step_ahead = True
+    backend.step_permits = threading.Semaphore(0)
+    a = controller.session("a", [])
+    q = a.create_queue("m")
+    sent: list[str] = []
+    echo = TextEcho(controller.tokenizer.tokenizer, sent.append, "", "", False, ["vw"], [])
+    pid = a.submit_pass(q, 10, stream=False, echo=echo, token_ids=[1, 2, 3], positions=[0, 1, 2], embeds=[],
+                        kv_pages=[], last_len=0, out_pages=a.alloc_kvpage(q, 1), out_offset=0, mask=None,
+                        outputs=[sampled(2)], stop_tokens=[])
+    scheduler = lambda: controller.stats()["scheduler"]  # noqa: E731
+    for k in (1, 2, 3):
+        backend.step_permits.release()
+        wait_for(lambda: scheduler()["ahead_steps"] == k)
+    wait_for(lambda: scheduler()["interrupts"] == 1)  # the run ended: its steps ahead are not needed
+    backend.step_permits.release()  # the backend finds the Interrupt waiting: an empty final step
+    ((got, status, tokens, _, error),) = take_all(a, q)  # one result, at the end
+    assert (got, status, tokens, error) == (pid, "done", [7, 101, 102, 103], None)
+    assert sent == ["<gh_stars>", "u"] and backend.steps == [[101], [102], [103]]
+    wait_for(lambda: backend.interrupts == 1)
     assert backend.batches == [("pass", 1)]  # nothing more was sent for it
     a.close()
 
