@@ -357,10 +357,10 @@ class Runtime:
                 self.host_calls.setdefault(program, Counter()).update(instance.host.calls)
                 self.ended[outcome(reason)] += 1
             instance.info.state = "terminated"
+            usage = {**instance.session.usage(), "host_calls": sum(instance.host.calls.values())}
+            instance.on_event(instance.info.id, "terminated", reason, usage)  # the client first
             log.info("instance %s (%s, user %s) ended: %s", instance.info.id[:8],
                      instance.info.name or instance.info.program[:12], instance.info.user, reason)
-            usage = {**instance.session.usage(), "host_calls": sum(instance.host.calls.values())}
-            instance.on_event(instance.info.id, "terminated", reason, usage)
 
 
 def outcome(reason: str) -> str:
