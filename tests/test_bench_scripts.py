@@ -597,3 +597,19 @@ def test_results_md_has_a_section_per_script(source, results, tmp_path):
     assert "![api_serve](./api_serve.png)" in text and "](results/" not in text
     for path, ratio in data["frontends"]["ratio_vs_native"].items():
         assert f"| {path} | " in text and f"{ratio:.3f}×" in text
+
+
+def test_ratio_cells_show_the_rounds_pairs_range():
+    """A ratio cell adds the least and greatest ratio of one round's pair where both rows
+    kept their rounds, in Pie's favour (lower-is-better metrics inverted); none otherwise."""
+    from benchmarks import report
+    from benchmarks.workloads import Metric, Result, Row
+
+    ttft = Metric("ttft_mean_ms", "ms", False)
+    rows = [Row("concurrency 8", "pie", {"ttft_mean_ms": 120.0}, {"ttft_mean_ms_rounds": [100.0, 120.0, 300.0]}),
+            Row("concurrency 8", "vllm", {"ttft_mean_ms": 110.0}, {"ttft_mean_ms_rounds": [90.0, 110.0, 150.0]}),
+            Row("concurrency 32", "pie", {"ttft_mean_ms": 600.0}),
+            Row("concurrency 32", "vllm", {"ttft_mean_ms": 660.0})]
+    lines = report.table(Result("serving", "t", [ttft], rows), ttft)
+    assert lines[2] == "| concurrency 8 | 120 | 110 | 0.92× (0.50–0.92) |"
+    assert lines[3] == "| concurrency 32 | 600 | 660 | 1.10× |"
