@@ -38,12 +38,13 @@ async def wave(endpoint, concurrency: int, max_tokens: int) -> tuple[list[float]
 async def run(bench: Bench) -> Result:
     levels = (1, 2) if bench.quick else (1, 8, 32)
     max_tokens = 8 if bench.quick else 64
+    solo_waves = 1 if bench.quick else SOLO_WAVES
     result = Result("completion", "Text completion — time per output token and throughput",
                     [Metric("ms_per_token", "ms", False), Metric("tokens_per_s", "tok/s", True)],
                     settings={"levels": list(levels), "max_tokens": max_tokens, "prompt": PROMPT,
                               "rounds": bench.rounds, "ignore_eos": True,
                               "warmup": "a 4-token wave at every concurrency on every system",
-                              "waves_per_round_at_1": 1 if bench.quick else SOLO_WAVES,
+                              "waves_per_round_at_1": solo_waves,
                               "order": "rotated each round"})
     # Warm-up, untimed: a short wave at every concurrency on every system (vLLM compiles per
     # batch shape; Pie grows its pools at the first wide batch).
@@ -59,7 +60,7 @@ async def run(bench: Bench) -> Result:
                 bench.log(f"completion: round {r + 1}/{bench.rounds}, {level} concurrent, {name}")
                 await bench.settle()
                 ms, wall, tokens = [], 0.0, 0
-                for _ in range(SOLO_WAVES if level == 1 and not bench.quick else 1):
+                for _ in range(solo_waves if level == 1 else 1):
                     wave_ms, wave_wall, wave_tokens = await wave(endpoint, level, max_tokens)
                     ms, wall, tokens = ms + wave_ms, wall + wave_wall, tokens + wave_tokens
                 per_token.setdefault((level, name), []).append(statistics.median(ms))

@@ -361,6 +361,11 @@ class Pass:
             return True
         return self.echo is not None and self.echo.feed(token)
 
+    @property
+    def text_cut(self) -> bool:
+        """A stop string ended this run's text (`run-text`): steps taken ahead are not needed."""
+        return self.echo is not None and self.echo.cut
+
     def advance(self, token: int) -> None:
         """Make this pass the run's next step: `token` in at the next position and slot."""
         ps = self.page_size

@@ -501,7 +501,7 @@ class Scheduler:
                 # The backend steps these runs on: the batch stays in flight until its final step.
                 at = {id(p): item for item, p in enumerate(batch)}
                 with self.lock:
-                    self.interrupt = self.interrupt or any(p.echo is not None and p.echo.cut for p in batch)
+                    self.interrupt = self.interrupt or any(p.text_cut for p in batch)
                     self.in_flight[request_id] = batch
                     self.sent_at[request_id] = time.monotonic()
                     self.backend_idle = False
@@ -527,7 +527,7 @@ class Scheduler:
         wakes, stepped = settle_step(going, step)
         with self.lock:
             # A stop string ended a run the backend still steps: stop it (at most a step more).
-            self.interrupt = self.interrupt or any(p.echo is not None and p.echo.cut for p in before)
+            self.interrupt = self.interrupt or any(p.text_cut for p in before)
             now = time.monotonic()
             self.last_forward_s = now - self.sent_at.get(request_id, now)
             self.sent_at[request_id] = now

@@ -491,11 +491,12 @@ class Generation:
 
     def _start(self):
         steps = self.stop.max_tokens - len(self.generated)
-        if self.echo is not None:  # streams nothing back: the text goes out from the host
-            return self.ctx._start_run(self.sampler.with_seed(self.seed), steps, list(self.stop.eos),
-                                       False, self.mask, self.echo)
-        return self.ctx._start_run(self.sampler.with_seed(self.seed), min(steps, RUN_STEPS),
-                                   list(self.stop.eos), bool(self.stop.strings), self.mask)
+        if self.echo is None:
+            steps = min(steps, RUN_STEPS)
+        # With an echo nothing streams back: the host sends the text and watches the strings.
+        streaming = self.echo is None and bool(self.stop.strings)
+        return self.ctx._start_run(self.sampler.with_seed(self.seed), steps, list(self.stop.eos),
+                                   streaming, self.mask, self.echo)
 
     def result(self) -> str:
         """The generated text (blocking until the decoding ends)."""
