@@ -236,3 +236,33 @@ def test_the_flash_kernel_gives_a_row_the_same_bits_whatever_rows_are_beside_it(
     chunks = torch.cat([module.prompt_attention_dense(q[c:c + 64].contiguous(), keys, values, n_ctx + c, 0.125)
                         for c in range(0, n_new, 64)])
     assert torch.equal(chunks, whole)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_items_beside_a_prompt_give_the_bits_they_give_alone(dtype):
+    """Beside prefill items the kernel runs over its own items' query rows only (the
+    prompts' rows are neither converted nor zeroed): the decode items' outputs are the bits
+    they get in a batch without the prompt, and the prompt's rows its own result's."""
+    g = torch.Generator().manual_seed(21)
+    kv = random_pool(g, 120, 16, 3, 64, dtype)
+    shapes, custom = [(37, 1), (0, 120), (90, 3), (300, 1)], [False, False, True, False]
+    plan = random_plan(g, 120, 16, shapes, custom, 0.1)
+    q = torch.randn(plan.q_indptr[-1], 9, 64, generator=g).to(dtype)
+    attention = CpuKernelAttention(kernel_pairs=0)
+    got = attention.run(q, kv, 0, plan)
+    assert attention.prefill_items == [1] and len(attention.kernel_rows) == 5
+    alone = [b for b in range(len(shapes)) if b != 1]
+    rows = torch.cat([torch.arange(plan.q_indptr[b], plan.q_indptr[b + 1]) for b in alone])
+    keys = [torch.arange(plan.kv_indptr[b], plan.kv_indptr[b + 1]) for b in alone]
+    q_indptr, kv_indptr = [0], [0]
+    for b, k in zip(alone, keys):
+        q_indptr.append(q_indptr[-1] + plan.q_indptr[b + 1] - plan.q_indptr[b])
+        kv_indptr.append(kv_indptr[-1] + len(k))
+    keys = torch.cat(keys)
+    without = AttentionPlan(q_indptr, kv_indptr, plan.kv_slots[keys], plan.kv_visible[keys],
+                            [plan.custom_masks[b] for b in alone])
+    assert torch.equal(got[rows], CpuKernelAttention(kernel_pairs=0).run(q[rows], kv, 0, without))
+    prompt = slice(plan.q_indptr[1], plan.q_indptr[2])
+    expected = TorchPagedAttention().run(q, kv, 0, plan)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got[prompt], expected[prompt], rtol=tolerance, atol=tolerance)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pie.backend.glue import FUSED_MAX_TOKENS, FusedGlue, TorchGlue, make_glue
+from pie.backend.glue import FusedGlue, TorchGlue, make_glue
 
 BF16 = torch.bfloat16
 
@@ -26,12 +26,14 @@ def glues():
     return FusedGlue(), TorchGlue()
 
 
-@pytest.mark.parametrize("rows", [1, 7, 40])
-def test_add_norm_matches_torch(glues, rows):
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (7, 576), (40, 576), (300, 576), (5, 50)])
+def test_add_norm_matches_torch(glues, rows, hidden):
+    """Prefill sizes (300 rows) included, and a hidden size that is no multiple of the 16
+    lanes the squares are summed in."""
     fused, eager = glues
     torch.manual_seed(rows)
-    x, delta = torch.randn(rows, 576).to(BF16), (3 * torch.randn(rows, 576)).to(BF16)
-    weight = torch.rand(576).to(BF16) * 2
+    x, delta = torch.randn(rows, hidden).to(BF16), (3 * torch.randn(rows, hidden)).to(BF16)
+    weight = torch.rand(hidden).to(BF16) * 2
     for d in (delta, None):
         (sx, h), (tx, th) = fused.add_norm(x, d, weight, 1e-5), eager.add_norm(x, d, weight, 1e-5)
         assert torch.equal(sx, tx)  # the residual add: one rounding, exact
@@ -64,11 +66,26 @@ def test_silu_tail_columns_match_the_vector_loop(glues):
         assert torch.equal(part.view(torch.int16), whole[:, :width].view(torch.int16))
 
 
-def test_long_inputs_take_the_torch_path_and_choice_by_dtype(glues):
-    fused, eager = glues
-    rows = FUSED_MAX_TOKENS + 1
-    gate_up = torch.randn(rows, 64).to(BF16)
-    assert torch.equal(fused.silu_mul(gate_up, 32), eager.silu_mul(gate_up, 32))
+def test_a_rows_values_do_not_depend_on_its_batch_and_choice_by_dtype(glues):
+    """Every row count takes the fused ops (prefills too), and a row's values are the same
+    whatever batch it rides and however the rows are split between threads: what keeps a
+    chunked item equal to its one-shot result (tests/test_scoring.py)."""
+    fused, _ = glues
+    torch.manual_seed(5)
+    rows = 300
+    x, delta = torch.randn(rows, 576).to(BF16), torch.randn(rows, 576).to(BF16)
+    weight = torch.rand(576).to(BF16) * 2
+    gate_up = (4 * torch.randn(rows, 2 * 96)).to(BF16)
+    qk = torch.randn(rows, 12, 64).to(BF16)
+    angles = torch.rand(rows, 1, 64) * 6
+    cos, sin = angles.cos().to(BF16), angles.sin().to(BF16)
+    whole = (fused.add_norm(x, delta, weight, 1e-5), fused.silu_mul(gate_up, 96), fused.rope(qk, cos, sin))
+    for a, b in ((0, 1), (1, 8), (8, 131), (131, rows)):
+        (sx, h), y, r = fused.add_norm(x[a:b], delta[a:b], weight, 1e-5), fused.silu_mul(gate_up[a:b], 96), \
+            fused.rope(qk[a:b], cos[a:b], sin[a:b])
+        assert torch.equal(sx, whole[0][0][a:b]) and torch.equal(h, whole[0][1][a:b])
+        assert torch.equal(y.view(torch.int16), whole[1][a:b].view(torch.int16))
+        assert torch.equal(r, whole[2][a:b])
     assert isinstance(make_glue(BF16, torch.device("cpu")), FusedGlue)
     assert type(make_glue(torch.float32, torch.device("cpu"))) is TorchGlue  # the fp32 oracle path
 

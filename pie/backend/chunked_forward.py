@@ -15,9 +15,9 @@ Results equal the one-shot forward's bit for bit on CPU when the matmul library 
 did there (tests/test_scoring.py; benchmarks/max_input.py compares every length: two of
 eight differed in the last bits in a run beside other work, whose load seemingly changed
 how the library split its sums; the others were equal). A chunk
-is at least MIN_MLP_CHUNK = 256 rows (the last one absorbs the remainder), so every glue op
-takes the same (torch, not fused) path as over all T rows, and every matmul the same
-summation order: an fp32 product's rows equal a 4,096-row product's from 193 rows on (Xeon,
+is at least MIN_MLP_CHUNK = 256 rows (the last one absorbs the remainder), so every matmul
+takes the same summation order as over all T rows (the glue's values never depend on the
+row count, pie/backend/glue.py): an fp32 product's rows equal a 4,096-row product's from 193 rows on (Xeon,
 2 threads; below that the library splits the sums across threads: the down projection
 differs from 1 to 192 rows), oneDNN's bf16 rows at any count. Attention runs each chunk of
 queries over the item's whole key set with its rows of the same mask, which is how the CPU

@@ -1,25 +1,25 @@
 """The elementwise glue between a Llama layer's matmuls: residual add + RMSNorm, RoPE,
-SiLU(gate) * up — in torch ops (HF's arithmetic, the fp32 correctness oracle) or, for
-bf16 steps of few tokens on CPU, one C++ call each (csrc/fused_ops.cpp).
+SiLU(gate) * up — in torch ops (HF's arithmetic, the fp32 correctness oracle) or, for bf16
+on CPU, one C++ call each (csrc/fused_ops.cpp) at every row count.
 
 Why: eager, the glue is ~20 Python-dispatched ops per layer, 600 per step. Fused, the bf16
 decode step (benchmarks/quantization.py's "base", Xeon 2 vCPU, context 128) went from 22.0
 / 38.3 / 94.2 ms to 19.5 / 35.2 / 92.9 ms at batch 1 / 8 / 32, int8 weights from 12.8 /
-24.5 / 52.9 to 11.1 / 22.5 / 49.6. The fused calls round to bf16 where the torch ops do;
-steps of more than FUSED_MAX_TOKENS tokens (prefills) keep the torch ops. The fused calls
-win at 128 rows (Xeon with AMX, 2 vCPUs, 2026-11-28, per call: add+norm 95-103 vs 110-122
-us, SiLU*up 92-104 vs 131-133, RoPE 33-36 vs 83-93), so a batch-128 decode step's glue went
-from ~25 to ~14 ms; at 256 add+norm was level. The limit stays below the prefill chunks
-(`backend.mlp_chunk_tokens`, 256 and up): add+norm's sum of squares is not bit-identical
-to torch's, and a chunked item must give its one-shot result (tests/test_scoring.py).
+24.5 / 52.9 to 11.1 / 22.5 / 49.6. The fused calls round to bf16 where the torch ops do.
+
+Prefills too (2026-12-03): they kept the torch ops above 128 rows while add+norm summed
+its squares in one running float, a scalar chain that was level with torch at 256 rows.
+Summed in 16 lanes it vectorises: per call at 512 rows (AMD EPYC Zen 5, 2 vCPUs) add+norm
+58 vs torch's 166 us, RoPE 79 vs 194, SiLU*up 207 vs 258, and a 512-token prefill's forward
+went from 244 to 218 ms in-process (136 tokens: 67 -> 64 ms; alternating rounds, pairs
+0.97-1.20x). One arithmetic at every row count also keeps a chunked item equal to its
+one-shot result (tests/test_scoring.py): a row's values never depend on its batch.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-FUSED_MAX_TOKENS = 128
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -59,7 +59,7 @@ class TorchGlue:
 
 
 class FusedGlue(TorchGlue):
-    """bf16 on CPU: the C++ calls for steps of at most FUSED_MAX_TOKENS tokens."""
+    """bf16 on CPU: the C++ calls."""
 
     def __init__(self) -> None:
         from pie.backend.kernels import fused_ops_module
@@ -67,8 +67,6 @@ class FusedGlue(TorchGlue):
         self.ops = fused_ops_module()
 
     def add_norm(self, x, delta, weight, eps):
-        if x.shape[0] > FUSED_MAX_TOKENS:
-            return super().add_norm(x, delta, weight, eps)
         x, h = self.ops.add_rms_norm(x, delta, weight, eps)
         return x, h
 
@@ -79,13 +77,9 @@ class FusedGlue(TorchGlue):
         return self.ops.add_rms_norm(x.contiguous(), None, weight, eps)[1]
 
     def rope(self, x, cos, sin):
-        if x.shape[0] > FUSED_MAX_TOKENS:
-            return super().rope(x, cos, sin)
         return self.ops.rope(x, cos, sin)
 
     def silu_mul(self, gate_up, intermediate):
-        if gate_up.shape[0] > FUSED_MAX_TOKENS:
-            return super().silu_mul(gate_up, intermediate)
         return self.ops.silu_mul(gate_up)
 
 
