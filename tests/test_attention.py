@@ -250,7 +250,7 @@ def test_decode_items_beside_a_prompt_give_the_bits_they_give_alone(dtype):
     q = torch.randn(plan.q_indptr[-1], 9, 64, generator=g).to(dtype)
     attention = CpuKernelAttention(kernel_pairs=0)
     got = attention.run(q, kv, 0, plan)
-    assert attention.prefill_items == [1] and len(attention.kernel_rows) == 5
+    assert attention.prefill_items == [1] and len(attention.kernel_rows[0]) == 5
     alone = [b for b in range(len(shapes)) if b != 1]
     rows = torch.cat([torch.arange(plan.q_indptr[b], plan.q_indptr[b + 1]) for b in alone])
     keys = [torch.arange(plan.kv_indptr[b], plan.kv_indptr[b + 1]) for b in alone]

@@ -181,20 +181,18 @@ class CpuKernelAttention:
                 self.q_indptr, self.kv_indptr, plan.kv_slots, plan.kv_visible, self.mask_offsets,
                 self.enabled, page_size, self.shared_prefix_keys, self.SHARED_PREFIX_MEMBERS)
             self.grouped_items += members_of(self.groups.tolist())
+        self.prompt_takes: dict[int, bool] = {}  # prefill item -> takes prompt_attention
         # The kernel's rows where prefill items are beside them: their queries alone, with
         # an empty row range for each prefill item (whose rows the prompt loop writes), so
         # the kernel does not convert, zero and convert back every prompt row each layer
         # (a 512-token prompt: ~10 ms a forward, AMD EPYC Zen 5). Not with shared-prefix
         # groups, which address queries by the full layout.
-        self.prompt_takes: dict[int, bool] = {}  # prefill item -> takes prompt_attention
-        self.kernel_rows: torch.Tensor | None = None
-        self.kernel_q_indptr = self.q_indptr
+        self.kernel_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, their q_indptr)
         if self.prefill_items and self.groups is self.NO_GROUPS:
-            taken = [(plan.q_indptr[b], plan.q_indptr[b + 1]) for b, t in enumerate(kernel) if t]
-            self.kernel_rows = torch.cat([torch.arange(a, z) for a, z in taken]) if taken \
-                else torch.zeros(0, dtype=torch.int64)
-            self.kernel_q_indptr = torch.tensor(
-                [0] + list(itertools.accumulate(n if t else 0 for n, t in zip(sizes, kernel))), dtype=torch.int64)
+            taken = [torch.arange(plan.q_indptr[b], plan.q_indptr[b + 1]) for b, t in enumerate(kernel) if t]
+            own_indptr = [0, *itertools.accumulate(n if t else 0 for n, t in zip(sizes, kernel))]
+            self.kernel_rows = (torch.cat(taken) if taken else torch.zeros(0, dtype=torch.int64),
+                                torch.tensor(own_indptr, dtype=torch.int64))
         self.prepared_for = plan
 
     def kernel_args(self, plan: AttentionPlan, kv: KvCache) -> tuple[torch.Tensor, ...]:
@@ -213,11 +211,11 @@ class CpuKernelAttention:
             out = self.kernel.paged_attention(q.float().contiguous(), kv.keys[layer], kv.values[layer], *args,
                                               scale).to(q.dtype)
         else:  # beside prefill items: the kernel's items over their own rows only
+            rows, own_indptr = self.kernel_rows
             out = torch.empty_like(q)
-            if len(self.kernel_rows):
-                out[self.kernel_rows] = self.kernel.paged_attention(
-                    q[self.kernel_rows].float(), kv.keys[layer], kv.values[layer], self.kernel_q_indptr,
-                    *args[1:], scale).to(q.dtype)
+            if len(rows):
+                out[rows] = self.kernel.paged_attention(q[rows].float(), kv.keys[layer], kv.values[layer],
+                                                        own_indptr, *args[1:], scale).to(q.dtype)
         for b in self.prefill_items:
             q0, q1 = plan.q_indptr[b], plan.q_indptr[b + 1]
             if self._prompt_kernel(q, kv, plan, b):
