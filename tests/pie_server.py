@@ -84,6 +84,13 @@ class Server:
     def resources(self) -> dict:
         return self.get("/stats")[1]["resources"]
 
+    def resources_once_pages_free(self) -> dict:
+        """`resources()` once every KV page is free again: an ended instance's pages come back
+        once the batch in flight that writes them is answered (steps the backend takes on its
+        own included), which may be a moment after its end reaches the client."""
+        return until(lambda: (r := self.resources())["kv_pages_free"] == r["kv_pages_total"] and r,
+                     what=lambda: f"every KV page free again ({self.resources()})")
+
     def scheduler(self) -> dict:
         return self.get("/stats")[1]["scheduler"]
 

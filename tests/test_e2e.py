@@ -206,8 +206,7 @@ def test_bad_inputs_get_clear_errors_and_harm_no_one(server, probe):
     assert echo == "ping" and bystander_end == "finished"
     status, health = server.get("/health")
     assert status == 200 and health["status"] == "ok"
-    resources = server.get("/stats")[1]["resources"]
-    assert resources["kv_pages_free"] == resources["kv_pages_total"]
+    resources = server.resources_once_pages_free()
     assert resources["embeds_free"] == resources["embeds_total"]
 
 
@@ -312,8 +311,7 @@ def test_forked_context_continues_like_the_original(server, probe, hf_model, tok
     assert len(ids) % 16 != 0
     expected = tokenizer.decode(hf_greedy(hf_model, ids, 8), skip_special_tokens=False)
     assert reason == "finished" and messages == [expected, expected]
-    resources = server.get("/stats")[1]["resources"]
-    assert resources["kv_pages_free"] == resources["kv_pages_total"]
+    resources = server.resources_once_pages_free()
 
 
 def test_text_completion_sampling_arguments(server):
@@ -397,8 +395,7 @@ def test_backend_death_is_survived(tmp_path, expected):
         assert victim.resources()["prefix_cache"]["cached_pages"] == 0  # cached pages died with it
         [(answer, end)] = asyncio.run(complete(victim.ws, [PROMPTS[0]]))
         assert end == "finished" and answer == [expected[PROMPTS[0]]]
-        resources = victim.resources()
-        assert resources["kv_pages_free"] == resources["kv_pages_total"]
+        resources = victim.resources_once_pages_free()
     finally:
         victim.stop()
 

@@ -48,8 +48,7 @@ def test_text_completion_equals_the_rust_one(pie_server, python_component, hf_ch
     bad = run_inferlet(pie_server, python_component("text_completion"), ["--max-tokens", "many"])
     assert bad.reason.startswith("error: ValueError: invalid number for --max-tokens: 'many' (at text_completion.py:")
     assert bad.reason.endswith(" in parse)")  # the line that raised, in the inferlet's own code
-    resources = pie_server.resources()
-    assert resources["kv_pages_free"] == resources["kv_pages_total"]
+    resources = pie_server.resources_once_pages_free()
 
 
 def sequence_logprob(hf_model, prompt_ids: list[int], tokens: list[int]) -> float:
@@ -146,8 +145,8 @@ def test_python_sdk_export_import_fork_and_wait(tmp_path, pie_server, hf_model, 
     rust = run_inferlet(pie_server, build_inferlet(_rust_importer(tmp_path)).read_bytes(), ["py-prefix"])
     assert rust.reason == "finished" and rust.messages == [a]
     assert run_inferlet(pie_server, program, ["py-prefix", "", "--unexport"]).reason == "finished"
-    resources = pie_server.resources()
-    assert resources["exports"] == 0 and resources["kv_pages_free"] == resources["kv_pages_total"]
+    resources = pie_server.resources_once_pages_free()
+    assert resources["exports"] == 0
 
 
 RUST_IMPORTER = """
@@ -220,8 +219,7 @@ def test_python_sdk_generate_echo_streams_from_the_host(tmp_path, pie_server, hf
     expected = greedy[:greedy.find(stop)]
     assert final == "=" + expected
     assert "".join(json.loads(m)["t"] for m in pieces) == expected
-    resources = pie_server.resources()
-    assert resources["kv_pages_free"] == resources["kv_pages_total"]
+    resources = pie_server.resources_once_pages_free()
 
 
 SCORING_PROGRAM = '''
@@ -336,8 +334,7 @@ def test_semantic_variables_equal_the_rust_twin(tmp_path, pie_server, python_com
     assert "reads {{input:q}}, which no binding gives" in out[6]
     assert "binding 'r' names no input slot" in out[7] and "belongs to another pipeline" in out[8]
     assert out[9].startswith("input 'q' failed: ") and "temperature" in out[9]
-    resources = pie_server.resources()
-    assert resources["kv_pages_free"] == resources["kv_pages_total"]
+    resources = pie_server.resources_once_pages_free()
 
 
 SYSTEM = ("Notes on programming style, written for beginners by a senior engineer. These notes cover "
@@ -402,8 +399,7 @@ def test_workflow_optimized_equals_naive_and_reuses_work(pie_server, python_comp
     cyclic["nodes"]["pro"]["bind"]["t"] = "judge"
     reason, _ = run(spec=cyclic)
     assert "a cycle (each node reads the next): pro -> judge -> both -> pro" in reason
-    resources = pie_server.resources()
-    assert resources["kv_pages_free"] == resources["kv_pages_total"]
+    resources = pie_server.resources_once_pages_free()
 
 
 FIRST_PROGRAM = """\
@@ -465,8 +461,7 @@ def test_print_argparse_and_failures_explain_themselves(pie_server, tmp_path):
     assert run["-h"].reason == "finished" and run["-h"].messages == []
     assert run["-h"].logs[0] == ("info", "usage: first.py [-h] {print,raise,host,exit,import}")
     assert ("info", "What a new user writes first.") in run["-h"].logs
-    resources = pie_server.resources()
-    assert resources["kv_pages_free"] == resources["kv_pages_total"]
+    resources = pie_server.resources_once_pages_free()
 
 
 def choice_logprobs(hf_model, before: list[int], tokens: list[int]) -> list[float]:
@@ -507,8 +502,7 @@ def test_sglang_primitives_match_hf(sdk, pie_server, python_component, hf_model,
         eos = hf_model.generation_config.eos_token_id
         text = tokenizer.decode(greedy[:greedy.index(eos)] if eos in greedy else greedy)
         assert got["continuations"][choice] == text.split("\n")[0], (choice, got["continuations"][choice], text)
-    resources = pie_server.resources()
-    assert resources["kv_pages_free"] == resources["kv_pages_total"]
+    resources = pie_server.resources_once_pages_free()
 
 
 INTERPRETED = """\
