@@ -123,6 +123,9 @@ class Runtime:
         self.lock = threading.Lock()
         self.running = True
         self.accepting = True  # False once the server drains: launches are refused
+        # Set while an instance is live (or to stop the ticker): with none, the epoch has no
+        # guest code to interrupt, and an idle server woke 100 times a second for nothing.
+        self.live = threading.Event()
         self.ticker = threading.Thread(target=self._tick, name="pie-epoch", daemon=True)
         self.ticker.start()
 
@@ -133,9 +136,12 @@ class Runtime:
     def _tick(self) -> None:
         """Advance the engine's epoch (guest code's deadlines) and, every WALL_CHECK_S, end
         instances past their wall-clock budget: one blocked in a wait makes no host call
-        that could notice, so it is terminated from here (its wait wakes on `cancelled`)."""
+        that could notice, so it is terminated from here (its wait wakes on `cancelled`).
+        It waits while no instance is live: a store's deadline counts from the epoch when it
+        is set, so a paused epoch delays nobody."""
         ticks_per_check = max(1, round(WALL_CHECK_S / EPOCH_TICK_S))
         for tick in itertools.count(1):
+            self.live.wait()
             if not self.running:
                 break
             time.sleep(EPOCH_TICK_S)
@@ -180,6 +186,7 @@ class Runtime:
                              None if on_log is None else lambda level, line: on_log(instance_id, level, line))
             instance = self.instances[instance_id] = Instance(info, session, host, on_event,
                                                               next(self.launches))
+            self.live.set()
         instance.thread = threading.Thread(target=self._run, args=(instance, component),
                                            name=f"inferlet-{instance_id[:8]}", daemon=True)
         instance.thread.start()
@@ -270,6 +277,7 @@ class Runtime:
     def shutdown(self, timeout_s: float = 5.0) -> None:
         with self.lock:
             self.running = self.accepting = False
+            self.live.set()  # the ticker sees `running` and ends
             instances = list(self.instances.values())
         for instance in instances:
             self.terminate(instance.info.id, "server shutting down")
@@ -353,6 +361,8 @@ class Runtime:
                 host.store = None
             with self.lock:
                 self.instances.pop(instance.info.id, None)
+                if not self.instances and self.running:
+                    self.live.clear()
                 program = instance.info.name or instance.info.program
                 self.host_calls.setdefault(program, Counter()).update(instance.host.calls)
                 self.ended[outcome(reason)] += 1
