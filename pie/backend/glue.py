@@ -67,8 +67,7 @@ class FusedGlue(TorchGlue):
         self.ops = fused_ops_module()
 
     def add_norm(self, x, delta, weight, eps):
-        x, h = self.ops.add_rms_norm(x, delta, weight, eps)
-        return x, h
+        return self.ops.add_rms_norm(x, delta, weight, eps)
 
     def final_norm(self, x, weight, eps):
         """norm_row's arithmetic at every row count, as the greedy tail of a fused decode step
