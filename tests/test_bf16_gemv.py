@@ -182,3 +182,26 @@ def test_pack_into_writes_the_panels_where_it_is_told(gemv):
         gemv.pack_into(w, torch.empty(shape[::-1], dtype=BF16))
     with pytest.raises(RuntimeError, match="out must be contiguous bfloat16"):
         gemv.pack_into(w, torch.empty(shape))
+
+
+def test_with_amx_onednn_takes_steps_from_eight_rows(gemv):
+    """`onednn_from`: AMX flags hand oneDNN every step from AMX_ONEDNN_FROM rows (its tile
+    kernels beat the GEMM tiles there, pie/backend/linear.py); without AMX the kernel keeps
+    its own limits."""
+    from pie.backend.linear import AMX_ONEDNN_FROM, onednn_from
+
+    assert onednn_from(frozenset({"avx512_bf16", "amx_bf16", "amx_tile"})) == AMX_ONEDNN_FROM == 8
+    assert onednn_from(frozenset({"avx512_bf16", "avx512f"})) is None
+    assert onednn_from(frozenset({"amx_bf16"})) is None  # no tile state: not AMX
+    torch.manual_seed(0)
+    weight = (torch.randn(96, 576) / 24).to(BF16)
+    layer, amx = Linear(weight), Linear(weight, onednn_rows=AMX_ONEDNN_FROM)
+    if amx.packed is None:  # no oneDNN bf16 (AVX2): nothing to hand over
+        assert amx.gemv_limit == layer.gemv_limit
+        return
+    assert amx.gemv_limit == AMX_ONEDNN_FROM - 1 < layer.gemv_limit
+    for rows in (1, AMX_ONEDNN_FROM - 1, AMX_ONEDNN_FROM, 32):
+        x = torch.randn(rows, 576).to(BF16)
+        check_close(amx(x), x, weight)
+    x = torch.randn(AMX_ONEDNN_FROM, 576).to(BF16)
+    assert torch.equal(amx(x), torch.ops.mkldnn._linear_pointwise(x, amx.packed, None, "none", [], ""))

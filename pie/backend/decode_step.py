@@ -33,7 +33,8 @@ class FusedDecode:
         from pie.backend.kernels import decode_step_module
 
         self.kernel = decode_step_module()
-        self.max_tokens = layers[0].qkv.gemv_max_tokens  # the bf16 linear's limit (`usable`)
+        # The bf16 linear's limit (`usable`), lower where oneDNN takes more rows (AMX: linear.py)
+        self.max_tokens = min(layers[0].qkv.gemv_max_tokens, layers[0].qkv.gemv_limit)
         self.weights = [t for layer in layers for t in (
             layer.input_norm, layer.qkv.gemv_weight, layer.o.gemv_weight, layer.post_norm,
             layer.gate_up.gemv_weight, layer.down.gemv_weight, layer.qkv.gemv_wide,

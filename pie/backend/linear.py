@@ -12,7 +12,8 @@ on an AMD EPYC Zen 4 (docs/backend.md). From `wide_from()` tokens (6; AVX2: 8) G
 that read a second copy of the weight (`gemv_wide`): on the Zen 4 the 120 layer linears at
 16 / 32 / 128 tokens 11.8 / 19.4 / 72.4 ms against oneDNN's bf16 17.3 / 23.6 / 75.4 (more
 in csrc/bf16_gemv.cpp); the AVX2 build's tiles: 109 against 121 ms at 32 tokens, and ahead
-of oneDNN's fp32 kernels on the fp32 copy up to ~256 tokens (docs/backend.md).
+of oneDNN's fp32 kernels on the fp32 copy up to ~256 tokens (docs/backend.md). On a CPU with
+AMX oneDNN's tile kernels take every step from AMX_ONEDNN_FROM (8) rows on.
 fp32 keeps F.linear so the fp32 path stays HF's arithmetic for the correctness oracle. On a
 CPU without oneDNN's bf16 kernels (AVX2 only), steps past the bf16 kernel's multiply an fp32
 copy of the weight packed for oneDNN's fp32 kernels, not F.linear: MKL takes a generic path on
@@ -36,6 +37,22 @@ WEIGHT_DTYPES = ("model", "int8")
 
 
 PREFILL_MIN_TOKENS = 64  # from here on fp32 matmuls won on the Xeon that motivated them
+# With AMX, oneDNN's bf16 primitive takes steps from this many rows on: its tile kernels beat
+# the AVX-512 BF16 GEMM tiles (tuned on AMD EPYCs, which have no AMX) several times over.
+# Measured on a Xeon with AMX (family 6 model 167, 2 vCPUs, 2026-12-03), the 120 layer
+# linears of a SmolLM2-135M step at 12 / 32 / 128 rows: oneDNN 18.6 / 20.0 / 30.0 ms against
+# the tiles' 42.5 / 53.2 / 160.8; the LM head at 8 / 32 rows 1.7 / 3.3 against 6.3 / 13.6.
+# Whole in-process decode steps (context 64) put the crossover between 6 and 8 rows: at 6 the
+# fused step on the tiles took 25.5-26.4 ms against the op loop on oneDNN's 30.2-33.0, at 8
+# 31.5-31.7 against 28.6-29.7, at 12 52.2-55.5 against 27.3-31.7, at 32 85 against 50.
+AMX_ONEDNN_FROM = 8
+AMX_FLAGS = frozenset({"amx_bf16", "amx_tile"})  # /proc/cpuinfo flags of AMX bf16 tiles
+
+
+def onednn_from(flags: frozenset[str]) -> int | None:
+    """From how many rows a bf16 linear leaves the kernel for oneDNN on a CPU with these
+    flags: AMX_ONEDNN_FROM with AMX, else None (the kernel's own limits, `Linear`)."""
+    return AMX_ONEDNN_FROM if AMX_FLAGS <= flags else None
 
 
 class Linear:
@@ -48,7 +65,8 @@ class Linear:
     1.3 vs 9.5 ms at 32, one 576 x 1536 weight, 2 vCPUs), while the kernel streams the
     half-size bf16 weight for decode steps."""
 
-    def __init__(self, weight: torch.Tensor, prefill_fp32: bool = False, arena: WeightArena | None = None):
+    def __init__(self, weight: torch.Tensor, prefill_fp32: bool = False, arena: WeightArena | None = None,
+                 onednn_rows: int | None = None):
         dense = weight.contiguous()
         self.out_features = weight.shape[0]
         self.packed = None
@@ -76,6 +94,8 @@ class Linear:
                 # of the weight: ~270 MB for SmolLM2-135M); empty where n is no multiple of 16.
                 self.gemv_wide = module.pack_wide(dense)
                 self.gemv_limit = module.wide_to() if self.gemv_wide.numel() else self.gemv_max_tokens
+        if onednn_rows is not None and self.packed is not None:  # `onednn_from`: AMX
+            self.gemv_limit = min(self.gemv_limit, onednn_rows - 1)
         no_onednn = bf16_cpu and self.packed is None
         # The fp32 copy (one of the two), for steps of at least fp32_from tokens.
         self.weight32 = self.packed32 = None
@@ -125,7 +145,7 @@ class Int8Linear:
 
 
 def make_linear(weight: torch.Tensor, weight_dtype: str, prefill_fp32: bool = False,
-                arena: WeightArena | None = None) -> Linear | Int8Linear:
+                arena: WeightArena | None = None, onednn_rows: int | None = None) -> Linear | Int8Linear:
     """The layer for `backend.weight_dtype` (checked in BackendConfig); int8 layers prefill
     in int8 (faster than either float dtype)."""
-    return Int8Linear(weight) if weight_dtype == "int8" else Linear(weight, prefill_fp32, arena)
+    return Int8Linear(weight) if weight_dtype == "int8" else Linear(weight, prefill_fp32, arena, onednn_rows)

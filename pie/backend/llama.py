@@ -16,9 +16,10 @@ import torch
 
 from pie.backend.attention import AttentionPlan, PagedAttention
 from pie.backend.decode_step import FusedDecode
+from pie.backend.dtype import cpu_flags
 from pie.backend.glue import make_glue
 from pie.backend.kv_cache import KvCache
-from pie.backend.linear import Int8Linear, Linear, make_linear
+from pie.backend.linear import Int8Linear, Linear, make_linear, onednn_from
 from pie.backend.weight_arena import WeightArena
 from pie.backend.weights import ModelFormatError, Tensors, load_checkpoint
 
@@ -106,7 +107,7 @@ def project(linear: Linear | Int8Linear, bias: torch.Tensor | None, x: torch.Ten
 
 class LlamaLayer:
     def __init__(self, weights: Tensors, prefix: str, config: LlamaConfig, weight_dtype: str,
-                 prefill_fp32: bool, arena: WeightArena | None):
+                 prefill_fp32: bool, arena: WeightArena | None, onednn_rows: int | None):
         w = lambda name: weights.take(f"{prefix}.{name}")  # noqa: E731
 
         def biases(names: list[str], flag: str) -> torch.Tensor | None:
@@ -118,7 +119,7 @@ class LlamaLayer:
         self.input_norm = w("input_layernorm.weight")
         self.post_norm = w("post_attention_layernorm.weight")
         # Fused projections: one matmul for q/k/v and one for gate/up.
-        linear = lambda weight: make_linear(weight, weight_dtype, prefill_fp32, arena)  # noqa: E731
+        linear = lambda weight: make_linear(weight, weight_dtype, prefill_fp32, arena, onednn_rows)  # noqa: E731
         self.qkv = linear(
             torch.cat([w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"),
                        w("self_attn.v_proj.weight")])
@@ -154,9 +155,11 @@ class Llama:
         # 27.2 vs 28.7 at 32 (AMD EPYC, 2 vCPUs; the 4-row loop before them had lost, 24.5 vs 23.4).
         # The bf16 kernel's weights in huge pages, in the order a step reads them (weight_arena.py).
         self.arena = WeightArena() if dtype == torch.bfloat16 and device.type == "cpu" else None
-        self.layers = [LlamaLayer(weights, f"model.layers.{i}", cfg, weight_dtype, prefill_fp32, self.arena)
-                       for i in range(cfg.num_layers)]
-        self.lm_head = make_linear(lm_head, weight_dtype, arena=self.arena)
+        # With AMX, oneDNN takes bf16 steps of 8+ rows from the kernel (linear.py, onednn_from).
+        onednn_rows = onednn_from(cpu_flags()) if device.type == "cpu" else None
+        self.layers = [LlamaLayer(weights, f"model.layers.{i}", cfg, weight_dtype, prefill_fp32, self.arena,
+                                  onednn_rows) for i in range(cfg.num_layers)]
+        self.lm_head = make_linear(lm_head, weight_dtype, arena=self.arena, onednn_rows=onednn_rows)
         self.norm = weights.take("model.norm.weight")
         weights.pop("lm_head.weight", None)
         unused = sorted(k for k in weights if "rotary_emb" not in k)

@@ -4,8 +4,8 @@
 Rows are handled a batch at a time, because per-row work is what a decode step of many
 sequences pays for:
 
-- greedy rows (temperature 0) are one `argmax` over the batch — the op HF's greedy uses, so
-  outputs stay token-for-token equal to it;
+- greedy rows (temperature 0) are one `argmax` over the batch (as `torch.max`'s indices, the
+  same first maximum as the `argmax` HF's greedy uses, so outputs stay token-for-token equal to it);
 - the other rows get their filters in batched ops (`filtered_probs`): one softmax at the
   row's temperature, one `topk` for top-k and top-p instead of a full sort of the
   vocabulary per row (a sort of 49k floats costs ~4 ms on a CPU core, a 256-wide `topk`
@@ -112,7 +112,9 @@ def draw_rows(logits: torch.Tensor, temperature: np.ndarray, top_k: np.ndarray,
     greedy = np.flatnonzero(temperature == 0)
     if len(greedy):
         rows = logits if len(greedy) == len(out) else logits[torch.from_numpy(greedy).to(logits.device)]
-        out[greedy] = torch.argmax(rows, dim=-1).cpu().numpy()
+        # torch.max's indices, argmax's contract (the first maximum; NaN wins), in a quarter
+        # of the time: [128, 49152] fp32 3.3 against 11.9 ms (Xeon with AMX, 2 vCPUs).
+        out[greedy] = torch.max(rows, dim=-1).indices.cpu().numpy()
     hot = np.flatnonzero(temperature != 0)
     if len(hot):
         probs = filtered_probs(logits[torch.from_numpy(hot).to(logits.device)], temperature[hot],
