@@ -439,6 +439,28 @@ def test_prompts_beside_decoders_start_and_finish_a_batch_apart(backlog):
         s.close()
 
 
+def test_short_prompts_beside_decoders_keep_to_the_budget(backlog):
+    """Prompts shorter than max_step_tokens + MIN_CHUNK_TOKENS (16 + 16 here) keep to the
+    budget beside the decoders like longer ones: the first goes whole, the next gets a
+    first chunk of MIN_CHUNK_TOKENS. Whether a prompt goes whole used to be judged on that
+    floor, so every such prompt went whole in one batch (two 20-token prompts: 40 tokens on
+    a budget of 16; any number, up to max_batch_tokens), stalling the decoders for all."""
+    controller, backend = backlog
+    decoders = [controller.session(f"d{i}", []) for i in range(2)]
+    dq = [s.create_queue("m") for s in decoders]
+    backend.hold.clear()
+    for s, q in zip(decoders, dq):
+        submit(s, q, [1, 2, 3], run=6, out=s.alloc_kvpage(q, 1))
+    wait_for(lambda: backend.batches)
+    prompts = waiting_prompts(controller, 2, 20, 3)
+    backend.hold.set()
+    all_done(prompts)
+    sizes = [columns(m, "token_indptr")[-1] for m in backend.passes[:3]]
+    assert sizes == [2 * 3, 2 + 20 + 16, 2 + 4]
+    for s in decoders + [s for s, _ in prompts]:
+        s.close()
+
+
 def test_chunking_spares_passes_it_cannot_cut_and_fails_a_pass_whose_chunk_failed(chunking):
     """A pass with a custom mask or an output at its first token goes whole; a chunk that
     fails fails its pass, whose rest never runs, and the decoder beside it goes on."""

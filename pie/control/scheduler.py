@@ -405,12 +405,14 @@ class Scheduler:
                             used, chunked = used + cut, True
                         break
                 if chunking and queue.objective is not Objective.LATENCY:  # every step moves a prefill on by at least MIN_CHUNK_TOKENS
-                    room = step - (used - decoded)  # the budget is the prompts' tokens
-                    room = room if chunked else max(room, MIN_CHUNK_TOKENS)
+                    left = step - (used - decoded)  # the budget is the prompts' tokens
+                    room = left if chunked else max(left, MIN_CHUNK_TOKENS)
                     # No tail shorter than a chunk: a prompt that would leave at most
                     # max_step_tokens after this chunk goes whole (a 128-token prompt beside
                     # 7 decoders went as 57 + 57 + 14 tokens, three steps for one prompt).
-                    whole = room >= MIN_CHUNK_TOKENS and command.tokens <= room + self.config.max_step_tokens
+                    # Judged on the budget left, not the floor: on the floor every prompt of
+                    # up to max_step_tokens + MIN_CHUNK_TOKENS went whole in one batch.
+                    whole = left >= MIN_CHUNK_TOKENS and command.tokens <= left + self.config.max_step_tokens
                     cut = command.chunkable() if command.tokens > room and not whole else 0  # type: ignore[attr-defined]
                     if cut >= MIN_CHUNK_TOKENS:  # the rest stays at the head of its queue
                         if not taken and room >= MIN_CHUNK_TOKENS:
