@@ -413,6 +413,24 @@ def test_a_wave_of_prompts_goes_in_batches_of_prefill_batch_tokens(backlog):
         s.close()
 
 
+def prompts_beside_two_decoders(backlog, prompt_tokens: int):
+    """Two decoders (3-token prompts, 6-token runs), then two prompts of `prompt_tokens`
+    waiting while the decoders' prefill is held; every pass done and closed. The backend."""
+    controller, backend = backlog
+    decoders = [controller.session(f"d{i}", []) for i in range(2)]
+    dq = [s.create_queue("m") for s in decoders]
+    backend.hold.clear()
+    for s, q in zip(decoders, dq):
+        submit(s, q, [1, 2, 3], run=6, out=s.alloc_kvpage(q, 1))
+    wait_for(lambda: backend.batches)
+    prompts = waiting_prompts(controller, 2, prompt_tokens, 3)
+    backend.hold.set()
+    all_done(prompts)
+    for s in decoders + [s for s, _ in prompts]:
+        s.close()
+    return backend
+
+
 def test_prompts_beside_decoders_start_and_finish_a_batch_apart(backlog):
     """While decoders are at least as many as the prompts waiting, a batch carries the
     decoders and max_step_tokens of prompt (16 here; the decoders' rows not counted), a
@@ -421,22 +439,11 @@ def test_prompts_beside_decoders_start_and_finish_a_batch_apart(backlog):
     24 (whole) beside the other's first 16, then its last 24. They finish one batch apart,
     so they do not come back together (the old budget, 16 per waiting prompt, sent them
     side by side in every batch)."""
-    controller, backend = backlog
-    decoders = [controller.session(f"d{i}", []) for i in range(2)]
-    dq = [s.create_queue("m") for s in decoders]
-    backend.hold.clear()
-    for s, q in zip(decoders, dq):
-        submit(s, q, [1, 2, 3], run=6, out=s.alloc_kvpage(q, 1))
-    wait_for(lambda: backend.batches)
-    prompts = waiting_prompts(controller, 2, 40, 3)
-    backend.hold.set()
-    all_done(prompts)
+    backend = prompts_beside_two_decoders(backlog, 40)
     sizes = [columns(m, "token_indptr")[-1] for m in backend.passes[:4]]
     assert sizes == [2 * 3, 2 + 16, 2 + 24 + 16, 2 + 24]
     outputs = [columns(m, "out_indptr")[-1] for m in backend.passes[1:4]]
     assert outputs == [2, 3, 3]  # the decoders' two draws, plus one prompt's first token
-    for s in decoders + [s for s, _ in prompts]:
-        s.close()
 
 
 def test_short_prompts_beside_decoders_keep_to_the_budget(backlog):
@@ -445,20 +452,9 @@ def test_short_prompts_beside_decoders_keep_to_the_budget(backlog):
     first chunk of MIN_CHUNK_TOKENS. Whether a prompt goes whole used to be judged on that
     floor, so every such prompt went whole in one batch (two 20-token prompts: 40 tokens on
     a budget of 16; any number, up to max_batch_tokens), stalling the decoders for all."""
-    controller, backend = backlog
-    decoders = [controller.session(f"d{i}", []) for i in range(2)]
-    dq = [s.create_queue("m") for s in decoders]
-    backend.hold.clear()
-    for s, q in zip(decoders, dq):
-        submit(s, q, [1, 2, 3], run=6, out=s.alloc_kvpage(q, 1))
-    wait_for(lambda: backend.batches)
-    prompts = waiting_prompts(controller, 2, 20, 3)
-    backend.hold.set()
-    all_done(prompts)
+    backend = prompts_beside_two_decoders(backlog, 20)
     sizes = [columns(m, "token_indptr")[-1] for m in backend.passes[:3]]
     assert sizes == [2 * 3, 2 + 20 + 16, 2 + 4]
-    for s in decoders + [s for s, _ in prompts]:
-        s.close()
 
 
 def test_chunking_spares_passes_it_cannot_cut_and_fails_a_pass_whose_chunk_failed(chunking):
