@@ -79,7 +79,7 @@ def overhead(data: Json) -> list[str]:
         target = cpu["target_control_ms_per_token"]
         lines += ["", f"CPU time per generated token while {cpu['instances']} "
                   f"`{cpu.get('program', 'text_completion')}`s {how} {cpu['tokens_each']} tokens each at once "
-                  f"(median of {len(cpu['rounds'])} waves, from `os.times()` and `/proc`):", "",
+                  f"(median of {len(cpu['rounds'])} waves, the control process's own CPU clock and `/proc`):", "",
                   "| process | ms/token | target |", "|---|---|---|",
                   f"| control process | {_f(cpu['control_ms_per_token'])} | ≤ {_f(target)} "
                   f"({'met' if cpu['control_ms_per_token'] <= target else 'not met'}) |",
