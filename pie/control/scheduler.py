@@ -32,7 +32,8 @@ from pie.control.batch_codec import (
     resolve_batch,
     settle_command,
 )
-from pie.control.command import MARKER, Command, CommandQueue, conflicts, reads_result
+from pie.control.batch_former import DECODE_TOKENS, BatchFormer
+from pie.control.command import MARKER, Command, CommandQueue, reads_result
 from pie.control.errors import ErrorKind, HostError
 from pie.control.future import HostFuture
 from pie.control.passes import Pass, Status, fail, settle, settle_step
@@ -43,9 +44,6 @@ from pie.control.scheduler_stats import Costs, SchedulerStats
 
 log = logging.getLogger("pie.control")
 
-DECODE_TOKENS = 16  # a pass of at most this many new tokens decodes (one token, or a draft)
-MIN_CHUNK_TOKENS = 16  # no prefill chunk smaller than this (each costs a batch's fixed work)
-
 
 class Scheduler:
     def __init__(self, endpoint: str, config: ControlConfig, max_batch_tokens: int,
@@ -53,6 +51,7 @@ class Scheduler:
         self.config = config
         self.policy = policy_for(config)
         self.max_batch_tokens = max_batch_tokens
+        self.former = BatchFormer(config, max_batch_tokens)
         # Copies cached prompt pages into the passes it sends and keeps the ones they fill
         # (control.prefix_cache; owned with the pools by the ResourceManager).
         self.prefix_cache = prefix_cache
@@ -342,109 +341,14 @@ class Scheduler:
                          gathering)
 
     def _form_batch(self, kind: str, single: bool = False) -> list[Command]:
-        """The waiting commands of `kind` to send together (just the oldest one if `single`).
-
-        Chunked prefill: while decoding passes (at most DECODE_TOKENS new tokens) wait and
-        are at least as many as the prefills beside them, a batch carries every decoder and
-        `control.max_step_tokens` new tokens of prompts, oldest first; a longer pass sends
-        its leading tokens as a chunk (`Pass.split`) and keeps the rest at the head of its
-        queue, so a long prompt no longer stalls every decoder for its whole prefill. A
-        prompt that would leave no more than `max_step_tokens` goes whole (so up to 2x a
-        chunk in one batch): prompts that arrive together then start one batch apart,
-        finish apart and come back apart. A short prompt (up to `max_step_tokens` +
-        MIN_CHUNK_TOKENS) goes whole while the batch's prompts stay within
-        `prefill_batch_tokens`: a wave of 32 chat prompts then went in 34 batches, not 37. Sending such a group together (one budget per
-        waiting prompt, up to `prefill_batch_tokens`) kept it together for good in a closed
-        loop of streamed clients, each of its members paying for all: at 8 clients those in
-        4-prompt batches waited 266 ms for their first token, those alone 125 ms (one traced
-        run, AMD EPYC Zen 5); one prompt a batch took the mean from 193 to 169 ms at 8 and
-        1059 to 874 ms at 32, tokens/s unchanged (8 and 6 alternating rounds in one server,
-        docs/architecture.md). When prefills
-        outnumber decoders (a wave's first arrivals already decoding), they go whole, oldest
-        first, up to `prefill_batch_tokens` of prompt tokens a batch (at least one prompt),
-        every decoder beside them: holding them back to a few tokens a step delayed more
-        requests than it spared (chunks of 64 spread 32 prompts over ~18 batches, +25%
-        against the direct driver at batch 32, benchmarks/overhead.py), and one batch of a
-        whole wave made every prompt wait for all (docs/architecture.md).
-        """
+        """The waiting commands of `kind` to send together (just the oldest one if
+        `single`), popped from their queues: the idle queues whose head is of `kind`, in
+        the policy's order, within the budgets of pie/control/batch_former.py."""
         busy = self._busy_queues()
         queues = [q for q in self.queues if q.pending and id(q) not in busy
                   and q.pending[0].kind == kind]
-        decoders = sum(q.pending[0].tokens <= DECODE_TOKENS for q in queues)
-        # Latency queues are never held behind a long prefill of another class: while one
-        # is open, the others' prompts go in chunks of control.latency_batch_tokens.
-        latency = any(q.objective is Objective.LATENCY for q in self.queues)
-        prompts = len(queues) - decoders
-        decoding = 0 < decoders >= prompts
-        step = self.config.max_step_tokens if decoding else self.config.latency_batch_tokens
-        passes = kind == P.Kind.PASS and not single
-        chunking = passes and (decoding or latency)
-        # A latency call waits to go: the others' share of its batch is capped.
-        cap = self.config.latency_step_tokens if passes and any(
-            q.objective is Objective.LATENCY for q in queues) else 0
-        keys = self._order(queues)
-        queues.sort(key=lambda q: (q.objective, -q.priority,
-                                   chunking and q.pending[0].tokens > DECODE_TOKENS
-                                   and q.objective is not Objective.LATENCY, keys[id(q)]))
-        # A wave of prompts goes in batches of control.prefill_batch_tokens (whole prompts).
-        prompt_cap = self.config.prefill_batch_tokens if passes and not chunking else 0
-        batch: list[Command] = []
-        used, chunked, latency_used, prompted, decoded = 0, False, 0, 0, 0
-        for queue in queues:
-            taken: list[Command] = []
-            for command in queue.pending:  # vertical batching within the queue
-                if command.kind != kind or conflicts(command, taken):
-                    break
-                prompt = command.tokens if command.tokens > DECODE_TOKENS else 0
-                if prompt_cap and prompt and prompted and prompted + prompt > prompt_cap:
-                    break
-                if cap and queue.objective is not Objective.LATENCY:
-                    room = cap - (used - latency_used)
-                    if command.tokens > room:  # a prompt's chunk that fits, or nothing
-                        cut = min(room, command.chunkable()) if not taken else 0  # type: ignore[attr-defined]
-                        if cut >= MIN_CHUNK_TOKENS:
-                            batch.append(command.split(cut))  # type: ignore[attr-defined]
-                            used, chunked = used + cut, True
-                        break
-                if chunking and queue.objective is not Objective.LATENCY:  # every step moves a prefill on by at least MIN_CHUNK_TOKENS
-                    left = step - (used - decoded)  # the budget is the prompts' tokens
-                    room = left if chunked else max(left, MIN_CHUNK_TOKENS)
-                    # No tail shorter than a chunk: a prompt that would leave at most
-                    # max_step_tokens after this chunk goes whole (a 128-token prompt beside
-                    # 7 decoders went as 57 + 57 + 14 tokens, three steps for one prompt).
-                    # Judged on the budget left, not the floor; but a short prompt (one that
-                    # fits a step's budget and a chunk) goes whole while the batch's prompts
-                    # stay within prefill_batch_tokens, the bound a backlog batch keeps. On
-                    # the budget alone the wave of benchmarks/overhead.py (32 chat prompts of
-                    # ~35 tokens) went out in 37 batches instead of 34, its later prompts two
-                    # a step: 1.338 against 1.236 s a wave, 12 of 12 pairs (Zen 5, one-off).
-                    short = command.tokens <= self.config.max_step_tokens + MIN_CHUNK_TOKENS
-                    whole = (left >= MIN_CHUNK_TOKENS and command.tokens <= left + self.config.max_step_tokens
-                             or short and prompted + command.tokens <= self.config.prefill_batch_tokens)
-                    cut = command.chunkable() if command.tokens > room and not whole else 0  # type: ignore[attr-defined]
-                    if cut >= MIN_CHUNK_TOKENS:  # the rest stays at the head of its queue
-                        if not taken and room >= MIN_CHUNK_TOKENS:
-                            batch.append(command.split(min(room, cut)))  # type: ignore[attr-defined]
-                            used, chunked = used + min(room, cut), True
-                        break
-                if used + command.tokens > self.max_batch_tokens and (batch or taken):
-                    break
-                taken.append(command)
-                used += command.tokens
-                prompted += prompt
-                decoded += command.tokens if not prompt else 0
-                if queue.objective is Objective.LATENCY:
-                    latency_used += command.tokens
-                if single:
-                    break
-            for _ in taken:
-                queue.pending.popleft()
-            if queue.job_left:
-                queue.job_left = max(1, queue.job_left - sum(c.tokens for c in taken))
-            batch += taken
-            if used >= self.max_batch_tokens or (single and batch):
-                break
-        return batch
+        latency_open = any(q.objective is Objective.LATENCY for q in self.queues)
+        return self.former.form(queues, kind, single, latency_open, self._order(queues))
 
     def _order(self, queues: list[CommandQueue]) -> dict[int, float]:
         """(Under the lock.) The policy's key of each queue (by id): its head, or its task

@@ -1,0 +1,168 @@
+"""What rides one batch: the waiting commands of one call kind that go out together.
+
+The scheduler (pie/control/scheduler.py) decides when to dispatch and which kind, and the
+policy (pie/control/policies.py) ranks the queues; `BatchFormer` takes their commands, in
+that order, up to the budgets below. It reads and pops queues and does nothing else: no
+I/O, no clock, no lock of its own (the scheduler calls it under its lock).
+
+Chunked prefill: while decoding passes (at most DECODE_TOKENS new tokens) wait and are at
+least as many as the prefills beside them, a batch carries every decoder and
+`control.max_step_tokens` new tokens of prompts, oldest first; a longer pass sends its
+leading tokens as a chunk (`Pass.split`) and keeps the rest at the head of its queue, so a
+long prompt no longer stalls every decoder for its whole prefill. A prompt that would
+leave no more than `max_step_tokens` goes whole (so up to 2x a chunk in one batch):
+prompts that arrive together then start one batch apart, finish apart and come back
+apart. Sending such a group together (one budget per waiting prompt, up to
+`prefill_batch_tokens`) kept it together for good in a closed loop of streamed clients,
+each of its members paying for all: at 8 clients those in 4-prompt batches waited 266 ms
+for their first token, those alone 125 ms (one traced run, AMD EPYC Zen 5); one prompt a
+batch took the mean from 193 to 169 ms at 8 and 1059 to 874 ms at 32, tokens/s unchanged
+(8 and 6 alternating rounds in one server, docs/architecture.md). A short prompt (up to
+`max_step_tokens` + MIN_CHUNK_TOKENS) goes whole while the batch's prompts stay within
+`prefill_batch_tokens`: a wave of 32 chat prompts then went in 34 batches, not 37.
+
+When prefills outnumber decoders (a wave's first arrivals already decoding), they go
+whole, oldest first, up to `prefill_batch_tokens` of prompt tokens a batch (at least one
+prompt), every decoder beside them: holding them back to a few tokens a step delayed more
+requests than it spared (chunks of 64 spread 32 prompts over ~18 batches, +25% against the
+direct driver at batch 32, benchmarks/overhead.py), and one batch of a whole wave made
+every prompt wait for all (docs/architecture.md).
+
+Latency queues are never held behind a long prefill of another class: while one is open,
+the others' prompts go in chunks of `control.latency_batch_tokens`, and while one waits,
+the others' share of its batch is capped at `control.latency_step_tokens`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pie import protocol as P
+from pie.config import ControlConfig
+from pie.control.command import Command, CommandQueue, conflicts
+from pie.control.policies import Objective
+
+DECODE_TOKENS = 16  # a pass of at most this many new tokens decodes (one token, or a draft)
+MIN_CHUNK_TOKENS = 16  # no prefill chunk smaller than this (each costs a batch's fixed work)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """One batch's budgets, fixed before it is formed (0: no such limit)."""
+
+    step: int  # prompt tokens beside decoders (chunking), or per latency-class chunk
+    chunking: bool  # long prompts go in chunks of `step`
+    latency_cap: int  # tokens of other classes beside a waiting latency call
+    prompt_cap: int  # whole prompts' tokens in a backlog batch
+
+
+@dataclass(slots=True)
+class Filled:
+    """What the batch being formed holds so far, in tokens."""
+
+    used: int = 0  # every command's
+    chunked: bool = False  # a prompt's chunk is in it
+    latency: int = 0  # latency queues' commands'
+    prompted: int = 0  # whole prompts' (passes of more than DECODE_TOKENS)
+    decoded: int = 0  # decoding passes'
+
+
+class BatchFormer:
+    def __init__(self, config: ControlConfig, max_batch_tokens: int):
+        self.config = config
+        self.max_batch_tokens = max_batch_tokens
+
+    def form(self, queues: list[CommandQueue], kind: str, single: bool, latency_open: bool,
+             keys: dict[int, float]) -> list[Command]:
+        """The commands of `kind` to send together from `queues` (each idle, its head of
+        `kind`), popped from them; just the first one if `single`. `latency_open`: some
+        latency queue is open; `keys`: the policy's rank of each queue (by id)."""
+        limits = self._limits(queues, kind, single, latency_open)
+        queues = sorted(queues, key=lambda q: (q.objective, -q.priority,
+                                               limits.chunking and q.pending[0].tokens > DECODE_TOKENS
+                                               and q.objective is not Objective.LATENCY, keys[id(q)]))
+        batch: list[Command] = []
+        filled = Filled()
+        for queue in queues:
+            taken = self._take(queue, kind, single, limits, filled, batch)
+            for _ in taken:
+                queue.pending.popleft()
+            if queue.job_left:
+                queue.job_left = max(1, queue.job_left - sum(c.tokens for c in taken))
+            batch += taken
+            if filled.used >= self.max_batch_tokens or (single and batch):
+                break
+        return batch
+
+    def _limits(self, queues: list[CommandQueue], kind: str, single: bool, latency_open: bool) -> Limits:
+        decoders = sum(q.pending[0].tokens <= DECODE_TOKENS for q in queues)
+        decoding = 0 < decoders >= len(queues) - decoders
+        passes = kind == P.Kind.PASS and not single
+        chunking = passes and (decoding or latency_open)
+        return Limits(
+            step=self.config.max_step_tokens if decoding else self.config.latency_batch_tokens,
+            chunking=chunking,
+            latency_cap=self.config.latency_step_tokens if passes and any(
+                q.objective is Objective.LATENCY for q in queues) else 0,
+            prompt_cap=self.config.prefill_batch_tokens if passes and not chunking else 0)
+
+    def _take(self, queue: CommandQueue, kind: str, single: bool, limits: Limits, filled: Filled,
+              batch: list[Command]) -> list[Command]:
+        """The commands `queue` gives the batch whole (vertical batching: its next ones of
+        `kind` that conflict with none before them); a prompt's chunk goes into `batch` at
+        once, its rest staying at the head of the queue."""
+        taken: list[Command] = []
+        other = queue.objective is not Objective.LATENCY
+        for command in queue.pending:
+            if command.kind != kind or conflicts(command, taken):
+                break
+            prompt = command.tokens if command.tokens > DECODE_TOKENS else 0
+            if limits.prompt_cap and prompt and filled.prompted and filled.prompted + prompt > limits.prompt_cap:
+                break
+            if limits.latency_cap and other:
+                room = limits.latency_cap - (filled.used - filled.latency)
+                if command.tokens > room:  # a prompt's chunk that fits, or nothing
+                    cut = min(room, command.chunkable()) if not taken else 0  # type: ignore[attr-defined]
+                    if cut >= MIN_CHUNK_TOKENS:
+                        batch.append(command.split(cut))  # type: ignore[attr-defined]
+                        filled.used, filled.chunked = filled.used + cut, True
+                    break
+            if limits.chunking and other:  # every step moves a prefill on by at least MIN_CHUNK_TOKENS
+                left = limits.step - (filled.used - filled.decoded)  # the budget is the prompts' tokens
+                room = left if filled.chunked else max(left, MIN_CHUNK_TOKENS)
+                if command.tokens > room and not self._whole(command.tokens, left, filled.prompted):
+                    cut = command.chunkable()  # type: ignore[attr-defined]
+                    if cut >= MIN_CHUNK_TOKENS:  # the rest stays at the head of its queue
+                        if not taken and room >= MIN_CHUNK_TOKENS:
+                            batch.append(command.split(min(room, cut)))  # type: ignore[attr-defined]
+                            filled.used, filled.chunked = filled.used + min(room, cut), True
+                        break
+            if filled.used + command.tokens > self.max_batch_tokens and (batch or taken):
+                break
+            taken.append(command)
+            filled.used += command.tokens
+            filled.prompted += prompt
+            filled.decoded += command.tokens if not prompt else 0
+            if not other:
+                filled.latency += command.tokens
+            if single:
+                break
+        return taken
+
+    def _whole(self, tokens: int, left: int, prompted: int) -> bool:
+        """Whether a prompt of `tokens` goes whole beside decoders with `left` of the step's
+        prompt budget unused and `prompted` tokens of whole prompts in the batch.
+
+        No tail shorter than a chunk: a prompt that would leave at most max_step_tokens
+        after this chunk goes whole (a 128-token prompt beside 7 decoders went as 57 + 57 +
+        14 tokens, three steps for one prompt). Judged on the budget left, not the chunk
+        floor; but a short prompt (one that fits a step's budget and a chunk) goes whole
+        while the batch's prompts stay within prefill_batch_tokens, the bound a backlog
+        batch keeps. On the budget alone the wave of benchmarks/overhead.py (32 chat prompts
+        of ~35 tokens) went out in 37 batches instead of 34, its later prompts two a step:
+        1.338 against 1.236 s a wave, 12 of 12 pairs (Zen 5, one-off); on the floor every
+        prompt of up to max_step_tokens + MIN_CHUNK_TOKENS went whole in one batch."""
+        step = self.config.max_step_tokens
+        if left >= MIN_CHUNK_TOKENS and tokens <= left + step:
+            return True
+        return tokens <= step + MIN_CHUNK_TOKENS and prompted + tokens <= self.config.prefill_batch_tokens
