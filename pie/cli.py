@@ -72,7 +72,7 @@ def cmd_backend(args: argparse.Namespace) -> int:
     from pie.backend.server import run_backend
 
     config = _config(args)
-    run_backend(_model_dir(config), config.backend, args.endpoint)
+    run_backend(_model_dir(config), config.backend, args.endpoint, args.exit_with)
     return 0
 
 
@@ -423,6 +423,9 @@ def build_parser() -> argparse.ArgumentParser:
     backend.add_argument("--endpoint", required=True,
                          help="ZeroMQ address to bind, e.g. ipc:///tmp/pie.sock, or tcp://0.0.0.0:5555 for a "
                               "remote backend (needs backend.secret_file or PIE_BACKEND_SECRET off loopback)")
+    backend.add_argument("--exit-with", type=int, metavar="PID",
+                         help="exit once its parent, process PID, has ended (pie serve passes its own pid: "
+                              "a control process killed outright leaves no backend behind)")
     backend.set_defaults(func=cmd_backend)
 
     generate = sub.add_parser("generate", help="generate text by driving a backend directly (no inferlets)")

@@ -246,3 +246,45 @@ def test_a_waiting_frame_ends_the_steps_ahead(backend, hf_model, tokenizer):
     assert reply.more and steps[-1].final and len(steps) < 40
     assert tokens[0] == hf_greedy(hf_model, ids, len(tokens[0]))
     assert isinstance(link.wait(interrupt), P.Interrupt)
+
+
+def test_a_backend_ends_when_its_control_process_is_killed(model_dir):
+    """`BackendProcess` starts the backend with `--exit-with` its own pid: when the control
+    process dies without stopping it (SIGKILL, the OOM killer), the backend exits at its
+    next idle poll instead of holding its memory and socket for good (seen: five such
+    backends of ~2 GB each, left by scripts that ended without `stop`)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    def running(pid: int) -> bool:  # neither gone nor a zombie its new parent has yet to reap
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    script = ("import sys, time\n"
+              "from pathlib import Path\n"
+              "from pie.control.backend_link import BackendProcess\n"
+              "p = BackendProcess(Path(sys.argv[1]))\n"
+              "p.connect()\n"
+              "print(p.process.pid, flush=True)\n"
+              "time.sleep(600)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script, str(model_dir)], stdout=subprocess.PIPE, text=True)
+    child = None
+    try:
+        child = int(parent.stdout.readline())
+        assert running(child)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 30  # a hang bound only: it exits within ~0.2 s
+        while running(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not running(child)
+    finally:
+        parent.kill()
+        if child is not None and running(child):
+            os.kill(child, signal.SIGKILL)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import os
 import signal
 import time
 import traceback
@@ -34,7 +35,8 @@ class BackendServer:
     """`secret`: serve over CURVE, admitting only the control side's key (pie/transport.py);
     without one, a tcp endpoint off loopback is refused."""
 
-    def __init__(self, engine: Engine, endpoint: str, secret: bytes | None = None):
+    def __init__(self, engine: Engine, endpoint: str, secret: bytes | None = None,
+                 parent: int | None = None):
         check_endpoint(endpoint, secret)
         secret = for_endpoint(endpoint, secret)
         self.engine = engine
@@ -45,6 +47,10 @@ class BackendServer:
         self.auth = secure_server(self.socket, self.context, secret) if secret is not None else None
         self.socket.bind(endpoint)
         self.running = True
+        # `pie backend --exit-with PID`: the pid that started it. A backend whose control
+        # process was killed outright (SIGKILL, the OOM killer) went on holding its ~2 GB and
+        # its socket until someone found it; now it ends at its next idle poll (<= 200 ms).
+        self.parent = parent
 
     def serve_forever(self) -> None:
         poller = zmq.Poller()
@@ -59,6 +65,9 @@ class BackendServer:
                 self.socket.send_multipart(heapq.heappop(held)[2])
             timeout = 200 if not held else max(1, int((held[0][0] - now) * 1e3) + 1)
             if not poller.poll(timeout=min(200, timeout)):
+                if self.parent is not None and os.getppid() != self.parent:
+                    log.warning("the process that started this backend (pid %d) has ended: exiting", self.parent)
+                    break
                 continue
             frames = self.socket.recv_multipart()
             # DEALER peers send [payload]; ROUTER prepends the peer identity. REQ peers add an
@@ -124,15 +133,16 @@ class BackendServer:
         self.running = False
 
 
-def run_backend(model_dir: Path, config: BackendConfig, endpoint: str) -> None:
-    """Entry point of `pie backend`: load the model, bind, serve until SIGINT/SIGTERM."""
+def run_backend(model_dir: Path, config: BackendConfig, endpoint: str, parent: int | None = None) -> None:
+    """Entry point of `pie backend`: load the model, bind, serve until SIGINT/SIGTERM (or,
+    with `parent`, until that process, its parent, has ended: `--exit-with`)."""
     if config.threads:
         torch.set_num_threads(config.threads)
     secret = load_secret(config.secret_file)
     check_endpoint(endpoint, secret)  # before minutes of loading, not after
     started = time.monotonic()
     engine = Engine(model_dir, config)
-    server = BackendServer(engine, endpoint, secret)
+    server = BackendServer(engine, endpoint, secret, parent)
     signal.signal(signal.SIGTERM, server.stop)
     signal.signal(signal.SIGINT, server.stop)
     log.info(

@@ -96,7 +96,7 @@ class BackendProcess:
         self.tmpdir = tempfile.TemporaryDirectory(prefix="pie-")
         self.endpoint = f"ipc://{self.tmpdir.name}/backend.sock"
         self.command = [sys.executable, "-m", "pie.cli", "backend", "--model", str(model_dir),
-                        "--endpoint", self.endpoint, *extra_args]
+                        "--endpoint", self.endpoint, "--exit-with", str(os.getpid()), *extra_args]
         if config_path:
             self.command += ["--config", config_path]
         self.log_file = log_file
