@@ -6,7 +6,8 @@ owns the backend socket and calls `dispatch` and `on_reply`; this class does no 
 own. `dispatch` forms a batch of one call kind from the heads of all
 queues (horizontal batching) plus, per queue, the following commands of the same kind that
 do not conflict with the ones before them (vertical batching); higher-priority queues come
-first and the batch is cut at the backend's token budget. *When* to dispatch, and which
+first and the batch is cut at the backend's token budget and the prefill budgets of
+`BatchFormer` (pie/control/batch_former.py). *When* to dispatch, and which
 kind, is the policy's (`pie/control/policies.py`: adaptive, eager, k, t). Fused passes
 (`pie/control/passes.py`) ride the same queues; a host-side run's next step is put back at
 the head of its queue by the reply that ends its last one. pie/control/batch_codec.py turns
