@@ -47,7 +47,7 @@ MIN_CHUNK_TOKENS = 16  # no prefill chunk smaller than this (each costs a batch'
 
 
 @dataclass(frozen=True, slots=True)
-class Limits:
+class Budgets:
     """One batch's budgets, fixed before it is formed (0: no such limit)."""
 
     step: int  # prompt tokens beside decoders (chunking), or per latency-class chunk
@@ -77,7 +77,7 @@ class BatchFormer:
         """The commands of `kind` to send together from `queues` (each idle, its head of
         `kind`), popped from them; just the first one if `single`. `latency_open`: some
         latency queue is open; `keys`: the policy's rank of each queue (by id)."""
-        limits = self._limits(queues, kind, single, latency_open)
+        limits = self._budgets(queues, kind, single, latency_open)
         queues = sorted(queues, key=lambda q: (q.objective, -q.priority,
                                                limits.chunking and q.pending[0].tokens > DECODE_TOKENS
                                                and q.objective is not Objective.LATENCY, keys[id(q)]))
@@ -94,19 +94,19 @@ class BatchFormer:
                 break
         return batch
 
-    def _limits(self, queues: list[CommandQueue], kind: str, single: bool, latency_open: bool) -> Limits:
+    def _budgets(self, queues: list[CommandQueue], kind: str, single: bool, latency_open: bool) -> Budgets:
         decoders = sum(q.pending[0].tokens <= DECODE_TOKENS for q in queues)
         decoding = 0 < decoders >= len(queues) - decoders
         passes = kind == P.Kind.PASS and not single
         chunking = passes and (decoding or latency_open)
-        return Limits(
+        return Budgets(
             step=self.config.max_step_tokens if decoding else self.config.latency_batch_tokens,
             chunking=chunking,
             latency_cap=self.config.latency_step_tokens if passes and any(
                 q.objective is Objective.LATENCY for q in queues) else 0,
             prompt_cap=self.config.prefill_batch_tokens if passes and not chunking else 0)
 
-    def _take(self, queue: CommandQueue, kind: str, single: bool, limits: Limits, filled: Filled,
+    def _take(self, queue: CommandQueue, kind: str, single: bool, limits: Budgets, filled: Filled,
               batch: list[Command]) -> list[Command]:
         """The commands `queue` gives the batch whole (vertical batching: its next ones of
         `kind` that conflict with none before them); a prompt's chunk goes into `batch` at

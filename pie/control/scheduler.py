@@ -51,7 +51,6 @@ class Scheduler:
                  prefix_cache: PrefixCache | None = None, secret: bytes | None = None):
         self.config = config
         self.policy = policy_for(config)
-        self.max_batch_tokens = max_batch_tokens
         self.former = BatchFormer(config, max_batch_tokens)
         # Copies cached prompt pages into the passes it sends and keeps the ones they fill
         # (control.prefix_cache; owned with the pools by the ResourceManager).
