@@ -40,7 +40,9 @@ def test_gemv_matches_exact_products(gemv, rows, n, k, wide):
     two of AVX2's 4-row panels, and partial 16-row blocks. With `wide`, the GEMM tiles from
     wide_from() rows up to wide_to() (AVX-512 BF16: tiles of 1-12 tokens over one or two
     16-row blocks; AVX2: 1-6 tokens; n a multiple of 16, else pack_wide() is empty and the
-    loop of 4-row panels runs)."""
+    loop of 4-row panels runs). On a CPU with AMX the wide weight's calls of 1-32 rows run on
+    AMX tiles (one or two 16-row x tiles against two 16-row blocks). On a CPU with AMX the wide weight's calls of 1-32 rows run on
+    AMX tiles (one or two 16-row x tiles against two 16-row blocks)."""
     tiles = wide and n % 16 == 0 and gemv.wide_from() > 0
     if rows > (gemv.wide_to() if tiles else gemv.max_tokens()):
         pytest.skip(f"past {gemv.max_tokens()} rows only the GEMM tiles take a call (a weight from pack_wide())")
@@ -52,16 +54,36 @@ def test_gemv_matches_exact_products(gemv, rows, n, k, wide):
 def test_a_tiles_row_does_not_depend_on_the_rows_beside_it(gemv):
     """The GEMM tiles sum each (token, row) over k in one order whatever the call's row count
     and tiling: a token's output is the same bits alone, in a tile of 12 and in a call of
-    255 (so a step's rows do not change with who shares the step)."""
+    255 (so a step's rows do not change with who shares the step). With AMX (amx_from() > 0)
+    calls of up to max_tokens() rows run on AMX tiles instead, whose TDPBF16PS rounds its
+    sums otherwise than VDPBF16PS (the last bits differed between the two in 94 of 300 random
+    calls of 1-32 rows, 2026-12-05): each is row-independent over its own range of row counts."""
     if not gemv.wide_from():
         pytest.skip("this build has no GEMM tiles")
     torch.manual_seed(3)
     w = (torch.randn(96, 576) / 24).to(BF16)
     packed, wide = gemv.pack(w), gemv.pack_wide(w)
     x = torch.randn(gemv.wide_to(), 576).to(BF16)
-    full = gemv.gemv(x, packed, wide)
-    for rows in (gemv.wide_from(), 12, 13, 32, 100):
-        assert torch.equal(gemv.gemv(x[:rows].contiguous(), packed, wide), full[:rows])
+    first = gemv.amx_from() or gemv.wide_from()
+    ranges = [(first, gemv.max_tokens()), (gemv.max_tokens() + 1, gemv.wide_to())] if gemv.amx_from() \
+        else [(first, gemv.wide_to())]
+    for lo, hi in ranges:
+        full = gemv.gemv(x[:hi].contiguous(), packed, wide)
+        for rows in sorted({lo, lo + 1, 12, 13, 16, 17, 31, 32, 33, 100} & set(range(lo, hi))):
+            assert torch.equal(gemv.gemv(x[:rows].contiguous(), packed, wide), full[:rows]), rows
+
+
+def test_the_kernel_runs_amx_tiles_where_the_cpu_has_them(gemv):
+    """On a CPU with AMX bf16 tiles the kernel takes 1-32 rows on them (the OS grants the
+    tile state on request, Linux 5.16 on), and `kernel_amx` says so; elsewhere amx_from()
+    is 0 and the AVX-512 BF16 / AVX2 loops run."""
+    from pie.backend.dtype import cpu_flags
+    from pie.backend.linear import AMX_FLAGS, kernel_amx
+
+    if not AMX_FLAGS <= cpu_flags():
+        assert gemv.amx_from() == 0 and not kernel_amx()
+        return
+    assert gemv.amx_from() == 1 and kernel_amx()
 
 
 def test_gemv_rejects_what_it_cannot_do(gemv):
@@ -184,24 +206,30 @@ def test_pack_into_writes_the_panels_where_it_is_told(gemv):
         gemv.pack_into(w, torch.empty(shape))
 
 
-def test_with_amx_onednn_takes_steps_from_eight_rows(gemv):
-    """`onednn_from`: AMX flags hand oneDNN every step from AMX_ONEDNN_FROM rows (its tile
-    kernels beat the GEMM tiles there, pie/backend/linear.py); without AMX the kernel keeps
-    its own limits."""
-    from pie.backend.linear import AMX_ONEDNN_FROM, onednn_from
+def test_with_amx_onednn_takes_steps_past_the_kernels_tiles(gemv):
+    """`onednn_from`: AMX flags hand oneDNN every step past the kernel's own AMX tiles
+    (AMX_KERNEL_TO, 32 rows), or from AMX_ONEDNN_FROM rows where the kernel has none (its
+    AVX-512 tiles lose to oneDNN's AMX kernels there, pie/backend/linear.py); without AMX the
+    kernel keeps its own limits."""
+    from pie.backend.linear import AMX_KERNEL_TO, AMX_ONEDNN_FROM, onednn_from
 
-    assert onednn_from(frozenset({"avx512_bf16", "amx_bf16", "amx_tile"})) == AMX_ONEDNN_FROM == 8
+    amx_flags = frozenset({"avx512_bf16", "amx_bf16", "amx_tile"})
+    assert onednn_from(amx_flags) == AMX_ONEDNN_FROM == 8
+    assert onednn_from(amx_flags, kernel_amx=True) == AMX_KERNEL_TO + 1 == 33
     assert onednn_from(frozenset({"avx512_bf16", "avx512f"})) is None
+    assert onednn_from(frozenset({"avx512_bf16", "avx512f"}), kernel_amx=True) is None
     assert onednn_from(frozenset({"amx_bf16"})) is None  # no tile state: not AMX
     torch.manual_seed(0)
     weight = (torch.randn(96, 576) / 24).to(BF16)
-    layer, amx = Linear(weight), Linear(weight, onednn_rows=AMX_ONEDNN_FROM)
-    if amx.packed is None:  # no oneDNN bf16 (AVX2): nothing to hand over
-        assert amx.gemv_limit == layer.gemv_limit
-        return
-    assert amx.gemv_limit == AMX_ONEDNN_FROM - 1 < layer.gemv_limit
-    for rows in (1, AMX_ONEDNN_FROM - 1, AMX_ONEDNN_FROM, 32):
-        x = torch.randn(rows, 576).to(BF16)
-        check_close(amx(x), x, weight)
-    x = torch.randn(AMX_ONEDNN_FROM, 576).to(BF16)
-    assert torch.equal(amx(x), torch.ops.mkldnn._linear_pointwise(x, amx.packed, None, "none", [], ""))
+    layer = Linear(weight)
+    for handover in (AMX_ONEDNN_FROM, AMX_KERNEL_TO + 1):
+        amx = Linear(weight, onednn_rows=handover)
+        if amx.packed is None:  # no oneDNN bf16 (AVX2): nothing to hand over
+            assert amx.gemv_limit == layer.gemv_limit
+            return
+        assert amx.gemv_limit == handover - 1 < layer.gemv_limit
+        for rows in (1, handover - 1, handover, 40):
+            x = torch.randn(rows, 576).to(BF16)
+            check_close(amx(x), x, weight)
+        x = torch.randn(handover, 576).to(BF16)
+        assert torch.equal(amx(x), torch.ops.mkldnn._linear_pointwise(x, amx.packed, None, "none", [], ""))

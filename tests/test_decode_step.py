@@ -67,7 +67,7 @@ def kernel_limits(monkeypatch):
     vCPUs, 2026-12-03) two engines' prefills differed in their last bits (not explained: the
     same oneDNN call repeated 2,400 times in one process gave the same bits), which then
     fails a bit-for-bit comparison of the decode steps after it."""
-    monkeypatch.setattr("pie.backend.llama.onednn_from", lambda flags: None)
+    monkeypatch.setattr("pie.backend.llama.onednn_from", lambda flags, **_: None)
 
 
 def test_fused_decode_is_bit_identical_to_the_python_loop(model_dir, kernel_limits):
@@ -189,9 +189,10 @@ def test_a_step_whose_items_share_a_prefix_takes_the_fused_step_and_its_greedy_t
 
 
 def test_with_amx_steps_of_eight_rows_leave_the_fused_step(model_dir, monkeypatch):
-    """Where oneDNN takes steps from 8 rows (AMX, pie/backend/linear.py), the fused step and
-    its greedy tail stop at 7 rows: a step of 8 runs the op loop on oneDNN's kernels."""
-    monkeypatch.setattr("pie.backend.llama.onednn_from", lambda flags: 8)
+    """Where oneDNN takes steps from 8 rows (AMX without the kernel's own AMX tiles,
+    pie/backend/linear.py), the fused step and its greedy tail stop at 7 rows: a step of 8
+    runs the op loop on oneDNN's kernels."""
+    monkeypatch.setattr("pie.backend.llama.onednn_from", lambda flags, **_: 8)
     engine = Engine(model_dir, BackendConfig(dtype="bfloat16", num_kv_pages=8, num_embeds=8))
     fused = engine.model.fused_decode
     if fused is None or engine.model.layers[0].qkv.packed is None:
@@ -200,3 +201,21 @@ def test_with_amx_steps_of_eight_rows_leave_the_fused_step(model_dir, monkeypatc
     assert fused.applies(7, engine.attention, engine.kv) and not fused.applies(8, engine.attention, engine.kv)
     assert engine.model.takes_greedy(7, engine.attention, engine.kv)
     assert not engine.model.takes_greedy(8, engine.attention, engine.kv)
+
+
+def test_steps_of_up_to_32_rows_keep_the_fused_step(model_dir):
+    """As configured on this machine: without AMX, or with the kernel's own AMX tiles (1-32
+    rows, csrc/bf16_gemv.cpp), a step of 32 rows runs the fused step and its greedy tail; 33
+    rows do not (the paged attention kernel's limit, or oneDNN's from there on AMX)."""
+    engine = Engine(model_dir, BackendConfig(dtype="bfloat16", num_kv_pages=8, num_embeds=8))
+    fused = engine.model.fused_decode
+    if fused is None:
+        pytest.skip("this CPU has neither AVX-512 BF16 nor AVX2 + FMA: no fused decode step")
+    from pie.backend.dtype import cpu_flags
+    from pie.backend.linear import AMX_FLAGS, kernel_amx
+
+    if AMX_FLAGS <= cpu_flags() and not kernel_amx() and engine.model.layers[0].qkv.packed is not None:
+        pytest.skip("AMX, but the OS refused this process the tile state: oneDNN takes steps from 8 rows")
+    assert fused.max_tokens == 32
+    assert fused.applies(32, engine.attention, engine.kv) and not fused.applies(33, engine.attention, engine.kv)
+    assert engine.model.takes_greedy(32, engine.attention, engine.kv)

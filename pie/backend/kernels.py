@@ -52,7 +52,7 @@ def fused_ops_module() -> ModuleType:
 
 @cache
 def bf16_gemv_module() -> ModuleType:
-    """The bf16 linear for 1-16 tokens (csrc/bf16_gemv.cpp)."""
+    """The bf16 linear for steps of 1-255 tokens (csrc/bf16_gemv.cpp)."""
     return _build("bf16_gemv")
 
 

@@ -13,7 +13,11 @@ that read a second copy of the weight (`gemv_wide`): on the Zen 4 the 120 layer 
 16 / 32 / 128 tokens 11.8 / 19.4 / 72.4 ms against oneDNN's bf16 17.3 / 23.6 / 75.4 (more
 in csrc/bf16_gemv.cpp); the AVX2 build's tiles: 109 against 121 ms at 32 tokens, and ahead
 of oneDNN's fp32 kernels on the fp32 copy up to ~256 tokens (docs/backend.md). On a CPU with
-AMX oneDNN's tile kernels take every step from AMX_ONEDNN_FROM (8) rows on.
+AMX the kernel runs steps of 1-32 rows on AMX tiles of its own (the 120 layer linears at 8 /
+32 rows 12.4 / 17.7 ms against oneDNN's AMX kernels' 20.5 / 28.7; Xeon, family 6 model 207,
+2 vCPUs), so every decode step of up to 32 sequences stays in the fused decode step;
+oneDNN takes the steps past them (AMX_KERNEL_TO), or from AMX_ONEDNN_FROM (8) rows where the
+OS refused the process the tile state.
 fp32 keeps F.linear so the fp32 path stays HF's arithmetic for the correctness oracle. On a
 CPU without oneDNN's bf16 kernels (AVX2 only), steps past the bf16 kernel's multiply an fp32
 copy of the weight packed for oneDNN's fp32 kernels, not F.linear: MKL takes a generic path on
@@ -37,8 +41,9 @@ WEIGHT_DTYPES = ("model", "int8")
 
 
 PREFILL_MIN_TOKENS = 64  # from here on fp32 matmuls won on the Xeon that motivated them
-# With AMX, oneDNN's bf16 primitive takes steps from this many rows on: its tile kernels beat
-# the AVX-512 BF16 GEMM tiles (tuned on AMD EPYCs, which have no AMX) several times over.
+# With AMX and no AMX tiles in the kernel (the OS refused the tile state: kernel_amx()),
+# oneDNN's bf16 primitive takes steps from this many rows on: its tile kernels beat the
+# AVX-512 BF16 GEMM tiles (tuned on AMD EPYCs, which have no AMX) several times over.
 # Measured on a Xeon with AMX (family 6 model 167, 2 vCPUs, 2026-12-03), the 120 layer
 # linears of a SmolLM2-135M step at 12 / 32 / 128 rows: oneDNN 18.6 / 20.0 / 30.0 ms against
 # the tiles' 42.5 / 53.2 / 160.8; the LM head at 8 / 32 rows 1.7 / 3.3 against 6.3 / 13.6.
@@ -46,13 +51,29 @@ PREFILL_MIN_TOKENS = 64  # from here on fp32 matmuls won on the Xeon that motiva
 # fused step on the tiles took 25.5-26.4 ms against the op loop on oneDNN's 30.2-33.0, at 8
 # 31.5-31.7 against 28.6-29.7, at 12 52.2-55.5 against 27.3-31.7, at 32 85 against 50.
 AMX_ONEDNN_FROM = 8
+# The most rows the kernel's own AMX tiles take (csrc/bf16_gemv.cpp, amx_from(): 6 up to its
+# max_tokens(), 32); past them oneDNN's AMX kernels, whose blocking pays from ~64 rows on.
+AMX_KERNEL_TO = 32
 AMX_FLAGS = frozenset({"amx_bf16", "amx_tile"})  # /proc/cpuinfo flags of AMX bf16 tiles
 
 
-def onednn_from(flags: frozenset[str]) -> int | None:
+def onednn_from(flags: frozenset[str], kernel_amx: bool = False) -> int | None:
     """From how many rows a bf16 linear leaves the kernel for oneDNN on a CPU with these
-    flags: AMX_ONEDNN_FROM with AMX, else None (the kernel's own limits, `Linear`)."""
-    return AMX_ONEDNN_FROM if AMX_FLAGS <= flags else None
+    flags: with AMX, AMX_ONEDNN_FROM, or past the kernel's own AMX tiles (`kernel_amx`:
+    csrc/bf16_gemv.cpp runs 6-32 rows on them, so steps of up to 32 rows keep the fused
+    decode step); else None (the kernel's own limits, `Linear`)."""
+    if not AMX_FLAGS <= flags:
+        return None
+    return AMX_KERNEL_TO + 1 if kernel_amx else AMX_ONEDNN_FROM
+
+
+def kernel_amx() -> bool:
+    """Whether the bf16 kernel runs its own AMX tiles on this machine (built with AMX, and
+    the OS granted the process the tile state: csrc/bf16_gemv.cpp, amx_from())."""
+    from pie.backend.kernels import bf16_gemv_module
+
+    module = bf16_gemv_module()
+    return bool(module.supported()) and module.amx_from() > 0
 
 
 class Linear:

@@ -19,7 +19,7 @@ from pie.backend.decode_step import FusedDecode
 from pie.backend.dtype import cpu_flags
 from pie.backend.glue import make_glue
 from pie.backend.kv_cache import KvCache
-from pie.backend.linear import Int8Linear, Linear, make_linear, onednn_from
+from pie.backend.linear import Int8Linear, Linear, kernel_amx, make_linear, onednn_from
 from pie.backend.weight_arena import WeightArena
 from pie.backend.weights import ModelFormatError, Tensors, load_checkpoint
 
@@ -155,8 +155,10 @@ class Llama:
         # 27.2 vs 28.7 at 32 (AMD EPYC, 2 vCPUs; the 4-row loop before them had lost, 24.5 vs 23.4).
         # The bf16 kernel's weights in huge pages, in the order a step reads them (weight_arena.py).
         self.arena = WeightArena() if dtype == torch.bfloat16 and device.type == "cpu" else None
-        # With AMX, oneDNN takes bf16 steps of 8+ rows from the kernel (linear.py, onednn_from).
-        onednn_rows = onednn_from(cpu_flags()) if device.type == "cpu" else None
+        # With AMX, oneDNN takes bf16 steps past the kernel's own AMX tiles (33+ rows), or of
+        # 8+ rows where the kernel has none (linear.py, onednn_from).
+        onednn_rows = onednn_from(cpu_flags(), kernel_amx=self.arena is not None and kernel_amx()) \
+            if device.type == "cpu" else None
         self.layers = [LlamaLayer(weights, f"model.layers.{i}", cfg, weight_dtype, prefill_fp32, self.arena,
                                   onednn_rows) for i in range(cfg.num_layers)]
         self.lm_head = make_linear(lm_head, weight_dtype, arena=self.arena, onednn_rows=onednn_rows)

@@ -15,6 +15,9 @@
 
 #include <cstdint>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 namespace {
 
 // Tokens per pass over the weight rows (the kernels' templates go up to it), and per call:
@@ -197,6 +200,98 @@ inline void wide_blocks(const at::BFloat16* x, int64_t m, int64_t k, const at::B
     }
   }
 }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// With AMX (Xeons from Sapphire Rapids on) the same wide layout is the VNNI layout AMX's
+// TDPBF16PS reads for its B tile: 16 column pairs of a 16-row block are 16 lines of 64 bytes,
+// one 1 KB tile. So calls of kAmxFrom to kMaxTokens rows run on tiles instead: x's rows in
+// one or two A tiles (16 rows x 32 columns each), two weight blocks in two B tiles, four
+// 16 x 16 fp32 accumulator tiles. Why: on a Xeon with AMX (family 6 model 207, 2 vCPUs,
+// 2026-12-05) oneDNN's AMX kernels had taken linears from 8 rows (linear.py,
+// AMX_ONEDNN_FROM), so steps of 8-32 rows left the fused decode step (decode_step.cpp) for
+// the op loop. The 120 layer linears of a SmolLM2-135M step on these tiles took 12.4 / 12.6 /
+// 17.7 ms at 8 / 16 / 32 rows against oneDNN's 20.5 / 20.8 / 28.7, the LM head 1.5 / 1.6 /
+// 3.9 against 3.7 / 3.2 / 6.5; at 1 / 2 / 4 rows the layer linears 14.5 / 14.4 / 14.8 ms
+// against the 4-row panels' 15.9 / 19.8 / 23.0 (alternating, one process), so they start at
+// one row. Whole in-process decode steps at context 128: 21.6 / 26.4 / 36.4 ms at batch 8 /
+// 16 / 32 against 40.8 / 47.5 / 69.3 with oneDNN from 8 rows. Sums run over k in 32-column
+// chunks, each chunk's 16 pairs as TDPBF16PS sums them: a row's result does not depend on the
+// rows beside it (1-32), and agrees with the VDPBF16PS tiles above to fp32 rounding, not bit
+// for bit.
+#define PIE_AMX 1
+constexpr int64_t kAmxFrom = 1;  // every call of up to kMaxTokens rows (see above)
+
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Linux (5.16 on) gives a process AMX's tile state only when asked, once per process
+// (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); without it the first tile
+// instruction kills the process. Asked once; false where the kernel refuses.
+inline bool amx_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return permitted;
+}
+
+// Tiles: 0-3 the accumulators (row chunk 0/1 x block 0/1), 4-5 x's row chunks, 6-7 the blocks.
+inline void amx_configure(int64_t m) {
+  TileConfig cfg{};
+  cfg.palette = 1;
+  const uint8_t m0 = static_cast<uint8_t>(std::min<int64_t>(m, 16)), m1 = static_cast<uint8_t>(m - m0);
+  const uint8_t rows[8] = {m0, m0, m1, m1, m0, m1, 16, 16};
+  for (int i = 0; i < 8; ++i) {
+    cfg.rows[i] = rows[i];
+    cfg.colsb[i] = rows[i] ? 64 : 0;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// c[0:m, 0:32] (fp32, row stride 32) = x[0:m, 0:k] @ blocks w0, w1 (wide layout).
+template <bool M2, bool N2>
+inline void amx_pair(const at::BFloat16* x, int64_t k, const at::BFloat16* w0, const at::BFloat16* w1, float* c) {
+  _tile_zero(0);
+  if constexpr (N2) _tile_zero(1);
+  if constexpr (M2) _tile_zero(2);
+  if constexpr (M2 && N2) _tile_zero(3);
+  const int64_t stride = k * 2;
+  for (int64_t j = 0; j < k; j += 32) {
+    _tile_loadd(4, x + j, stride);
+    if constexpr (M2) _tile_loadd(5, x + 16 * k + j, stride);
+    _tile_loadd(6, w0 + j * kWideRows, 64);
+    if constexpr (N2) _tile_loadd(7, w1 + j * kWideRows, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (N2) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (M2) _tile_dpbf16ps(2, 5, 6);
+    if constexpr (M2 && N2) _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c, 128);
+  if constexpr (N2) _tile_stored(1, c + 16, 128);
+  if constexpr (M2) _tile_stored(2, c + 16 * 32, 128);
+  if constexpr (M2 && N2) _tile_stored(3, c + 16 * 32 + 16, 128);
+}
+
+// y's columns of weight blocks [b, e) for m <= kMaxTokens rows of x (in place), W from pack_wide().
+inline void amx_blocks(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16* w, int64_t n,
+                       int64_t b, int64_t e, at::BFloat16* y) {
+  amx_configure(m);
+  alignas(64) float c[32 * 32];
+  const bool m2 = m > 16;
+  for (int64_t blk = b; blk < e; blk += 2) {
+    const at::BFloat16* w0 = w + blk * kWideRows * k;
+    const bool n2 = blk + 1 < e;
+    if (m2) {
+      if (n2) amx_pair<true, true>(x, k, w0, w0 + kWideRows * k, c); else amx_pair<true, false>(x, k, w0, w0, c);
+    } else {
+      if (n2) amx_pair<false, true>(x, k, w0, w0 + kWideRows * k, c); else amx_pair<false, false>(x, k, w0, w0, c);
+    }
+    for (int64_t r = 0; r < m; ++r)
+      for (int h = 0; h < (n2 ? 2 : 1); ++h)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * n + (blk + h) * kWideRows),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c + r * 32 + h * 16)));
+  }
+}
+#endif
 #define PIE_WIDE 1
 #elif defined(__AVX2__) && defined(__FMA__)
 // CPUs without bf16 arithmetic (AVX2 + FMA, e.g. AMD EPYC before Zen 4): the weight stays
@@ -440,6 +535,14 @@ struct GemvCall {
     return false;
 #endif
   }
+  // The AMX tiles (kAmxFrom to kMaxTokens rows, where the process may use AMX).
+  bool amx() const {
+#ifdef PIE_AMX
+    return wide != nullptr && m >= kAmxFrom && m <= kMaxTokens && amx_permitted();
+#else
+    return false;
+#endif
+  }
   bool needs_input() const {
 #ifdef PIE_WIDE_FP32_INPUT
     if (tiles()) return true;
@@ -461,6 +564,9 @@ struct GemvCall {
 #ifdef PIE_WIDE_FP32_INPUT
     if (tiles()) return wide_blocks(xs, m, k, wide, n, b, e, y);
 #elif defined(PIE_WIDE)
+#ifdef PIE_AMX
+    if (amx()) return amx_blocks(x, m, k, wide, n, b, e, y);
+#endif
     if (tiles()) return wide_blocks(x, m, k, wide, n, b, e, y);
 #endif
 #if (defined(__AVX512BF16__) && defined(__AVX512F__)) || (defined(__AVX2__) && defined(__FMA__))
@@ -509,6 +615,16 @@ bool native_bf16() {
 
 int64_t max_tokens() { return kMaxTokens; }
 
+// From how many rows gemv() runs on AMX tiles (0: never: no AMX in this build, or the OS
+// refused the process its tile state).
+int64_t amx_from() {
+#ifdef PIE_AMX
+  return amx_permitted() ? kAmxFrom : 0;
+#else
+  return 0;
+#endif
+}
+
 static_assert(kBlockRows % kPanelRows == 0, "a thread's blocks start on a panel");
 
 int64_t panel_rows() { return kPanelRows; }
@@ -543,8 +659,8 @@ std::vector<int64_t> packed_shape(int64_t n, int64_t k) {
   return {n / kPanelRows, k / kPanelCols, kPanelRows, kPanelCols};
 }
 
-// The weight in the layout of the AVX2 build's GEMM tiles for kWideFrom+ tokens ([n/16, k,
-// 16], see wide_tile); an empty tensor where this build has none (AVX-512 BF16) or n is no
+// The weight in the layout of the GEMM tiles for kWideFrom+ tokens and of the AMX tiles
+// ([n/16, k, 16], see wide_tile); an empty tensor where this build has neither or n is no
 // multiple of 16, and gemv() then keeps its own loop at every size.
 torch::Tensor pack_wide(torch::Tensor weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kBFloat16,
@@ -587,7 +703,9 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor weight, torch::Tensor wide) {
   // With a wide weight (AVX2) the GEMM tiles take up to wide_to() rows.
   TORCH_CHECK(m >= 1 && (m <= kMaxTokens || (wide.numel() > 0 && m <= wide_to())), "bf16_gemv: ", m,
               " rows (1..", kMaxTokens, ", or 1..", wide_to(), " with a wide weight from pack_wide())");
-  const bool tiles = m >= wide_from() && wide_from() > 0 && wide.numel() > 0;
+  // The wide weight for the GEMM tiles' rows, and for the AMX tiles' (from amx_from()).
+  const bool tiles = wide.numel() > 0 && ((m >= wide_from() && wide_from() > 0) ||
+                                          (amx_from() > 0 && m >= amx_from() && m <= kMaxTokens));
   if (tiles)
     TORCH_CHECK(wide.is_contiguous() && wide.scalar_type() == at::kBFloat16 && wide.dim() == 3 &&
                     wide.size(0) * 16 == n && wide.size(1) == k && wide.size(2) == 16,
@@ -610,6 +728,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supported", &supported, "whether this build has the kernel (AVX-512 BF16, or AVX2 + FMA)");
   m.def("native_bf16", &native_bf16, "whether it multiplies bf16 in hardware (AVX-512 BF16)");
   m.def("max_tokens", &max_tokens, "the most rows of x one call takes");
+  m.def("amx_from", &amx_from, "from how many rows of x gemv() runs AMX tiles, up to max_tokens() (0: never)");
   m.def("panel_rows", &panel_rows, "the rows of pack()'s panels (pack() takes multiples of it)");
   m.def("panel_cols", &panel_cols, "the columns of one row in a step of pack()'s panels");
   m.def("pack", &pack, "the weight in the layout gemv() reads");
