@@ -19,7 +19,7 @@ the in-process step at 32 users on a shared 2,048-token prefix 94.9 -> 49.9 ms (
 ~49 -> ~42, at 16 users 29.1 -> 22.6 (the linears' tiles alone). On a Xeon with AMX the step
 took 7 tokens while oneDNN's AMX kernels took the linears from 8 rows; since the bf16 linear
 runs 1-32 rows on AMX tiles of its own it takes 32 there too: in-process steps at context 128
-21.6 / 26.4 / 36.4 ms at batch 8 / 16 / 32 against the op loop's 40.8 / 47.5 / 69.3 (family 6
+18.0 / 23.4 / 33.1 ms at batch 8 / 16 / 32 against the op loop's 40.3 / 45.7 / 65.0 (family 6
 model 207, 2 vCPUs, 2026-12-05).
 """
 

@@ -14,7 +14,7 @@ that read a second copy of the weight (`gemv_wide`): on the Zen 4 the 120 layer 
 in csrc/bf16_gemv.cpp); the AVX2 build's tiles: 109 against 121 ms at 32 tokens, and ahead
 of oneDNN's fp32 kernels on the fp32 copy up to ~256 tokens (docs/backend.md). On a CPU with
 AMX the kernel runs steps of 1-32 rows on AMX tiles of its own (the 120 layer linears at 8 /
-32 rows 12.4 / 17.7 ms against oneDNN's AMX kernels' 20.5 / 28.7; Xeon, family 6 model 207,
+32 rows 11.3 / 15.0 ms against oneDNN's AMX kernels' 23.0 / 32.3; Xeon, family 6 model 207,
 2 vCPUs), so every decode step of up to 32 sequences stays in the fused decode step;
 oneDNN takes the steps past them (AMX_KERNEL_TO), or from AMX_ONEDNN_FROM (8) rows where the
 OS refused the process the tile state.

@@ -208,17 +208,25 @@ inline void wide_blocks(const at::BFloat16* x, int64_t m, int64_t k, const at::B
 // 16 x 16 fp32 accumulator tiles. Why: on a Xeon with AMX (family 6 model 207, 2 vCPUs,
 // 2026-12-05) oneDNN's AMX kernels had taken linears from 8 rows (linear.py,
 // AMX_ONEDNN_FROM), so steps of 8-32 rows left the fused decode step (decode_step.cpp) for
-// the op loop. The 120 layer linears of a SmolLM2-135M step on these tiles took 12.4 / 12.6 /
-// 17.7 ms at 8 / 16 / 32 rows against oneDNN's 20.5 / 20.8 / 28.7, the LM head 1.5 / 1.6 /
-// 3.9 against 3.7 / 3.2 / 6.5; at 1 / 2 / 4 rows the layer linears 14.5 / 14.4 / 14.8 ms
-// against the 4-row panels' 15.9 / 19.8 / 23.0 (alternating, one process), so they start at
-// one row. Whole in-process decode steps at context 128: 21.6 / 26.4 / 36.4 ms at batch 8 /
-// 16 / 32 against 40.8 / 47.5 / 69.3 with oneDNN from 8 rows. Sums run over k in 32-column
+// the op loop. The 120 layer linears of a SmolLM2-135M step on these tiles (with kAmxAhead)
+// took 10.6 / 11.3 / 11.7 / 15.0 ms at 1 / 8 / 16 / 32 rows against oneDNN's 23.0 / 23.0 /
+// 23.2 / 32.3, the LM head 1.6 / 1.7 / 2.6 against 3.5 / 3.7 / 6.2; before the prefetch, at 1
+// / 2 / 4 rows 14.5 / 14.4 / 14.8 ms against the 4-row panels' 15.9 / 19.8 / 23.0
+// (alternating, one process), so they start at one row. Whole in-process decode steps at
+// context 128: 18.0 / 23.4 / 33.1 ms at batch 8 / 16 / 32 against 40.3 / 45.7 / 65.0 with
+// oneDNN from 8 rows (docs/backend.md). Sums run over k in 32-column
 // chunks, each chunk's 16 pairs as TDPBF16PS sums them: a row's result does not depend on the
 // rows beside it (1-32), and agrees with the VDPBF16PS tiles above to fp32 rounding, not bit
 // for bit.
 #define PIE_AMX 1
 constexpr int64_t kAmxFrom = 1;  // every call of up to kMaxTokens rows (see above)
+// How far ahead of a B tile's load its next lines are prefetched (bytes): the hardware's
+// prefetcher does not follow tile loads well. The 120 layer linears at 1 / 4 / 16 / 32 rows,
+// alternating in one process (2026-12-05): no prefetch 12.7 / 12.6 / 12.8 / 20.1 ms; 512
+// ahead 10.0 / 10.1 / 10.3 / 14.7; 1024 9.7 / 9.7 / 10.2 / 13.1; 2048 9.5 / 9.2 / 10.6 / 13.3
+// (9.7 ms is 22 GB/s, what a torch sum over 256 MB reads here). One tile (1 KB) ahead: the
+// next 32 columns' B tile of the same block.
+constexpr int64_t kAmxAhead = 1024;
 
 struct alignas(64) TileConfig {
   uint8_t palette, start_row, reserved[14];
@@ -258,6 +266,12 @@ inline void amx_pair(const at::BFloat16* x, int64_t k, const at::BFloat16* w0, c
   for (int64_t j = 0; j < k; j += 32) {
     _tile_loadd(4, x + j, stride);
     if constexpr (M2) _tile_loadd(5, x + 16 * k + j, stride);
+    const char* p0 = reinterpret_cast<const char*>(w0 + j * kWideRows) + kAmxAhead;
+    const char* p1 = reinterpret_cast<const char*>(w1 + j * kWideRows) + kAmxAhead;
+    for (int l = 0; l < 1024; l += 64) {
+      _mm_prefetch(p0 + l, _MM_HINT_T0);
+      if constexpr (N2) _mm_prefetch(p1 + l, _MM_HINT_T0);
+    }
     _tile_loadd(6, w0 + j * kWideRows, 64);
     if constexpr (N2) _tile_loadd(7, w1 + j * kWideRows, 64);
     _tile_dpbf16ps(0, 4, 6);
