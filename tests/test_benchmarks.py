@@ -178,7 +178,8 @@ def test_serving_quick_streams_every_token(tmp_path):
 @pytest.mark.parametrize("flags, pie, vllm", [
     ({"avx2", "fma"}, "bfloat16", "float32"),  # an EPYC before Zen 4: bf16 weights for Pie only
     ({"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"}, "bfloat16", "bfloat16"),
-    ({"avx2", "fma", "avx512f"}, "float32", "float32"),
+    ({"avx2", "fma", "avx512f"}, "bfloat16", "float32"),  # Skylake-SP to Ice Lake: the same
+    ({"avx"}, "float32", "float32"),
 ])
 def test_each_system_runs_in_its_fastest_dtype_unless_one_is_named(monkeypatch, flags, pie, vllm):
     """`--dtype auto`: Pie and llama.cpp (same weights, same dtype) take Pie's choice; vLLM and

@@ -1,5 +1,5 @@
 """`backend.dtype = auto`: bf16 where the hardware computes in it, or where our kernel widens
-bf16 weights to fp32 (AVX2 + FMA without AVX-512)."""
+bf16 weights to fp32 (AVX2 + FMA, with or without AVX-512)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pie.config import BackendConfig, ConfigError
 @pytest.mark.parametrize("flags, want", [
     ({"avx2", "avx512f", "avx512_bf16"}, "bfloat16"),  # AMD Zen 4, Intel Cooper Lake
     ({"avx2", "avx512f", "amx_tile", "amx_bf16"}, "bfloat16"),  # Intel Sapphire Rapids
-    ({"avx2", "fma", "avx512f"}, "float32"),  # Skylake-SP: oneDNN would emulate bf16 (unmeasured)
+    ({"avx2", "fma", "avx512f"}, "bfloat16"),  # Skylake-SP to Ice Lake: bf16 weights, fp32 arithmetic
     ({"avx2", "fma", "f16c"}, "bfloat16"),  # AMD Zen 2/3: bf16 weights, fp32 arithmetic (our kernel)
     ({"avx", "sse4_2"}, "float32"),  # no AVX2: no kernel for bf16
     (set(), "float32"),  # no /proc/cpuinfo (not Linux)

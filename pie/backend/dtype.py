@@ -7,19 +7,23 @@ a CPU without bf16 hardware (issue 16; vLLM's serving client, 8 concurrent, 128-
 prompts): fp32 prefilled 2.8x faster than bf16 (mean time to first token 1.46 s vs 4.03 s)
 and decoded 9% slower (137 vs 125 ms per token).
 
-So: bf16 where the CPU has bf16 arithmetic; bf16 *weights* with fp32 arithmetic on a CPU with
-AVX2 + FMA and no AVX-512 (e.g. an AMD EPYC before Zen 4): there oneDNN has no bf16 path at
-all, our kernel (csrc/bf16_gemv.cpp) widens the bf16 weight to fp32 for steps of up to 255
-tokens (from 8 on in GEMM tiles), and larger steps multiply an fp32 copy of it
-(pie/backend/linear.py). Measured on
-such an EPYC (2 vCPUs, backend decode step at context 128, benchmarks/dtypes.py): 25 / 77 /
-131 / 245 ms at batch 1 / 8 / 16 / 32 against fp32's 77 / 228 / 299 / 386 (before the panels and
-tiles of docs/backend.md), a 512-token
-prefill at the same speed (226 vs 221 tok/s), 1.9 GB resident against 2.5 GB (the KV pool
-is bf16 too). fp32 elsewhere (AVX-512 without BF16 is unmeasured with this mix:
-its 33-63-token steps would take oneDNN's emulated bf16); bf16 on CUDA. The dtype chosen is
-in the handshake (`pie status`, `GET /health`) and in every benchmark result's meta, next to
-the CPU flags.
+So: bf16 where the CPU has bf16 arithmetic; bf16 *weights* with fp32 arithmetic on any other
+CPU with AVX2 + FMA: our kernel (csrc/bf16_gemv.cpp) widens the bf16 weight to fp32 for steps of
+up to 255 tokens (from 8 on in GEMM tiles, 512-bit ones where the CPU has AVX-512), and larger
+steps multiply an fp32 copy of it (pie/backend/linear.py; on AVX-512 `backend.prefill_dtype =
+auto` takes that copy from 64 tokens, its probe finding oneDNN's emulated bf16 slower).
+Measured with benchmarks/dtypes.py (backend decode step at context 128, the two dtypes
+alternating):
+- an AMD EPYC with AVX2 only (2 vCPUs): 25 / 77 / 131 / 245 ms at batch 1 / 8 / 16 / 32
+  against fp32's 77 / 228 / 299 / 386 (before the panels and tiles of docs/backend.md), a
+  512-token prefill at the same speed (226 vs 221 tok/s), 1.9 GB resident against 2.5 GB;
+- an Intel Xeon with AVX-512 and no bf16 (Ice Lake, family 6 model 106, 2 vCPUs; 2026-12-06,
+  benchmarks/results/xeon-icelake/dtypes.json): 16.7 / 24.0 / 41.6 / 70.3 ms against fp32's
+  42.7 / 98.3 / 175.2 / 219.6 (2.6-4.2x), a 512-token prefill level (617 vs 616 tok/s).
+  `auto` picked fp32 there before (unmeasured then), the CPU of the outside measurements of
+  2026-11-23.
+fp32 where the CPU has no AVX2 + FMA; bf16 on CUDA. The dtype chosen is in the handshake (`pie
+status`, `GET /health`) and in every benchmark result's meta, next to the CPU flags.
 """
 
 from __future__ import annotations
@@ -47,13 +51,13 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
 
 def resolve_dtype(name: str, device: str, flags: frozenset[str] | None = None) -> str:
     """`name` unless it is "auto"; then bfloat16 on CUDA, on a CPU with bf16 arithmetic and on
-    one with AVX2 + FMA but no AVX-512; float32 otherwise."""
+    one with AVX2 + FMA (bf16 weights, fp32 arithmetic); float32 otherwise."""
     if name != "auto":
         return name
     if device == "cuda":
         return "bfloat16"
     flags = cpu_flags() if flags is None else flags
-    if flags & BF16_FLAGS or (WIDENING_FLAGS <= flags and "avx512f" not in flags):
+    if flags & BF16_FLAGS or WIDENING_FLAGS <= flags:
         return "bfloat16"
     return "float32"
 
