@@ -12,7 +12,12 @@ on an AMD EPYC Zen 4 (docs/backend.md). From `wide_from()` tokens (6; AVX2: 8) G
 that read a second copy of the weight (`gemv_wide`): on the Zen 4 the 120 layer linears at
 16 / 32 / 128 tokens 11.8 / 19.4 / 72.4 ms against oneDNN's bf16 17.3 / 23.6 / 75.4 (more
 in csrc/bf16_gemv.cpp); the AVX2 build's tiles: 109 against 121 ms at 32 tokens, and ahead
-of oneDNN's fp32 kernels on the fp32 copy up to ~256 tokens (docs/backend.md). On a CPU with
+of oneDNN's fp32 kernels on the fp32 copy up to ~256 tokens (docs/backend.md). With AVX-512
+and no BF16 (Intel Skylake-SP to Ice Lake) the same tiles run in 512-bit vectors, with the
+same bits: on an Ice Lake Xeon (2 vCPUs) 15.1 / 46.9 / 89.7 ms at 8 / 32 / 64 tokens against
+the AVX2 build's 25.9 / 76.0 / 146.0 and oneDNN's fp32 kernels' 38.4 / 61.3 / 98.6 on an fp32
+copy; there `backend.prefill_dtype = auto` hands steps of PREFILL_MIN_TOKENS or more to an
+fp32 copy (the tiles are level with it at 128 tokens, 10 % behind at 255). On a CPU with
 AMX the kernel runs steps of 1-32 rows on AMX tiles of its own (the 120 layer linears at 8 /
 32 rows 11.3 / 15.0 ms against oneDNN's AMX kernels' 23.0 / 32.3; Xeon, family 6 model 207,
 2 vCPUs), so every decode step of up to 32 sequences stays in the fused decode step;
