@@ -41,8 +41,8 @@ def test_gemv_matches_exact_products(gemv, rows, n, k, wide):
     wide_from() rows up to wide_to() (AVX-512 BF16: tiles of 1-12 tokens over one or two
     16-row blocks; AVX2: 1-6 tokens; n a multiple of 16, else pack_wide() is empty and the
     loop of 4-row panels runs). On a CPU with AMX the wide weight's calls of 1-32 rows run on
-    AMX tiles (one or two 16-row x tiles against two 16-row blocks). On a CPU with AMX the wide weight's calls of 1-32 rows run on
-    AMX tiles (one or two 16-row x tiles against two 16-row blocks)."""
+    AMX tiles (one or two 16-row x tiles against two 16-row blocks); with AVX-512 and no BF16
+    the GEMM tiles take 1-8 tokens over one to three 16-row blocks."""
     tiles = wide and n % 16 == 0 and gemv.wide_from() > 0
     if rows > (gemv.wide_to() if tiles else gemv.max_tokens()):
         pytest.skip(f"past {gemv.max_tokens()} rows only the GEMM tiles take a call (a weight from pack_wide())")
