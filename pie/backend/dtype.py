@@ -18,8 +18,9 @@ alternating):
   against fp32's 77 / 228 / 299 / 386 (before the panels and tiles of docs/backend.md), a
   512-token prefill at the same speed (226 vs 221 tok/s), 1.9 GB resident against 2.5 GB;
 - an Intel Xeon with AVX-512 and no bf16 (Ice Lake, family 6 model 106, 2 vCPUs; 2026-12-06,
-  benchmarks/results/xeon-icelake/dtypes.json): 16.7 / 24.0 / 41.6 / 70.3 ms against fp32's
-  42.7 / 98.3 / 175.2 / 219.6 (2.6-4.2x), a 512-token prefill level (617 vs 616 tok/s).
+  benchmarks/results/xeon-icelake/dtypes.json): 16.4 / 27.5 / 39.6 / 82.4 ms against fp32's
+  43.4 / 116.2 / 171.7 / 221.3 (2.6-4.3x), a 512-token prefill at
+  680 against 780 tok/s (0.87x; an earlier run the same hour, not kept, had 617 against 616).
   `auto` picked fp32 there before (unmeasured then), the CPU of the outside measurements of
   2026-11-23.
 fp32 where the CPU has no AVX2 + FMA; bf16 on CUDA. The dtype chosen is in the handshake (`pie

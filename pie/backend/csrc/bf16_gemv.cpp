@@ -6,7 +6,8 @@
 // dominates matrices of 0.7-3.5 MB. This loop reads each weight row once for all the tokens,
 // from a copy of the weight in 4-row panels that makes every 4 rows one sequential stream
 // (AVX-512 BF16 dot products into 16 fp32 lanes), split over the OpenMP threads by row
-// blocks; on AVX2 CPUs the same loop widens bf16 to fp32 (below). Figures:
+// blocks; on AVX2 CPUs the same loop widens bf16 to fp32 (below; its GEMM tiles in 512-bit
+// vectors where the CPU has AVX-512 without BF16). Figures:
 // pie/backend/linear.py.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -522,7 +523,6 @@ inline void wide_tile(const float* x, int64_t k, const at::BFloat16* w, at::BFlo
   PIE_STORE(0) PIE_STORE(1) PIE_STORE(2) PIE_STORE(3) PIE_STORE(4) PIE_STORE(5)
 #undef PIE_STORE
 }
-
 
 // A tile of `rows` (1..kTileTokens) tokens x one block.
 template <int R = kTileTokens>
