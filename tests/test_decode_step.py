@@ -188,6 +188,50 @@ def test_a_step_whose_items_share_a_prefix_takes_the_fused_step_and_its_greedy_t
         assert torch.equal(ours, theirs)
 
 
+def test_a_step_of_questions_after_a_context_keeps_the_loops_row_counts(model_dir, kernel_limits):
+    """Items of 4-6 new tokens after a 48-token context in one step (15 rows, 3 of them output
+    rows), no shared-prefix groups: the fused step's last layer runs its o projection and MLP
+    on the 3 output rows, as the Python loop does, and gives the loop's hidden states bit for
+    bit. Before, it ran them on all 15 rows: the bf16 linear's GEMM tiles (from 8 rows on
+    AVX-512 without BF16, 6 with it) against the loop's 3-row path sum in another order, and
+    one value of 576 x 3 differed in its last bit (Ice Lake Xeon, CI of 2026-12-06)."""
+    config = BackendConfig(dtype="bfloat16", num_kv_pages=32, num_embeds=16, shared_prefix_keys=0)
+    fused = no_greedy_tail(Engine(model_dir, config))
+    if fused.model.fused_decode is None:
+        pytest.skip("this CPU has neither AVX-512 BF16 nor AVX2 + FMA: the Python loop is the only decode path")
+    tail = Engine(model_dir, config)
+    eager = no_greedy_tail(Engine(model_dir, config))
+    eager.model.fused_decode = None
+    fused_hidden, fused_draws = shared_prefix_steps(fused)
+    eager_hidden, eager_draws = shared_prefix_steps(eager)
+    _, tail_draws = shared_prefix_steps(tail)
+    assert fused.attention.grouped_items == 0 and tail.counters["pass.greedy_tail"] == 5
+    assert fused_draws == eager_draws == tail_draws
+    for ours, theirs in zip(fused_hidden, eager_hidden):
+        assert torch.equal(ours, theirs)
+
+
+def test_the_fused_step_refuses_rows_outside_the_step(model_dir):
+    """decode_layers' kept rows and tail rows are checked before its parallel region (which may
+    not throw): a row past the step is a clear error, not a read out of bounds."""
+    engine = Engine(model_dir, BackendConfig(dtype="bfloat16", num_kv_pages=8, num_embeds=8))
+    fused = engine.model.fused_decode
+    if fused is None:
+        pytest.skip("this CPU has neither AVX-512 BF16 nor AVX2 + FMA: no fused decode step")
+    from pie.backend.attention import AttentionPlan
+
+    model = engine.model
+    x = model.embed_tokens[torch.tensor([5, 6, 7])].contiguous()
+    cos, sin = model.rope_tables(torch.arange(3))
+    plan = AttentionPlan([0, 3], [0, 3], torch.arange(3), torch.ones(3, dtype=torch.bool), [None])
+    args = (x, cos, sin, torch.arange(3), plan, engine.attention, engine.kv)
+    with pytest.raises(RuntimeError, match="kept row 3 is not a row of the step"):
+        fused.run(*args, torch.tensor([3]))
+    lm_head = model.lm_head
+    with pytest.raises(RuntimeError, match="row 2 is not a row of the step's output"):  # 2 rows kept
+        fused._call(*args, torch.tensor([0, 2]), torch.tensor([2]), model.norm, lm_head.gemv_weight, lm_head.gemv_wide)
+
+
 def test_with_amx_steps_of_eight_rows_leave_the_fused_step(model_dir, monkeypatch):
     """Where oneDNN takes steps from 8 rows (AMX without the kernel's own AMX tiles,
     pie/backend/linear.py), the fused step and its greedy tail stop at 7 rows: a step of 8

@@ -62,19 +62,33 @@ class FusedDecode:
             and kv.kernel is not None
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write_slots: torch.Tensor,
-            plan: AttentionPlan, attention: CpuKernelAttention, kv: KvCache) -> torch.Tensor:
-        """The residual stream after the last layer (before the final norm)."""
+            plan: AttentionPlan, attention: CpuKernelAttention, kv: KvCache,
+            out_rows: torch.Tensor) -> torch.Tensor:
+        """The residual stream of rows `out_rows` after the last layer (before the final norm)."""
         none = torch.empty(0, dtype=torch.bfloat16)
-        return self._call(x, cos, sin, write_slots, plan, attention, kv,
-                          torch.empty(0, dtype=torch.long), none, none, none)
+        keep = self.kept_rows(out_rows, x.shape[0])
+        x = self._call(x, cos, sin, write_slots, plan, attention, kv, keep,
+                       torch.empty(0, dtype=torch.long), none, none, none)
+        return x if len(keep) else x[out_rows]
 
     def greedy(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write_slots: torch.Tensor,
                plan: AttentionPlan, attention: CpuKernelAttention, kv: KvCache, out_rows: torch.Tensor,
                norm: torch.Tensor, lm_head: Linear) -> torch.Tensor:
         """`run`, then the greedy tail in the same region: rows `out_rows` through the final
         norm and the LM head, each row's argmax token (int64 [R]; csrc/decode_step.cpp, Head)."""
-        return self._call(x, cos, sin, write_slots, plan, attention, kv, out_rows.contiguous(), norm,
+        keep = self.kept_rows(out_rows, x.shape[0])
+        rows = torch.arange(len(keep)) if len(keep) else out_rows.contiguous()
+        return self._call(x, cos, sin, write_slots, plan, attention, kv, keep, rows, norm,
                           lm_head.gemv_weight, lm_head.gemv_wide)
+
+    @staticmethod
+    def kept_rows(out_rows: torch.Tensor, tokens: int) -> torch.Tensor:
+        """The rows the last layer's o projection and MLP run on: `out_rows` where they are
+        fewer than the step's rows (none: all), as llama.py's loop runs them. Not only less
+        work: a row's bits through the bf16 linear depend on how many rows are beside it
+        (bf16_gemv.cpp's GEMM tiles from kWideFrom rows sum in another order than its loop),
+        so the fused step keeps the loop's row counts to give its bits."""
+        return out_rows.to(torch.long).contiguous() if len(out_rows) < tokens else torch.empty(0, dtype=torch.long)
 
     def _call(self, x, cos, sin, write_slots, plan, attention, kv, *tail) -> torch.Tensor:
         heads, kv_heads, head_dim, eps = self.shape

@@ -211,8 +211,8 @@ class Llama:
             return self.fused_decode.greedy(x, cos, sin, write_slots, plan, attention, kv,  # type: ignore[union-attr]
                                             out_rows, self.norm, self.lm_head)  # type: ignore[arg-type]
         if self.fused_decode is not None and self.fused_decode.applies(tokens, attention, kv):
-            x = self.fused_decode.run(x, cos, sin, write_slots, plan, attention, kv)  # type: ignore[arg-type]
-            return glue.final_norm(x[out_rows], self.norm, eps)
+            x = self.fused_decode.run(x, cos, sin, write_slots, plan, attention, kv, out_rows)  # type: ignore[arg-type]
+            return glue.final_norm(x, self.norm, eps)
         delta = None  # the previous layer's MLP output, added to x by the next norm
         last = len(self.layers) - 1
         for index, layer in enumerate(self.layers):

@@ -34,6 +34,7 @@
 #include <atomic>
 #include <cmath>
 #include <optional>
+#include <tuple>
 
 namespace {
 
@@ -72,7 +73,7 @@ torch::Tensor layers_op_by_op(torch::Tensor x, const std::vector<torch::Tensor>&
                               torch::Tensor cos, torch::Tensor sin, torch::Tensor write_slots, torch::Tensor q_indptr,
                               torch::Tensor kv_indptr, torch::Tensor kv_slots, torch::Tensor visible,
                               torch::Tensor mask_offsets, torch::Tensor masks, torch::Tensor enabled,
-                              torch::Tensor groups, torch::Tensor scratch, const Step& s) {
+                              torch::Tensor groups, torch::Tensor scratch, const Step& s, const torch::Tensor& keep) {
   c10::optional<torch::Tensor> delta;
   for (size_t i = 0; i < k_pools.size(); ++i) {
     const torch::Tensor* w = layers.data() + 10 * i;
@@ -83,10 +84,15 @@ torch::Tensor layers_op_by_op(torch::Tensor x, const std::vector<torch::Tensor>&
     const auto q = qk.slice(1, 0, s.heads), k = qk.slice(1, s.heads);
     const auto v = qkv.slice(1, s.q_size + s.kv_size).view({s.tokens, s.kv_heads, s.dim});
     write_kv(k_pools[i], v_pools[i], write_slots, k.contiguous(), v.contiguous());
-    const auto attn = paged_attention(q.to(at::kFloat).contiguous(), k_pools[i], v_pools[i], q_indptr,
+    auto attn = paged_attention(q.to(at::kFloat).contiguous(), k_pools[i], v_pools[i], q_indptr,
                                       kv_indptr, kv_slots, visible, mask_offsets, masks, enabled, groups, scratch, s.scale)
-                          .to(at::kBFloat16);
-    xh = add_rms_norm(x, gemv(attn.reshape({s.tokens, s.q_size}), w[2], w[7]), w[3], s.eps);
+                          .to(at::kBFloat16)
+                          .reshape({s.tokens, s.q_size});
+    if (keep.numel() && i + 1 == k_pools.size()) {  // past the last layer's attention: the kept rows
+      x = x.index_select(0, keep);
+      attn = attn.index_select(0, keep);
+    }
+    xh = add_rms_norm(x, gemv(attn, w[2], w[7]), w[3], s.eps);
     x = xh[0];
     delta = gemv(silu_mul(gemv(xh[1], w[4], w[8])), w[5], w[9]);
   }
@@ -101,7 +107,7 @@ torch::Tensor layers_in_one_region(torch::Tensor x_in, const std::vector<torch::
                                    torch::Tensor q_indptr, torch::Tensor kv_indptr, torch::Tensor kv_slots,
                                    torch::Tensor visible, torch::Tensor mask_offsets, torch::Tensor masks,
                                    torch::Tensor enabled, torch::Tensor groups, torch::Tensor scratch, const Step& s,
-                                   const Head* head) {
+                                   const torch::Tensor& keep, const Head* head) {
   const int64_t T = s.tokens, n_layers = static_cast<int64_t>(k_pools.size());
   const int64_t qkv_n = s.q_size + 2 * s.kv_size, n_items = q_indptr.size(0) - 1;
   const auto opts = x_in.options();
@@ -114,6 +120,13 @@ torch::Tensor layers_in_one_region(torch::Tensor x_in, const std::vector<torch::
   torch::Tensor qf = torch::empty({T, s.heads, s.dim}, f32);
   torch::Tensor out = torch::zeros({T, s.heads, s.dim}, f32);  // disabled items' rows stay zero, as in paged_attention
   torch::Tensor xs = torch::empty({T * std::max({s.hidden, s.q_size, s.inter})}, f32);  // the linears' input form
+  // Past the last layer's attention only the rows `keep` go on (where not empty), gathered into
+  // xk and ak, as llama.py's loop keeps only its output rows there: a linear's rows then see
+  // the same number of rows beside them in both (bf16_gemv.cpp's GEMM tiles from kWideFrom
+  // rows sum in another order than its loop, so a row's bits depend on that number).
+  const int64_t K = keep.numel();
+  torch::Tensor xk = torch::empty({K, s.hidden}, opts), ak = torch::empty({K, s.q_size}, opts);
+  int64_t m = T;  // the rows of the linears and elementwise steps: T, then K past the last attention
   const int64_t R = head ? head->n_rows : 0;
   torch::Tensor hn = torch::empty({R, s.hidden}, opts), logits = torch::empty({R, head ? head->vocab : 0}, opts);
   bf16 *xp = x.data_ptr<bf16>(), *hp = h.data_ptr<bf16>(), *dp = delta.data_ptr<bf16>(), *op = o.data_ptr<bf16>();
@@ -137,7 +150,7 @@ torch::Tensor layers_in_one_region(torch::Tensor x_in, const std::vector<torch::
   };
   // Projection j of layer i (1 q/k/v, 2 o, 4 gate/up, 5 down; their wide weights at 6-9).
   const auto linear = [&](int64_t i, int j, const bf16* in, int64_t k, int64_t n, bf16* y) {
-    return GemvCall{in, weight(i, j), weight(i, j < 3 ? j + 5 : j + 4), T, k, n, y, xsp};
+    return GemvCall{in, weight(i, j), weight(i, j < 3 ? j + 5 : j + 4), m, k, n, y, xsp};
   };
   std::vector<std::vector<int64_t>> share;  // attention units by thread: the same plan for every layer
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
@@ -157,8 +170,8 @@ torch::Tensor layers_in_one_region(torch::Tensor x_in, const std::vector<torch::
           std::memory_order_relaxed);
 #pragma omp single
     share = deal_units(qi, ki, on, prefix.data(), n_items, s.kv_heads, nt);  // (a barrier after it)
-    const std::pair<int64_t, int64_t> rows = run_of(T, t, nt);  // this thread's rows of the elementwise steps
-    const int64_t r0 = rows.first, r1 = rows.second;
+    int64_t r0, r1;  // this thread's rows of the elementwise steps
+    std::tie(r0, r1) = run_of(T, t, nt);
     const std::pair<int64_t, int64_t> cols = run_of(s.inter, t, nt);  // and its columns of SiLU * up
     UnitScratch unit(s.attention());
     std::vector<float> row(s.hidden);
@@ -217,12 +230,26 @@ torch::Tensor layers_in_one_region(torch::Tensor x_in, const std::vector<torch::
         for (int64_t r = qi[b]; r < qi[b + 1]; ++r)  // this unit's heads of its tokens, to bf16
           for (int64_t j = head0; j < head0 + width; ++j) ap[r * s.q_size + j] = bf16(outp[r * s.q_size + j]);
       }
+      if (K && i + 1 == n_layers) {
+#pragma omp barrier
+#pragma omp single
+        {
+          const int64_t* kr = keep.data_ptr<int64_t>();
+          bf16 *xkp = xk.data_ptr<bf16>(), *akp = ak.data_ptr<bf16>();
+          for (int64_t j = 0; j < K; ++j) {
+            std::memcpy(xkp + j * s.hidden, xp + kr[j] * s.hidden, s.hidden * sizeof(bf16));
+            std::memcpy(akp + j * s.q_size, ap + kr[j] * s.q_size, s.q_size * sizeof(bf16));
+          }
+          xp = xkp, ap = akp, m = K;
+        }  // (a barrier)
+        std::tie(r0, r1) = run_of(m, t, nt);
+      }
       linear_after_others(linear(i, 2, ap, s.q_size, s.hidden, op), 4 * i + 1);
       for (int64_t r = r0; r < r1; ++r)
         norm_row(xp + r * s.hidden, op + r * s.hidden, weight(i, 3), xp + r * s.hidden, hp + r * s.hidden,
                  s.hidden, s.eps, row.data());
       linear_on_own_rows(linear(i, 4, hp, s.hidden, 2 * s.inter, gup), 4 * i + 2);
-      for (int64_t r = 0; r < T; ++r)
+      for (int64_t r = 0; r < m; ++r)
         silu_cols(gup + r * 2 * s.inter, actp + r * s.inter, s.inter, cols.first, cols.second);
       linear_after_others(linear(i, 5, actp, s.inter, s.hidden, dp), 4 * i + 3);
     }
@@ -260,19 +287,19 @@ torch::Tensor layers_in_one_region(torch::Tensor x_in, const std::vector<torch::
       }
     }
   }
-  return x;
+  return K ? xk : x;
 }
 
-// The greedy tail's Head for rows `rows` of a step with input x (checked: the region may not
-// throw); its tokens go to a new [R] int64 tensor in `tokens`.
-Head greedy_head(const torch::Tensor& x, const torch::Tensor& rows, const torch::Tensor& norm,
+// The greedy tail's Head for rows `rows` of the `n` rows a step's last layer outputs, input x
+// (checked: the region may not throw); its tokens go to a new [R] int64 tensor in `tokens`.
+Head greedy_head(const torch::Tensor& x, int64_t n, const torch::Tensor& rows, const torch::Tensor& norm,
                  const torch::Tensor& lm_head, const torch::Tensor& lm_wide, torch::Tensor* tokens) {
   const int64_t hidden = x.size(1);
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(),
               "decode_layers: rows must be a contiguous int64 vector");
   const int64_t* r = rows.data_ptr<int64_t>();
   for (int64_t j = 0; j < rows.numel(); ++j)
-    TORCH_CHECK(r[j] >= 0 && r[j] < x.size(0), "decode_layers: row ", r[j], " is not a row of the step");
+    TORCH_CHECK(r[j] >= 0 && r[j] < n, "decode_layers: row ", r[j], " is not a row of the step's output");
   check_bf16(norm, "norm");
   TORCH_CHECK(norm.is_contiguous() && norm.numel() == hidden, "decode_layers: norm must be [hidden]");
   TORCH_CHECK(lm_head.is_contiguous() && lm_head.scalar_type() == at::kBFloat16 && lm_head.dim() == 4 &&
@@ -299,10 +326,12 @@ torch::Tensor greedy_by_ops(const torch::Tensor& x, const torch::Tensor& rows, c
 // x: [T, hidden] bf16 embeddings. layers: 10 tensors per layer (input norm, q/k/v, o, post
 // norm, gate/up, down; then the four projections' pack_wide() weights, empty where none).
 // The attention arguments are those of paged_attention(). Returns the last layer's residual
-// stream (x + the last MLP output), before the final norm. Where `rows` ([R] int64 rows of
-// the step) is not empty, the step's greedy tail (Head) instead: each row's argmax token
-// ([R] int64), from the final norm `norm` and the LM head's pack() `lm_head` (and its
-// pack_wide(), empty where none).
+// stream (x + the last MLP output), before the final norm: of the rows `keep` ([K] int64 rows
+// of the step, in that order) where it is not empty, of every row where it is; the last
+// layer's o projection and MLP run on those rows only (as llama.py's loop runs them). Where
+// `rows` ([R] int64 rows of that output) is not empty, the step's greedy tail (Head) instead:
+// each row's argmax token ([R] int64), from the final norm `norm` and the LM head's pack()
+// `lm_head` (and its pack_wide(), empty where none).
 torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& layers,
                             const std::vector<torch::Tensor>& k_pools,
                             const std::vector<torch::Tensor>& v_pools, torch::Tensor cos,
@@ -310,11 +339,17 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& l
                             torch::Tensor kv_indptr, torch::Tensor kv_slots, torch::Tensor visible,
                             torch::Tensor mask_offsets, torch::Tensor masks, torch::Tensor enabled,
                             torch::Tensor groups, torch::Tensor scratch,
-                            int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
+                            int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, torch::Tensor keep,
                             torch::Tensor rows, torch::Tensor norm, torch::Tensor lm_head, torch::Tensor lm_wide) {
+  TORCH_CHECK(keep.scalar_type() == at::kLong && keep.dim() == 1 && keep.is_contiguous() && keep.numel() <= x.size(0),
+              "decode_layers: keep must be a contiguous int64 vector of at most the step's rows");
+  for (int64_t j = 0; j < keep.numel(); ++j)
+    TORCH_CHECK(keep.data_ptr<int64_t>()[j] >= 0 && keep.data_ptr<int64_t>()[j] < x.size(0),
+                "decode_layers: kept row ", keep.data_ptr<int64_t>()[j], " is not a row of the step");
   torch::Tensor tokens;
   std::optional<Head> tail;
-  if (rows.numel()) tail = greedy_head(x, rows, norm, lm_head, lm_wide, &tokens);
+  if (rows.numel())
+    tail = greedy_head(x, keep.numel() ? keep.numel() : x.size(0), rows, norm, lm_head, lm_wide, &tokens);
   const Head* head = tail ? &*tail : nullptr;
   const int64_t n_layers = static_cast<int64_t>(k_pools.size());
   TORCH_CHECK(static_cast<int64_t>(layers.size()) == 10 * n_layers && v_pools.size() == k_pools.size(),
@@ -329,7 +364,7 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& l
   const bool shared = groups.numel() > 0 && groups.data_ptr<int64_t>()[0] > 0;
   if (shared && !prompt_attention::supports(heads, kv_heads, head_dim)) {
     const auto out = layers_op_by_op(x, layers, k_pools, v_pools, cos, sin, write_slots, q_indptr, kv_indptr,
-                                     kv_slots, visible, mask_offsets, masks, enabled, groups, scratch, s);
+                                     kv_slots, visible, mask_offsets, masks, enabled, groups, scratch, s, keep);
     return head ? greedy_by_ops(out, rows, norm, lm_head, lm_wide, eps) : out;
   }
   // Everything the region reads is checked here: nothing inside it may throw.
@@ -368,7 +403,7 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& l
   const auto region = [&](auto page) {  // page: the page size as a compile-time constant (0: any)
     return layers_in_one_region<decltype(page)::value>(x, layers, k_pools, v_pools, cos, sin, write_slots, q_indptr,
                                                        kv_indptr, kv_slots, visible, mask_offsets, masks, enabled,
-                                                       groups, scratch, s, head);
+                                                       groups, scratch, s, keep, head);
   };
   const torch::Tensor out = page_size == 16 ? region(std::integral_constant<int, 16>{})
                             : page_size == 32 ? region(std::integral_constant<int, 32>{})
