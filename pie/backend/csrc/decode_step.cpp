@@ -14,7 +14,7 @@
 // attention's 0.9 ms did ~10 us of work a layer. The whole step, both builds alternating step
 // by step in one process (context 128): 0.88x the op loop's time at batch 1, 0.91x at 4,
 // 0.94x at 8, 0.96x at 16. Each thread streams its own half of a linear's blocks, claiming 2
-// blocks at a time from a counter of its own, and a thread done with its half takes what is
+// blocks at a time (3 where a GEMM tile spans 3: GemvCall::kClaimBlocks) from a counter of its own, and a thread done with its half takes what is
 // left of the other's: when the OS takes a core from one thread mid-step (on 2 vCPUs the
 // control process runs beside the backend), the other finishes its work instead of waiting
 // at the barrier. With a competing process busy 1 ms in every ~12 (the same A/B): 0.95x at
@@ -185,7 +185,8 @@ torch::Tensor layers_in_one_region(torch::Tensor x_in, const std::vector<torch::
       for (int64_t k = 0; k < nt; ++k) {
         const int64_t u = (t + k) % nt, end = run_of(blocks, u, nt).second;
         std::atomic<int64_t>& next = cursor[c * threads + u];
-        for (int64_t b; (b = next.fetch_add(2, std::memory_order_relaxed)) < end;) call.blocks(b, std::min(end, b + 2));
+        for (int64_t b; (b = next.fetch_add(GemvCall::kClaimBlocks, std::memory_order_relaxed)) < end;)
+          call.blocks(b, std::min(end, b + GemvCall::kClaimBlocks));
       }
 #pragma omp barrier
     };
