@@ -14,10 +14,10 @@
 // attention's 0.9 ms did ~10 us of work a layer. The whole step, both builds alternating step
 // by step in one process (context 128): 0.88x the op loop's time at batch 1, 0.91x at 4,
 // 0.94x at 8, 0.96x at 16. Each thread streams its own half of a linear's blocks, claiming 2
-// blocks at a time (3 where a GEMM tile spans 3: GemvCall::kClaimBlocks) from a counter of its own, and a thread done with its half takes what is
-// left of the other's: when the OS takes a core from one thread mid-step (on 2 vCPUs the
-// control process runs beside the backend), the other finishes its work instead of waiting
-// at the barrier. With a competing process busy 1 ms in every ~12 (the same A/B): 0.95x at
+// blocks at a time (3 where a GEMM tile spans 3: GemvCall::kClaimBlocks) from a counter of
+// its own, and a thread done with its half takes what is left of the other's: when the OS
+// takes a core from one thread mid-step (on 2 vCPUs the control process runs beside the
+// backend), the other finishes its work instead of waiting at the barrier. With a competing process busy 1 ms in every ~12 (the same A/B): 0.95x at
 // batch 1, 0.90x at 8 against fixed halves; level without it. Claiming from one shared
 // counter instead was 1-15 % slower (the two streams interleave). A step that shares a
 // prefix among its items (shared_prefix.h: batched products per group, their own parallel
