@@ -72,9 +72,9 @@ def test_kernel_matches_reference(dtype, heads, kv_heads, page_size, dim):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_short_prompts_take_the_kernel_within_its_pairs_and_match_the_reference(dtype):
     """Past PREFILL_TOKENS new tokens an item takes the kernel while its query-key pairs
-    (new tokens x average visible keys) stay within `kernel_pairs` (on AVX2-only CPUs by
-    default, where SDPA's fixed cost per item loses on short prompts), SDPA beyond: the same
-    output either way."""
+    (new tokens x average visible keys) stay within `kernel_pairs` (by default on CPUs
+    without AVX-512 BF16, where SDPA's fixed cost per item loses on short prompts), SDPA
+    beyond: the same output either way."""
     g = torch.Generator().manual_seed(11)
     kv = random_pool(g, 120, 16, 3, 64, dtype)
     # A 100-token prompt from its start (5,000 pairs), a 60-token chunk after 200 cached keys
@@ -90,8 +90,11 @@ def test_short_prompts_take_the_kernel_within_its_pairs_and_match_the_reference(
     plain = CpuKernelAttention(kernel_pairs=0)
     plain.run(q, kv, 0, plan)
     assert plain.prefill_items == [0, 1, 2]
-    avx2_only = "avx2" in cpu_flags() and "avx512f" not in cpu_flags()
-    assert CpuKernelAttention().kernel_pairs == (CpuKernelAttention.AVX2_KERNEL_PAIRS if avx2_only else 0)
+    assert CpuKernelAttention().kernel_pairs == CpuKernelAttention.default_kernel_pairs(cpu_flags())
+    rule = CpuKernelAttention.default_kernel_pairs
+    assert rule({"avx2", "fma"}) == CpuKernelAttention.AVX2_KERNEL_PAIRS
+    assert rule({"avx2", "avx512f"}) == CpuKernelAttention.AVX512_KERNEL_PAIRS
+    assert rule({"avx2", "avx512f", "avx512_bf16"}) == rule(set()) == 0
 
 
 def test_hidden_keys_are_ignored():
@@ -192,7 +195,7 @@ def test_bf16_prompts_take_the_flash_kernel_and_match_the_reference(heads, kv_he
     plan.kv_visible[plan.kv_indptr[3] + 2] = False  # a hidden key: item 3 keeps SDPA
     q = torch.randn(plan.q_indptr[-1], heads, dim, generator=g).to(torch.bfloat16)
     expected = TorchPagedAttention().run(q, kv, 0, plan)
-    kernel = CpuKernelAttention()
+    kernel = CpuKernelAttention(kernel_pairs=0)  # short prompts too go the prefill route
     got = kernel.run(q, kv, 0, plan)
     assert kernel.prefill_items == [0, 1, 2, 3, 4]
     has_kernel = kernel.kernel.prompt_attention_supports(heads, kv_heads, dim)

@@ -109,9 +109,9 @@ class TorchPagedAttention:
 
 class CpuKernelAttention:
     """Our C++ kernel (`csrc/paged_attention.cpp`) for items with few new tokens — decode
-    steps, speculative drafts, and on AVX2-only CPUs short prompts — which read the pool in
-    place; items with many new tokens (prefill) go through SDPA, whose blocked kernel beats a
-    per-query loop there. In bf16 on a CPU with AVX-512 BF16, a prefill item that sees every
+    steps, speculative drafts, and on CPUs without AVX-512 BF16 short prompts
+    (`default_kernel_pairs`) — which read the pool in place; items with many new tokens
+    (prefill) go through SDPA, whose blocked kernel beats a per-query loop there. In bf16 on a CPU with AVX-512 BF16, a prefill item that sees every
     key of its context causally (no page mask bit, no custom mask) goes instead to a
     flash-attention loop in bf16 dot products (`csrc/prompt_attention.h`): one layer at 512
     tokens 2.2 against SDPA's 5.3 ms, 850 new tokens after 16 cached 5.3 against 17.0 (AMD
@@ -137,19 +137,22 @@ class CpuKernelAttention:
     # tokens 135 -> 69 ms, 4 of 128 183 -> 115, 2 of 256 236 -> 193; one of 512 (131k pairs)
     # stays with SDPA (412 against the kernel's 465).
     AVX2_KERNEL_PAIRS = 40_000
+    # With AVX-512 and no BF16 (Ice Lake Xeon, family 6 model 106, 2 vCPUs, 2026-12-07; whole
+    # steps, the two rules alternating in one process, 22 pairs each): one 128-token prompt
+    # (8,192 pairs) 0.98x SDPA's step time, beside 24 decoders 0.95x, 4 of them 0.95x, 2 of 64
+    # tokens beside 24 decoders 0.95x (22 of 22 pairs); 192 tokens (18,432) 1.02x, 256 1.01x.
+    AVX512_KERNEL_PAIRS = 12_000
     NO_GROUPS = torch.zeros(1, dtype=torch.int64)  # shared-prefix groups: none (read only)
     SHARED_PREFIX_MEMBERS = 8
 
     def __init__(self, shared_prefix_keys: int = 0, kernel_pairs: int | None = None) -> None:
         """`kernel_pairs`: the most query-key pairs of an item past PREFILL_TOKENS new tokens
-        that the kernel takes (default: AVX2_KERNEL_PAIRS on a CPU with AVX2 and no AVX-512,
-        else none)."""
+        that the kernel takes (default: `default_kernel_pairs()`)."""
         from pie.backend.kernels import paged_attention_module
 
         self.kernel = paged_attention_module()
         if kernel_pairs is None:
-            flags = cpu_flags()
-            kernel_pairs = self.AVX2_KERNEL_PAIRS if "avx2" in flags and "avx512f" not in flags else 0
+            kernel_pairs = self.default_kernel_pairs(cpu_flags())
         self.kernel_pairs = kernel_pairs
         self.reference = TorchPagedAttention()
         self.shared_prefix_keys = shared_prefix_keys
@@ -203,6 +206,14 @@ class CpuKernelAttention:
             self._prepare(plan, kv.page_size)
         return (self.q_indptr, self.kv_indptr, plan.kv_slots, plan.kv_visible, self.mask_offsets,
                 self.masks, self.enabled, self.groups, self.scratch)
+
+    @classmethod
+    def default_kernel_pairs(cls, flags: frozenset[str] | set[str]) -> int:
+        """AVX2_KERNEL_PAIRS on a CPU with AVX2 and no AVX-512, AVX512_KERNEL_PAIRS on one with
+        AVX-512 and no BF16; none where AVX-512 BF16 is (bf16 prompts take prompt_attention)."""
+        if "avx512f" not in flags:
+            return cls.AVX2_KERNEL_PAIRS if "avx2" in flags else 0
+        return 0 if "avx512_bf16" in flags else cls.AVX512_KERNEL_PAIRS
 
     def run(self, q: torch.Tensor, kv: KvCache, layer: int, plan: AttentionPlan) -> torch.Tensor:
         args = self.kernel_args(plan, kv)
