@@ -81,4 +81,12 @@ def test_linear_prefills_in_fp32_from_64_tokens():
     assert torch.equal(mixed(long), F.linear(long.float(), weight.float()).bfloat16())
     short = long[: PREFILL_MIN_TOKENS - 1]
     assert torch.equal(mixed(short), plain(short))  # decode steps keep the bf16 kernel
+    # Where oneDNN has bf16 kernels and the kernel takes every step below the fp32 copy's,
+    # oneDNN's copy is dropped (never read) and the fp32 copy takes the rest.
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported() and mixed.gemv is not None \
+            and mixed.gemv_limit >= PREFILL_MIN_TOKENS - 1:
+        assert mixed.packed is None and mixed.weight is None
+        assert mixed(torch.empty(0, 32).bfloat16()).shape == (0, 48)
+        x32 = torch.randn(3, 32)
+        assert torch.equal(mixed(x32), F.linear(x32, weight.float()))
     assert Linear(weight.float(), prefill_fp32=True).weight32 is None  # an fp32 model needs no copy

@@ -138,11 +138,12 @@ class Linear:
                 self.weight32 = dense.float()
         # oneDNN's bf16 copy only where a step can reach it: where the kernel takes every step
         # below the fp32 copy's (AVX-512 without BF16, backend.prefill_dtype = auto: 212 MB of
-        # this model's layers) it is never read.
-        unread = self.packed is not None and (self.weight32 is not None or self.packed32 is not None) \
+        # this model's layers) it is never read, and the fp32 copy takes what the kernel does
+        # not (an empty step, fp32 inputs).
+        unread = self.packed is not None and self.weight32 is not None \
             and self.gemv is not None and self.gemv_limit >= self.fp32_from - 1
         if unread:
-            self.packed = None
+            self.packed, self.fp32_from = None, 0
         # The plain weight only where F.linear reads it: with oneDNN's copy every step goes to
         # it, the kernel or an fp32 copy (AVX-512 BF16: 212 MB of this model's layers freed).
         self.weight = dense if self.packed is None and not unread else None
@@ -150,12 +151,9 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if 0 < x.shape[0] <= self.gemv_limit and x.dtype == torch.bfloat16:
             return self.gemv.gemv(x.contiguous(), self.gemv_weight, self.gemv_wide)  # type: ignore[union-attr]
-        # The fp32 copy from fp32_from rows, and for anything else where it is all there is
-        # (an empty step, fp32 inputs) besides the kernel's copies.
-        fp32 = x.shape[0] >= self.fp32_from or (self.packed is None and self.weight is None)
-        if self.packed32 is not None and fp32:
+        if self.packed32 is not None and x.shape[0] >= self.fp32_from:
             return torch.ops.mkldnn._linear_pointwise(x.float(), self.packed32, None, "none", [], "").to(x.dtype)
-        if self.weight32 is not None and fp32:
+        if self.weight32 is not None and x.shape[0] >= self.fp32_from:
             return F.linear(x.float(), self.weight32).to(x.dtype)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")

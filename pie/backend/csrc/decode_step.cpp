@@ -17,9 +17,10 @@
 // blocks at a time (3 where a GEMM tile spans 3: GemvCall::kClaimBlocks) from a counter of
 // its own, and a thread done with its half takes what is left of the other's: when the OS
 // takes a core from one thread mid-step (on 2 vCPUs the control process runs beside the
-// backend), the other finishes its work instead of waiting at the barrier. With a competing process busy 1 ms in every ~12 (the same A/B): 0.95x at
-// batch 1, 0.90x at 8 against fixed halves; level without it. Claiming from one shared
-// counter instead was 1-15 % slower (the two streams interleave). A step that shares a
+// backend), the other finishes its work instead of waiting at the barrier. With a competing
+// process busy 1 ms in every ~12 (the same A/B): 0.95x at batch 1, 0.90x at 8 against fixed
+// halves; level without it. Claiming from one shared counter instead was 1-15 % slower (the
+// two streams interleave). A step that shares a
 // prefix among its items (shared_prefix.h: batched products per group, their own parallel
 // regions) keeps the op loop where the prefix's bf16 flash loop is missing (no AVX-512 BF16);
 // with it, the prefix is a phase of each layer in the region (Bf16Prefixes).
