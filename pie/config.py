@@ -193,6 +193,14 @@ class ControlConfig:
     # (benchmarks/objectives.py) ran 5.5x faster a token at 16 with the map-reduce's time
     # unchanged (0.98x); 48 helped far less, no cap hardly at all (docs/architecture.md).
     latency_step_tokens: int = 16
+    # The prompt hold (pie/control/batch_former.py): beside 16 decoders or more, prompts wait
+    # until 3 do or the oldest has waited prompt_hold_ms, then go whole together (each of up
+    # to 2 x max_step_tokens), since a step's prompt rows cost less the more ride it where
+    # prefills run in fp32. "auto": on where the backend reports fp32 prefills (AVX-512
+    # without BF16, backend.prefill_dtype), where it was measured (docs/architecture.md,
+    # "The prompt hold"); "on", "off".
+    prompt_hold: str = "auto"
+    prompt_hold_ms: float = 400.0
     # Hosts inferlets may reach with http-get/post (exact host names or IP literals).
     http_allowlist: list[str] = field(default_factory=lambda: ["127.0.0.1", "localhost"])
     http_timeout_s: float = 30.0
@@ -249,11 +257,20 @@ class ControlConfig:
                               f"got {self.latency_step_tokens}")
         if self.alloc_wait_ms < 0:
             raise ConfigError(f"control.alloc_wait_ms must be >= 0, got {self.alloc_wait_ms}")
+        _check_choice("control.prompt_hold", self.prompt_hold, ("auto", "on", "off"))
+        if self.prompt_hold_ms <= 0:
+            raise ConfigError(f"control.prompt_hold_ms must be positive (control.prompt_hold = \"off\": "
+                              f"no hold), got {self.prompt_hold_ms}")
         if self.http_max_response_bytes < 1 or self.kvs_max_bytes < 1:
             raise ConfigError("control.http_max_response_bytes and kvs_max_bytes must be positive")
         if self.kv_pressure == "terminate-newest" and self.alloc_wait_ms == 0:
             raise ConfigError("control.kv_pressure = terminate-newest needs control.alloc_wait_ms > 0 "
                               "(the time the ended instances' pages take to come back)")
+
+    def holds_prompts(self, prefill_dtype: str) -> bool:
+        """Whether the prompt hold is on beside a backend whose steps of many tokens run in
+        `prefill_dtype` (its handshake's)."""
+        return self.prompt_hold == "on" or (self.prompt_hold == "auto" and prefill_dtype == "float32")
 
 
 @dataclass

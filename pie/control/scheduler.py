@@ -48,10 +48,11 @@ log = logging.getLogger("pie.control")
 
 class Scheduler:
     def __init__(self, endpoint: str, config: ControlConfig, max_batch_tokens: int,
-                 prefix_cache: PrefixCache | None = None, secret: bytes | None = None):
+                 prefix_cache: PrefixCache | None = None, secret: bytes | None = None,
+                 prompt_hold: bool = False):
         self.config = config
         self.policy = policy_for(config)
-        self.former = BatchFormer(config, max_batch_tokens)
+        self.former = BatchFormer(config, max_batch_tokens, prompt_hold)
         # Copies cached prompt pages into the passes it sends and keeps the ones they fill
         # (control.prefix_cache; owned with the pools by the ResourceManager).
         self.prefix_cache = prefix_cache
@@ -348,7 +349,7 @@ class Scheduler:
         queues = [q for q in self.queues if q.pending and id(q) not in busy
                   and q.pending[0].kind == kind]
         latency_open = any(q.objective is Objective.LATENCY for q in self.queues)
-        return self.former.form(queues, kind, single, latency_open, self._order(queues))
+        return self.former.form(queues, kind, single, latency_open, self._order(queues), time.monotonic())
 
     def _order(self, queues: list[CommandQueue]) -> dict[int, float]:
         """(Under the lock.) The policy's key of each queue (by id): its head, or its task
