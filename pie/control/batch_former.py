@@ -34,8 +34,8 @@ the others' share of its batch is capped at `control.latency_step_tokens`.
 
 The prompt hold (`control.prompt_hold`, `prompt_hold_ms`): beside HOLD_DECODERS decoders
 or more, prompts wait until HOLD_COUNT of them do or the oldest has waited prompt_hold_ms,
-then go together, each that a step takes whole (up to 2 x max_step_tokens) whole, up to
-prefill_batch_tokens. Where prefills run in fp32 (AVX-512 without BF16) a step's prompt
+then go together: every prompt a step would take whole alone (up to 2 x max_step_tokens)
+goes whole, up to prefill_batch_tokens; longer ones still go in chunks. Where prefills run in fp32 (AVX-512 without BF16) a step's prompt
 rows cost less the more of them ride it: beside 32 decoders one 128-token prompt added
 1.91 ms a token, two 1.58, four 1.42 (Ice Lake Xeon); so while the decoders are many and
 prompts arrive a step or two apart, each paying a step of its own, the hold (see
@@ -86,7 +86,7 @@ class BatchFormer:
         self.hold_s = config.prompt_hold_ms / 1000 if hold else 0.0  # 0: no prompt hold
 
     def form(self, queues: list[CommandQueue], kind: str, single: bool, latency_open: bool,
-             keys: dict[int, float], now: float = 0.0) -> list[Command]:
+             keys: dict[int, float], now: float) -> list[Command]:
         """The commands of `kind` to send together from `queues` (each idle, its head of
         `kind`), popped from them; just the first one if `single`. `latency_open`: some
         latency queue is open; `keys`: the policy's rank of each queue (by id); `now`: the
@@ -171,10 +171,8 @@ class BatchFormer:
         HOLD_DECODERS decoders or more, no latency queue open): all of them while fewer
         than HOLD_COUNT wait and none has waited `prompt_hold_ms`. The rest of a chunked
         prompt is released, its wait counted from its first chunk's."""
-        prompts = [q for q in queues if q.pending[0].tokens > DECODE_TOKENS]
-        if not prompts:
-            return queues
-        if len(prompts) >= HOLD_COUNT or min(q.pending[0].enqueued for q in prompts) <= now - self.hold_s:
+        waits = [q.pending[0].enqueued for q in queues if q.pending[0].tokens > DECODE_TOKENS]
+        if not waits or len(waits) >= HOLD_COUNT or min(waits) <= now - self.hold_s:
             return queues
         return [q for q in queues if q.pending[0].tokens <= DECODE_TOKENS]
 
