@@ -90,10 +90,6 @@ class HandshakeReply(Message):
     context_length: int = 0
     # Pages of the host-memory tier (`swap_kvpage`); 0: none.
     num_host_kv_pages: int = 0
-    # The dtype of steps of many tokens (backend.prefill_dtype once resolved): "float32"
-    # where the CPU has no bf16 arithmetic, else "model" (`dtype`). control.prompt_hold =
-    # auto holds prompts only where it is "float32", the case it was measured on.
-    prefill_dtype: str = "model"
 
 
 # --- batched handlers --------------------------------------------------------------------

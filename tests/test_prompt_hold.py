@@ -105,13 +105,13 @@ def test_a_released_group_keeps_prefill_batch_tokens_and_long_prompts_still_chun
     assert long[0].pending[0].tokens == 2000 - 64
 
 
-def test_the_switch_follows_the_backends_prefill_dtype():
-    """auto: on where the backend's handshake says its prefills run in fp32 (the CPUs it
-    was measured on); on and off force it; prompt_hold_ms must be positive."""
-    assert ControlConfig().holds_prompts("float32")
-    assert not ControlConfig().holds_prompts("model")
-    assert ControlConfig(prompt_hold="on").holds_prompts("model")
-    assert not ControlConfig(prompt_hold="off").holds_prompts("float32")
+def test_the_switch_follows_the_backends_device():
+    """auto: on where the backend's handshake says it runs on the CPU (where the hold was
+    measured), off on CUDA; on and off force it; prompt_hold_ms must be positive."""
+    assert ControlConfig().holds_prompts("cpu")
+    assert not ControlConfig().holds_prompts("cuda")
+    assert ControlConfig(prompt_hold="on").holds_prompts("cuda")
+    assert not ControlConfig(prompt_hold="off").holds_prompts("cpu")
     with pytest.raises(ConfigError, match="prompt_hold must be one of"):
         ControlConfig(prompt_hold="maybe")
     with pytest.raises(ConfigError, match="prompt_hold_ms must be positive"):

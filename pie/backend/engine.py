@@ -153,7 +153,6 @@ class Engine:
             dtype=self.config.dtype,
             device=self.config.device,
             context_length=cfg.max_position_embeddings,
-            prefill_dtype=self.config.prefill_dtype,
         )
 
     def stats(self, request: P.StatsRequest) -> P.StatsReply:

@@ -32,7 +32,7 @@ class Replica:
             num_host_pages=handshake.num_host_kv_pages)
         self.scheduler = Scheduler(endpoint, control, handshake.max_batch_tokens,
                                    self.resources.prefix_cache, secret,
-                                   prompt_hold=control.holds_prompts(handshake.prefill_dtype))
+                                   prompt_hold=control.holds_prompts(handshake.device))
         self.reclaimer = Reclaimer(self.resources, self.scheduler, control.kv_pressure, handshake.page_size)
         self.live = 0  # instances placed here and not yet closed (placement's load)
         self.launched = 0  # instances ever placed here
