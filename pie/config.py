@@ -194,7 +194,7 @@ class ControlConfig:
     # unchanged (0.98x); 48 helped far less, no cap hardly at all (docs/architecture.md).
     latency_step_tokens: int = 16
     # The prompt hold (pie/control/batch_former.py): beside 16 decoders or more, prompts wait
-    # until 3 do or the oldest has waited prompt_hold_ms, then go whole together (each of up
+    # until 2 do or the oldest has waited prompt_hold_ms, then go whole together (each of up
     # to 2 x max_step_tokens): a step's prompt rows cost less the more ride it, and fewer
     # steps pay the decoders' share. "auto": on where the backend runs on the CPU (measured
     # on an Ice Lake Xeon with fp32 prefills and a Zen 5 EPYC with bf16 ones: at 32 streamed
