@@ -42,8 +42,7 @@ ride it (beside 32 decoders one 128-token prompt added 1.91 ms a token, two 1.58
 1.42, Ice Lake Xeon). At 32 streamed clients the hold lowered the p99 time to first token
 in every alternating pair on an Ice Lake Xeon (fp32 prefills, 5 of 5) and on a Zen 5 EPYC
 (bf16 prefills, 4 of 4: 804 against 1,007 ms, the mean 399 against 437; both with
-HOLD_COUNT 3), see
-docs/architecture.md, "The prompt hold".
+HOLD_COUNT 3), see docs/architecture.md, "The prompt hold".
 """
 
 from __future__ import annotations
