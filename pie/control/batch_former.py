@@ -182,7 +182,7 @@ class BatchFormer:
             return queues
         return [q for q in queues if q.pending[0].tokens <= DECODE_TOKENS]
 
-    def _whole(self, tokens: int, left: int, prompted: int, grouped: bool = False) -> bool:
+    def _whole(self, tokens: int, left: int, prompted: int, grouped: bool) -> bool:
         """Whether a prompt of `tokens` goes whole beside decoders with `left` of the step's
         prompt budget unused and `prompted` tokens of whole prompts in the batch (`grouped`:
         the prompt hold is on, and a prompt that goes whole alone, up to 2 x max_step_tokens,
