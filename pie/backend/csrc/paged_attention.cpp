@@ -8,7 +8,7 @@
 // extensions) so they stay in registers: at batch 32, context 512 (bf16) this took a
 // decode step's attention from ~57 to ~38 ms (timed around `attention.run` in-process,
 // old and new builds alternating; benchmarks/backend.py has the step). Software prefetch of
-// the next key page and of value rows 16 keys ahead, and page sizes known at compile time in
+// the next key page and of value rows 16 keys ahead (now further: kKeyPagesAhead), and page sizes known at compile time in
 // the value pass: 44.7 -> 31.8 ms on the Xeon of 2026-11-26 (2 vCPUs; the pages of 32
 // sequences are scattered, so the hardware prefetcher loses each stream at a page's end).
 // A partly filled last page is scored whole and vectorised (not key by key with strided
@@ -25,6 +25,8 @@
 #include <cstring>
 #include <utility>
 #include <vector>
+
+#include <immintrin.h>
 
 #include "fast_exp.h"
 #include "prompt_attention.h"
@@ -59,6 +61,14 @@ template <int N> inline vfloat<N> load_vec(const float* p) {
   return v;
 }
 template <int N> inline vfloat<N> load_vec(const at::BFloat16* p) {
+#ifdef __AVX512F__
+  if constexpr (N == 16) {  // GCC built the generic form below from two 8-lane halves and a shuffle
+    const __m512i bits = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+    vfloat<N> v;
+    std::memcpy(&v, &bits, sizeof v);
+    return v;
+  }
+#endif
   vu16<N> half;
   std::memcpy(&half, p, sizeof half);
   const vu32<N> bits = __builtin_convertvector(half, vu32<N>) << 16;
@@ -80,21 +90,35 @@ constexpr int kLanes = 16;
 constexpr int kLanes = 8;
 #endif
 
+// How far ahead the passes prefetch: the key pass the page 3 pages on (one line per two dims
+// as it scores a page), the value pass the row 32 keys on. One page / 16 keys covered less
+// than a DRAM miss's latency: with these and the AVX-512 load below, a batch-32 step's
+// attention at context 512 (30 layers, bf16, pages scattered) took 21.4 -> 14.9 ms on an AMD
+// EPYC Zen 5 (2 vCPUs, 2026-12-07; both builds in one process, alternating), 17.6 -> 25.4
+// GB/s of KV against the ~43 GB/s a plain read gets there. Prefetching to L2 further ahead
+// as well, or values during the key pass, measured the same.
+constexpr int64_t kKeyPagesAhead = 3, kValueKeysAhead = 32;
+
 struct Shape {
   int64_t heads, kv_heads, group, dim, page_size;
 };
 
 // Scores of G heads of one query against one whole page of keys ([dim][PS] in the pool): the
 // page's key rows are loaded once for the G heads, two dims at a time into independent
-// accumulators (2G FMA chains in flight).
+// accumulators (2G FMA chains in flight). `ahead`: a page to prefetch meanwhile, a line or
+// two per step (32 prefetches at once, at the page's start, overflowed the core's miss
+// buffers and stalled the loads behind them).
 template <typename T, int PS, int G>
 inline void score_page(const float* q, const T* page, int64_t dim, float scale, const bool* seen,
-                       float* scores, int64_t n_k) {
+                       float* scores, int64_t n_k, const char* ahead = nullptr) {
   constexpr int L = PS < kLanes ? PS : kLanes;  // keys per block (PS is a multiple of it)
+  constexpr int64_t step_bytes = 2 * PS * int64_t(sizeof(T));  // a page's bytes per d step
   for (int c = 0; c < PS; c += L) {
     vfloat<L> acc[G][2] = {};
     int64_t d = 0;
     for (; d + 1 < dim; d += 2) {
+      if (ahead && c == 0)
+        for (int64_t line = 0; line < step_bytes; line += 64) __builtin_prefetch(ahead + d * PS * sizeof(T) + line, 0, 3);
       const vfloat<L> k0 = load_vec<L>(page + d * PS + c), k1 = load_vec<L>(page + (d + 1) * PS + c);
       for (int g = 0; g < G; ++g) {
         acc[g][0] += q[g * dim + d] * k0;
@@ -123,19 +147,18 @@ void score(const float* q, const T* k_pool, const int64_t* slots, const bool* se
     const T* base = k_pool + (slot / s.page_size) * (s.kv_heads * s.dim * s.page_size) + h * s.dim * s.page_size;
     if constexpr (PS > 0) {
       if (whole_page) {
-        if (j + PS < limit) {  // the next page's keys, while this one is scored
-          const T* next = k_pool + (slots[j + PS] / PS) * (s.kv_heads * s.dim * PS) + h * s.dim * PS;
-          for (int64_t line = 0; line < s.dim * PS * int64_t(sizeof(T)); line += 64)
-            __builtin_prefetch(reinterpret_cast<const char*>(next) + line, 0, 3);
-        }
+        const char* next = nullptr;  // the keys kKeyPagesAhead pages on, while this one is scored
+        if (j + kKeyPagesAhead * PS < limit)
+          next = reinterpret_cast<const char*>(k_pool + (slots[j + kKeyPagesAhead * PS] / PS) * (s.kv_heads * s.dim * PS) + h * s.dim * PS);
         for (int64_t g = 0; g < s.group; g += 4) {
           const float* qg = q + g * s.dim;
           float* out = scores + g * n_k + j;
+          const char* ahead = g == 0 ? next : nullptr;
           switch (std::min<int64_t>(4, s.group - g)) {
-            case 1: score_page<T, PS, 1>(qg, base, s.dim, scale, seen + j, out, n_k); break;
-            case 2: score_page<T, PS, 2>(qg, base, s.dim, scale, seen + j, out, n_k); break;
-            case 3: score_page<T, PS, 3>(qg, base, s.dim, scale, seen + j, out, n_k); break;
-            default: score_page<T, PS, 4>(qg, base, s.dim, scale, seen + j, out, n_k); break;
+            case 1: score_page<T, PS, 1>(qg, base, s.dim, scale, seen + j, out, n_k, ahead); break;
+            case 2: score_page<T, PS, 2>(qg, base, s.dim, scale, seen + j, out, n_k, ahead); break;
+            case 3: score_page<T, PS, 3>(qg, base, s.dim, scale, seen + j, out, n_k, ahead); break;
+            default: score_page<T, PS, 4>(qg, base, s.dim, scale, seen + j, out, n_k, ahead); break;
           }
         }
         j += PS;
@@ -213,7 +236,7 @@ inline void accumulate_values(const T* v_pool, const int64_t* slots, const char*
   constexpr int W = kLanes, C = kLanes == 16 ? D : 32, V = C / W;
   for (int c0 = 0; c0 < D; c0 += C) {
     vfloat<W> acc[G][V] = {};
-    constexpr int64_t ahead = 16;  // keys: the rows' loads overlap the FMAs of 8 keys before
+    constexpr int64_t ahead = kValueKeysAhead;
     for (int64_t j = 0; j < limit; ++j) {
       if (c0 == 0 && j + ahead < limit) {
         const int64_t next = slots[j + ahead];
