@@ -225,8 +225,9 @@ torch::Tensor layers_in_one_region(torch::Tensor x_in, const std::vector<torch::
       const Attention<bf16> a{qfp, kp, vp, outp, qi, ki, kv_slots.data_ptr<int64_t>(), visible.data_ptr<bool>(),
                               mask_offsets.data_ptr<int64_t>(), masks.data_ptr<bool>(), prefix.data(),
                               s.attention(), s.scale};
-      for (const int64_t u : share[t]) {
-        attend_unit<bf16, PS>(a, u, unit);
+      for (size_t n = 0; n < share[t].size(); ++n) {
+        const int64_t u = share[t][n];
+        attend_unit<bf16, PS>(a, u, n + 1 < share[t].size() ? share[t][n + 1] : -1, unit);
         const int64_t b = u / s.kv_heads, head0 = (u % s.kv_heads) * (s.heads / s.kv_heads) * s.dim;
         const int64_t width = (s.heads / s.kv_heads) * s.dim;
         for (int64_t r = qi[b]; r < qi[b + 1]; ++r)  // this unit's heads of its tokens, to bf16

@@ -226,7 +226,8 @@ inline int64_t offset_of(int64_t slot, int64_t page_size) {
 // row is loaded (and widened) once for the G heads; the G x D accumulators stay in registers.
 template <typename T, int PS, int D, int G>
 inline void accumulate_values(const T* v_pool, const int64_t* slots, const char* seen, int64_t limit,
-                              int64_t h, const Shape& s, const float* p, int64_t n_k, float* out) {
+                              int64_t h, const Shape& s, const float* p, int64_t n_k, float* out,
+                              const char* const* lines, int64_t n_lines) {
   // Columns per pass over the keys: all D with AVX-512's 32 registers; 32 with AVX2's 16
   // (G x 4 accumulators + 4 row vectors), the later passes reading rows the first left in
   // cache. Vectors of one register each (W = kLanes): with 16-float vectors on AVX2, GCC
@@ -238,6 +239,7 @@ inline void accumulate_values(const T* v_pool, const int64_t* slots, const char*
     vfloat<W> acc[G][V] = {};
     constexpr int64_t ahead = kValueKeysAhead;
     for (int64_t j = 0; j < limit; ++j) {
+      if (c0 == 0 && j < n_lines) __builtin_prefetch(lines[j], 0, 3);
       if (c0 == 0 && j + ahead < limit) {
         const int64_t next = slots[j + ahead];
         const char* row = reinterpret_cast<const char*>(
@@ -259,6 +261,7 @@ inline void accumulate_values(const T* v_pool, const int64_t* slots, const char*
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < V; ++c) std::memcpy(out + g * D + c0 + c * W, &acc[g][c], sizeof acc[g][c]);
   }
+  for (int64_t j = limit; j < n_lines; ++j) __builtin_prefetch(lines[j], 0, 3);
 }
 
 // The (item, KV head) units (u = item * kv_heads + h) dealt to n_threads threads by cost (new
@@ -307,12 +310,40 @@ struct Attention {
 struct UnitScratch {
   std::vector<float> scores, acc, top, total;
   std::vector<char> seen;
+  std::vector<const char*> next_lines;  // the next unit's first key pages and value rows
   explicit UnitScratch(const Shape& s) : acc(s.group * s.dim), top(s.group), total(s.group) {}
 };
 
-// One unit's new tokens of one item against its keys, for the `group` query heads of KV head h.
+// The cache lines a unit reads first, before its own prefetches run ahead: its first
+// kKeyPagesAhead key pages and kValueKeysAhead value rows. The unit before it on the same
+// thread prefetches them during its value pass, a line per key. Without that each unit began
+// with a run of DRAM misses, which short units felt most: a batch-32 step's attention (30
+// layers, bf16, pages scattered; AMD EPYC Zen 5, 2026-12-07, builds alternating in one
+// process) 4.98 -> 4.05 ms at 128 keys, 16.6 -> 15.7 at 512; with the prefetch distances
+// above as well, against the build before both, 2.44 -> 1.80 ms at 40 keys and batch 8 at
+// 200 keys 2.10 -> 1.33.
 template <typename T, int PS>
-void attend_unit(const Attention<T>& a, int64_t work, UnitScratch& scratch) {
+void list_first_lines(const Attention<T>& a, int64_t work, std::vector<const char*>& lines) {
+  const Shape& s = a.s;
+  const int64_t b = work / s.kv_heads, h = work % s.kv_heads;
+  const int64_t k0 = a.kv_indptr[b] + a.prefix[b].keys, n_k = a.kv_indptr[b + 1] - k0;
+  const int64_t page_bytes = s.dim * PS * int64_t(sizeof(T)), row_bytes = s.dim * int64_t(sizeof(T));
+  lines.clear();
+  for (int64_t j = 0; j < std::min<int64_t>(n_k, kKeyPagesAhead * PS); j += PS) {
+    const char* page = reinterpret_cast<const char*>(a.k_pool + (a.slots[k0 + j] / PS) * s.kv_heads * s.dim * PS + h * s.dim * PS);
+    for (int64_t line = 0; line < page_bytes; line += 64) lines.push_back(page + line);
+  }
+  for (int64_t j = 0; j < std::min<int64_t>(n_k, kValueKeysAhead); ++j) {
+    const int64_t slot = a.slots[k0 + j];
+    const char* row = reinterpret_cast<const char*>(a.v_pool + ((slot / PS) * s.kv_heads + h) * PS * s.dim + (slot % PS) * s.dim);
+    for (int64_t line = 0; line < row_bytes; line += 64) lines.push_back(row + line);
+  }
+}
+
+// One unit's new tokens of one item against its keys, for the `group` query heads of KV head h.
+// `next`: the unit this thread takes after it (-1: none), whose first lines it prefetches.
+template <typename T, int PS>
+void attend_unit(const Attention<T>& a, int64_t work, int64_t next, UnitScratch& scratch) {
   const Shape& s = a.s;
   const float* q = a.q;
   const float scale = a.scale;
@@ -359,12 +390,17 @@ void attend_unit(const Attention<T>& a, int64_t work, UnitScratch& scratch) {
       total[g] = sum;
     }
     std::fill(acc.begin(), acc.end(), 0.f);
+    scratch.next_lines.clear();
+    if constexpr (PS > 0)
+      if (next >= 0 && i == n_q - 1 && (s.dim == 64 || s.dim == 128))  // (accumulate_values issues them)
+        list_first_lines<T, PS>(a, next, scratch.next_lines);
     for (int64_t g = 0; g < s.group; g += 4) {
       const int64_t heads = std::min<int64_t>(4, s.group - g);
       float* a = acc.data() + g * s.dim;
       const float* p = scores.data() + g * n_k;
       const bool fast = s.dim == 64 || s.dim == 128;
-#define PIE_VALUES(D, G) accumulate_values<T, PS, D, G>(v_pool, slots + k0, seen.data(), limit, h, s, p, n_k, a)
+#define PIE_VALUES(D, G) accumulate_values<T, PS, D, G>(v_pool, slots + k0, seen.data(), limit, h, s, p, n_k, a, \
+                                                       scratch.next_lines.data(), g == 0 ? int64_t(scratch.next_lines.size()) : 0)
       if (fast && s.dim == 64) {
         switch (heads) { case 1: PIE_VALUES(64, 1); break; case 2: PIE_VALUES(64, 2); break;
                          case 3: PIE_VALUES(64, 3); break; default: PIE_VALUES(64, 4); }
@@ -413,7 +449,8 @@ void attend(const Attention<T>& a, const bool* enabled, int64_t n_items) {
   at::parallel_for(0, n_threads, 1, [&](int64_t begin, int64_t end) {
     UnitScratch scratch(a.s);
     for (int64_t t = begin; t < end; ++t)
-      for (const int64_t work : share[t]) attend_unit<T, PS>(a, work, scratch);
+      for (size_t i = 0; i < share[t].size(); ++i)
+        attend_unit<T, PS>(a, share[t][i], i + 1 < share[t].size() ? share[t][i + 1] : -1, scratch);
   });
 }
 
