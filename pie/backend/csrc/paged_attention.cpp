@@ -8,9 +8,10 @@
 // extensions) so they stay in registers: at batch 32, context 512 (bf16) this took a
 // decode step's attention from ~57 to ~38 ms (timed around `attention.run` in-process,
 // old and new builds alternating; benchmarks/backend.py has the step). Software prefetch of
-// the next key page and of value rows 16 keys ahead (now further: kKeyPagesAhead), and page sizes known at compile time in
-// the value pass: 44.7 -> 31.8 ms on the Xeon of 2026-11-26 (2 vCPUs; the pages of 32
-// sequences are scattered, so the hardware prefetcher loses each stream at a page's end).
+// the next key page and of value rows 16 keys ahead (now further: kKeyPagesAhead), and page
+// sizes known at compile time in the value pass: 44.7 -> 31.8 ms on the Xeon of 2026-11-26
+// (2 vCPUs; the pages of 32 sequences are scattered, so the hardware prefetcher loses each
+// stream at a page's end).
 // A partly filled last page is scored whole and vectorised (not key by key with strided
 // loads): 128 decode items' attention per step 23.6 -> 12.8 ms at 16 keys, 34.9 -> 22.2 ms
 // at 64 (Xeon with AMX, 2026-11-28, in-process, one-off).
@@ -103,6 +104,28 @@ struct Shape {
   int64_t heads, kv_heads, group, dim, page_size;
 };
 
+// slot -> (page, offset); a compile-time page size turns the divisions into shifts (two
+// runtime int64 divisions per key cost more than its 12 value FMAs at dim 64, group 3).
+template <int PS>
+inline int64_t page_of(int64_t slot, int64_t page_size) {
+  if constexpr (PS > 0) return slot / PS; else return slot / page_size;
+}
+template <int PS>
+inline int64_t offset_of(int64_t slot, int64_t page_size) {
+  if constexpr (PS > 0) return slot % PS; else return slot % page_size;
+}
+
+// A KV head's keys of the page holding `slot` ([dim][page_size]), and the value row of `slot`.
+template <int PS, typename T>
+inline const T* key_page(const T* k_pool, int64_t slot, int64_t h, const Shape& s) {
+  return k_pool + (page_of<PS>(slot, s.page_size) * s.kv_heads + h) * s.dim * s.page_size;
+}
+template <int PS, typename T>
+inline const T* value_row(const T* v_pool, int64_t slot, int64_t h, const Shape& s) {
+  return v_pool + (page_of<PS>(slot, s.page_size) * s.kv_heads + h) * s.page_size * s.dim +
+         offset_of<PS>(slot, s.page_size) * s.dim;
+}
+
 // Scores of G heads of one query against one whole page of keys ([dim][PS] in the pool): the
 // page's key rows are loaded once for the G heads, two dims at a time into independent
 // accumulators (2G FMA chains in flight). `ahead`: a page to prefetch meanwhile, a line or
@@ -144,12 +167,12 @@ void score(const float* q, const T* k_pool, const int64_t* slots, const bool* se
   while (j < limit) {
     const int64_t slot = slots[j];
     const bool whole_page = PS > 0 && slot % PS == 0 && j + PS <= limit && slots[j + PS - 1] == slot + PS - 1;
-    const T* base = k_pool + (slot / s.page_size) * (s.kv_heads * s.dim * s.page_size) + h * s.dim * s.page_size;
+    const T* base = key_page<PS>(k_pool, slot, h, s);
     if constexpr (PS > 0) {
       if (whole_page) {
         const char* next = nullptr;  // the keys kKeyPagesAhead pages on, while this one is scored
         if (j + kKeyPagesAhead * PS < limit)
-          next = reinterpret_cast<const char*>(k_pool + (slots[j + kKeyPagesAhead * PS] / PS) * (s.kv_heads * s.dim * PS) + h * s.dim * PS);
+          next = reinterpret_cast<const char*>(key_page<PS>(k_pool, slots[j + kKeyPagesAhead * PS], h, s));
         for (int64_t g = 0; g < s.group; g += 4) {
           const float* qg = q + g * s.dim;
           float* out = scores + g * n_k + j;
@@ -211,17 +234,6 @@ void score(const float* q, const T* k_pool, const int64_t* slots, const bool* se
   }
 }
 
-// slot -> (page, offset); a compile-time page size turns the divisions into shifts (two
-// runtime int64 divisions per key cost more than its 12 value FMAs at dim 64, group 3).
-template <int PS>
-inline int64_t page_of(int64_t slot, int64_t page_size) {
-  if constexpr (PS > 0) return slot / PS; else return slot / page_size;
-}
-template <int PS>
-inline int64_t offset_of(int64_t slot, int64_t page_size) {
-  if constexpr (PS > 0) return slot % PS; else return slot % page_size;
-}
-
 // acc[G][D] += p[g][j] * v[j] over the visible keys j of one item and KV head `h`: each value
 // row is loaded (and widened) once for the G heads; the G x D accumulators stay in registers.
 template <typename T, int PS, int D, int G>
@@ -241,16 +253,11 @@ inline void accumulate_values(const T* v_pool, const int64_t* slots, const char*
     for (int64_t j = 0; j < limit; ++j) {
       if (c0 == 0 && j < n_lines) __builtin_prefetch(lines[j], 0, 3);
       if (c0 == 0 && j + ahead < limit) {
-        const int64_t next = slots[j + ahead];
-        const char* row = reinterpret_cast<const char*>(
-            v_pool + (page_of<PS>(next, s.page_size) * s.kv_heads + h) * s.page_size * D +
-            offset_of<PS>(next, s.page_size) * D);
+        const char* row = reinterpret_cast<const char*>(value_row<PS>(v_pool, slots[j + ahead], h, s));
         for (int64_t line = 0; line < D * int64_t(sizeof(T)); line += 64) __builtin_prefetch(row + line, 0, 3);
       }
       if (!seen[j]) continue;
-      const int64_t slot = slots[j];
-      const T* v_row = v_pool + (page_of<PS>(slot, s.page_size) * s.kv_heads + h) * s.page_size * D +
-                       offset_of<PS>(slot, s.page_size) * D + c0;
+      const T* v_row = value_row<PS>(v_pool, slots[j], h, s) + c0;
       vfloat<W> v[V];
       for (int c = 0; c < V; ++c) v[c] = load_vec<W>(v_row + c * W);
       for (int g = 0; g < G; ++g) {
@@ -314,9 +321,9 @@ struct UnitScratch {
   explicit UnitScratch(const Shape& s) : acc(s.group * s.dim), top(s.group), total(s.group) {}
 };
 
-// The cache lines a unit reads first, before its own prefetches run ahead: its first
-// kKeyPagesAhead key pages and kValueKeysAhead value rows. The unit before it on the same
-// thread prefetches them during its value pass, a line per key. Without that each unit began
+// Appends to `lines` the cache lines a unit reads before its own prefetches run ahead: its
+// first kKeyPagesAhead key pages and kValueKeysAhead value rows. The unit before it on the
+// same thread prefetches them during its value pass, a line per key. Without that each unit began
 // with a run of DRAM misses, which short units felt most: a batch-32 step's attention (30
 // layers, bf16, pages scattered; AMD EPYC Zen 5, 2026-12-07, builds alternating in one
 // process) 4.98 -> 4.05 ms at 128 keys, 16.6 -> 15.7 at 512; with the prefetch distances
@@ -328,14 +335,12 @@ void list_first_lines(const Attention<T>& a, int64_t work, std::vector<const cha
   const int64_t b = work / s.kv_heads, h = work % s.kv_heads;
   const int64_t k0 = a.kv_indptr[b] + a.prefix[b].keys, n_k = a.kv_indptr[b + 1] - k0;
   const int64_t page_bytes = s.dim * PS * int64_t(sizeof(T)), row_bytes = s.dim * int64_t(sizeof(T));
-  lines.clear();
   for (int64_t j = 0; j < std::min<int64_t>(n_k, kKeyPagesAhead * PS); j += PS) {
-    const char* page = reinterpret_cast<const char*>(a.k_pool + (a.slots[k0 + j] / PS) * s.kv_heads * s.dim * PS + h * s.dim * PS);
+    const char* page = reinterpret_cast<const char*>(key_page<PS>(a.k_pool, a.slots[k0 + j], h, s));
     for (int64_t line = 0; line < page_bytes; line += 64) lines.push_back(page + line);
   }
   for (int64_t j = 0; j < std::min<int64_t>(n_k, kValueKeysAhead); ++j) {
-    const int64_t slot = a.slots[k0 + j];
-    const char* row = reinterpret_cast<const char*>(a.v_pool + ((slot / PS) * s.kv_heads + h) * PS * s.dim + (slot % PS) * s.dim);
+    const char* row = reinterpret_cast<const char*>(value_row<PS>(a.v_pool, a.slots[k0 + j], h, s));
     for (int64_t line = 0; line < row_bytes; line += 64) lines.push_back(row + line);
   }
 }
@@ -411,8 +416,7 @@ void attend_unit(const Attention<T>& a, int64_t work, int64_t next, UnitScratch&
         for (int64_t j = 0; j < limit; ++j) {
           if (!seen[j]) continue;
           const int64_t slot = slots[k0 + j];
-          const T* v_row = v_pool + (page_of<PS>(slot, s.page_size) * s.kv_heads + h) * s.page_size * s.dim +
-                           offset_of<PS>(slot, s.page_size) * s.dim;
+          const T* v_row = value_row<PS>(v_pool, slot, h, s);
           for (int64_t gg = 0; gg < heads; ++gg) {
             const float pj = p[gg * n_k + j];
 #pragma omp simd
