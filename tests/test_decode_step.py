@@ -96,7 +96,7 @@ def test_greedy_tail_draws_what_the_logits_and_sampler_draw(model_dir):
 
     config = BackendConfig(dtype="bfloat16", num_kv_pages=32, num_embeds=16)
     tail = Engine(model_dir, config)
-    if not tail.model.takes_greedy(1, tail.attention, tail.kv):
+    if not tail.model.takes_greedy(1, 1, tail.attention, tail.kv):
         pytest.skip("this CPU has neither AVX-512 BF16 nor AVX2 + FMA: no fused decode step, no greedy tail")
     plain = no_greedy_tail(Engine(model_dir, config))
     weight = tail.model.embed_tokens.clone()
@@ -132,7 +132,7 @@ def test_fused_decode_is_only_for_bf16_kernels(model_dir):
     torch_attention = Engine(model_dir, BackendConfig(dtype="bfloat16", attention="torch",
                                                       num_kv_pages=8, num_embeds=8))
     assert torch_attention.model.fused_decode is None or not torch_attention.model.fused_decode.applies(
-        1, torch_attention.attention, torch_attention.kv)
+        1, 1, torch_attention.attention, torch_attention.kv)
 
 
 def shared_prefix_steps(engine: Engine) -> tuple[list[torch.Tensor], list[int]]:
@@ -170,7 +170,7 @@ def test_a_step_whose_items_share_a_prefix_takes_the_fused_step_and_its_greedy_t
     over the same groups, its hidden states bit for bit."""
     config = BackendConfig(dtype="bfloat16", num_kv_pages=32, num_embeds=16, shared_prefix_keys=32)
     tail = Engine(model_dir, config)
-    if not tail.model.takes_greedy(1, tail.attention, tail.kv):
+    if not tail.model.takes_greedy(1, 1, tail.attention, tail.kv):
         pytest.skip("this CPU has neither AVX-512 BF16 nor AVX2 + FMA: no fused decode step, no greedy tail")
     fused = no_greedy_tail(Engine(model_dir, config))
     eager = no_greedy_tail(Engine(model_dir, config))
@@ -242,15 +242,16 @@ def test_with_amx_steps_of_eight_rows_leave_the_fused_step(model_dir, monkeypatc
     if fused is None or engine.model.layers[0].qkv.packed is None:
         pytest.skip("no fused decode step, or no oneDNN bf16 kernels to hand steps to (AVX2)")
     assert fused.max_tokens == 7
-    assert fused.applies(7, engine.attention, engine.kv) and not fused.applies(8, engine.attention, engine.kv)
-    assert engine.model.takes_greedy(7, engine.attention, engine.kv)
-    assert not engine.model.takes_greedy(8, engine.attention, engine.kv)
+    assert fused.applies(7, 1, engine.attention, engine.kv) and not fused.applies(8, 1, engine.attention, engine.kv)
+    assert engine.model.takes_greedy(7, 1, engine.attention, engine.kv)
+    assert not engine.model.takes_greedy(8, 1, engine.attention, engine.kv)
 
 
-def test_steps_of_up_to_32_rows_keep_the_fused_step(model_dir):
-    """As configured on this machine: without AMX, or with the kernel's own AMX tiles (1-32
-    rows, csrc/bf16_gemv.cpp), a step of 32 rows runs the fused step and its greedy tail; 33
-    rows do not (the paged attention kernel's limit, or oneDNN's from there on AMX)."""
+def test_decode_steps_of_up_to_the_linears_rows_keep_the_fused_step(model_dir):
+    """As configured on this machine: without AMX a decode step runs the fused step and its
+    greedy tail up to the bf16 linear's GEMM tiles' rows (255), with the kernel's own AMX
+    tiles up to 32 (oneDNN's from there); an item of more than 32 new tokens (a prompt: the
+    prompt loop's or SDPA's, not the paged kernel's) keeps the op loop at any step size."""
     engine = Engine(model_dir, BackendConfig(dtype="bfloat16", num_kv_pages=8, num_embeds=8))
     fused = engine.model.fused_decode
     if fused is None:
@@ -260,6 +261,76 @@ def test_steps_of_up_to_32_rows_keep_the_fused_step(model_dir):
 
     if AMX_FLAGS <= cpu_flags() and not kernel_amx() and engine.model.layers[0].qkv.packed is not None:
         pytest.skip("AMX, but the OS refused this process the tile state: oneDNN takes steps from 8 rows")
-    assert fused.max_tokens == 32
-    assert fused.applies(32, engine.attention, engine.kv) and not fused.applies(33, engine.attention, engine.kv)
-    assert engine.model.takes_greedy(32, engine.attention, engine.kv)
+    module = engine.model.layers[0].qkv.gemv
+    rows = 32 if module.amx_from() > 0 else module.wide_to()
+    assert rows >= 32 and fused.max_tokens == rows
+    for tokens in (32, rows):
+        assert fused.applies(tokens, 1, engine.attention, engine.kv)
+        assert engine.model.takes_greedy(tokens, 1, engine.attention, engine.kv)
+    assert not fused.applies(rows + 1, 1, engine.attention, engine.kv)
+    assert fused.applies(32, 32, engine.attention, engine.kv)
+    assert not fused.applies(40, 33, engine.attention, engine.kv)  # a 33-token prompt beside 7 decoders
+    assert not engine.model.takes_greedy(40, 33, engine.attention, engine.kv)
+
+
+def wide_steps(engine: Engine, sequences: int) -> tuple[list[torch.Tensor], list[int], int]:
+    """`sequences` prompts of 5-12 tokens prefilled together, then two greedy decode steps of
+    all of them, then one where a 40-token prompt joins them: every forward's final hidden
+    states, the draws, and how many forwards the C++ loop ran (its `run` and greedy tail)."""
+    hidden: list[torch.Tensor] = []
+    model = engine.model
+    forward, calls = model.forward, [0]
+
+    def recording_forward(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        hidden.append(out.clone())
+        return out
+
+    model.forward = recording_forward  # type: ignore[method-assign]
+    if model.fused_decode is not None:
+        run, greedy = model.fused_decode.run, model.fused_decode.greedy
+
+        def counting(fn):
+            def call(*args, **kwargs):
+                calls[0] += 1
+                return fn(*args, **kwargs)
+            return call
+
+        model.fused_decode.run, model.fused_decode.greedy = counting(run), counting(greedy)  # type: ignore[method-assign]
+    ps = engine.page_size
+    prompts = [[100 + 37 * i + j for j in range(5 + i % 8)] for i in range(sequences)]
+    pages = [[i] for i in range(sequences)]  # one page each: 16 tokens
+    tokens = run_sampling_passes(engine, [sampling_pass(p, 0, pg, ps) for p, pg in zip(prompts, pages)])
+    lengths = [len(p) for p in prompts]
+    drawn = list(tokens)
+    for step in range(3):
+        items = [sampling_pass([t], n, pg, ps) for t, n, pg in zip(tokens, lengths, pages)]
+        if step == 2:
+            items.append(sampling_pass(list(range(2000, 2040)), 0, [sequences, sequences + 1, sequences + 2], ps))
+        tokens = run_sampling_passes(engine, items)
+        lengths = [n + 1 for n in lengths]
+        drawn += tokens
+        tokens = tokens[:sequences]
+    return hidden, drawn, calls[0]
+
+
+def test_a_40_sequence_decode_step_takes_the_fused_step_bit_for_bit(model_dir, kernel_limits):
+    """40 decoders in one step (past the 32 rows the fused step once stopped at): the fused
+    step and its greedy tail give the Python loop's hidden states bit for bit and its draws;
+    with a 40-token prompt beside them the step keeps the op loop."""
+    config = BackendConfig(dtype="bfloat16", num_kv_pages=48, num_embeds=64)
+    fused = no_greedy_tail(Engine(model_dir, config))
+    if fused.model.fused_decode is None or fused.model.fused_decode.max_tokens < 41:
+        pytest.skip("no fused decode step of 41 rows here (no AVX-512 BF16 or AVX2 + FMA, or AMX's limit of 32)")
+    tail = Engine(model_dir, config)
+    eager = no_greedy_tail(Engine(model_dir, config))
+    eager.model.fused_decode = None
+    fused_hidden, fused_draws, fused_calls = wide_steps(fused, 40)
+    eager_hidden, eager_draws, none = wide_steps(eager, 40)
+    _, tail_draws, tail_calls = wide_steps(tail, 40)
+    assert (fused_calls, none, tail_calls) == (2, 0, 2)  # the prefill and the step with a prompt: the op loop
+    assert tail.counters["pass.greedy_tail"] == 2
+    assert fused_draws == eager_draws == tail_draws
+    assert len(fused_hidden) == len(eager_hidden) == 4
+    for ours, theirs in zip(fused_hidden, eager_hidden):
+        assert torch.equal(ours, theirs)

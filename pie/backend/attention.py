@@ -34,6 +34,11 @@ class AttentionPlan:
         return len(self.q_indptr) - 1
 
     @property
+    def longest(self) -> int:
+        """The most new tokens of one item."""
+        return max((self.q_indptr[b + 1] - self.q_indptr[b] for b in range(self.num_items)), default=0)
+
+    @property
     def has_masks(self) -> bool:
         """Whether some key is hidden (a page mask bit) or some item has a custom mask."""
         return any(m is not None for m in self.custom_masks) or not bool(self.kv_visible.all())

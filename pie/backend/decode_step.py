@@ -6,10 +6,17 @@ KV write, attention, SiLU * up) plus the slicing between them: ~270 calls and ~2
 memory bandwidth). The C++ loop runs the same kernels in the same order, so its result is
 bit-identical to the Python loop's (tests/test_decode_step.py), and runs them inside one
 OpenMP parallel region with barriers between them instead of a region per op (0.88x the op
-loop's step at batch 1, 0.96x at 16; AMD EPYC Zen 4, csrc/decode_step.cpp). Steps of at most
-`max_tokens` (32) tokens take it: decode steps, and short prompts (whose attention the paged
-kernel still takes); everything else (longer prefills, fp32, int8,
-biases, other attention backends) keeps the Python loop. A 12-token prompt's forward: 34.7
+loop's step at batch 1, 0.96x at 16; AMD EPYC Zen 4, csrc/decode_step.cpp). A step takes it
+where every item has at most ITEM_TOKENS (32) new tokens, the paged attention kernel's items
+(decode steps, drafts, short prompts), and the step at most `max_tokens` rows: as many as the
+bf16 linear takes (its GEMM tiles: 255 without AMX; 32 with the kernel's own AMX tiles, 7
+where oneDNN's take steps from 8). Everything else (longer prefills, fp32, int8, biases,
+other attention backends) keeps the Python loop. The step stopped at 32 rows before: in-process
+decode steps of 128 sequences at context ~14-30 took 0.90 / 0.84 / 0.88 / 0.93 / 0.86 / 0.95x
+the op loop's time (median 64.9 against 74.1 ms), 64 sequences at ~400 keys 0.87-0.96x, 48 at
+~130 0.87-1.04x (AMD EPYC Zen 5, 2 vCPUs, 2026-12-07, the two limits alternating in one
+process, the same tokens): the op loop's ~270 calls, its fp32 logits and the sampler's
+argmax per row were ~10 % of a 128-sequence step. A 12-token prompt's forward: 34.7
 -> 27.4 ms with the 16-token linear and this loop. `greedy` also runs the final norm, the LM
 head and the argmax in the region, for steps whose rows only draw greedily: 0.95x the step at
 batch 1, 0.91x at 8 (Zen 4, docs/backend.md "The greedy tail"). With AVX-512 BF16 the step
@@ -32,13 +39,20 @@ from pie.backend.kv_cache import KvCache
 from pie.backend.linear import Linear
 
 
+# The most new tokens of an item the region takes: those the paged attention kernel takes at
+# any context (an item past it goes to the prompt loop or SDPA: CpuKernelAttention._prepare).
+ITEM_TOKENS = CpuKernelAttention.PREFILL_TOKENS
+
+
 class FusedDecode:
     def __init__(self, layers: list, heads: int, kv_heads: int, head_dim: int, eps: float):
         from pie.backend.kernels import decode_step_module
 
         self.kernel = decode_step_module()
-        # The bf16 linear's limit (`usable`), lower where oneDNN takes more rows (AMX: linear.py)
-        self.max_tokens = min(layers[0].qkv.gemv_max_tokens, layers[0].qkv.gemv_limit)
+        # The bf16 linear's limit (`usable`: what Linear takes to the kernel, so both loops run
+        # the same kernels), lower where oneDNN takes more rows (AMX: linear.py)
+        self.max_tokens = min(getattr(layer, name).gemv_limit for layer in layers
+                              for name in ("qkv", "o", "gate_up", "down"))
         self.weights = [t for layer in layers for t in (
             layer.input_norm, layer.qkv.gemv_weight, layer.o.gemv_weight, layer.post_norm,
             layer.gate_up.gemv_weight, layer.down.gemv_weight, layer.qkv.gemv_wide,
@@ -57,9 +71,11 @@ class FusedDecode:
         return all(isinstance(lin, Linear) and lin.gemv is not None for lin in linears) \
             and all(b is None for b in biases)
 
-    def applies(self, tokens: int, attention: PagedAttention, kv: KvCache) -> bool:
-        return 0 < tokens <= self.max_tokens and isinstance(attention, CpuKernelAttention) \
-            and kv.kernel is not None
+    def applies(self, tokens: int, longest: int, attention: PagedAttention, kv: KvCache) -> bool:
+        """Whether a step of `tokens` rows whose longest item has `longest` new tokens runs here:
+        the region's attention is the paged kernel alone (no prompt loop, no SDPA)."""
+        return 0 < tokens <= self.max_tokens and longest <= ITEM_TOKENS \
+            and isinstance(attention, CpuKernelAttention) and kv.kernel is not None
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write_slots: torch.Tensor,
             plan: AttentionPlan, attention: CpuKernelAttention, kv: KvCache,

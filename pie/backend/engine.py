@@ -369,7 +369,7 @@ class Engine:
         """Whether `run_items(greedy=True)` runs these items: one forward (no item chunked
         alone, no CUDA graph) that the model's greedy tail takes (Llama.takes_greedy)."""
         return self.graphs is None and not (self.chunked is not None and any(i.alone for i in items)) \
-            and self.model.takes_greedy(tokens, self.attention, self.kv)
+            and self.model.takes_greedy(tokens, max(i.n_new for i in items), self.attention, self.kv)
 
     def _forward_batch(self, items: list[ForwardItem], x: torch.Tensor, positions: torch.Tensor,
                        out_rows: torch.Tensor, greedy: bool = False) -> torch.Tensor:

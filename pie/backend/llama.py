@@ -210,7 +210,7 @@ class Llama:
         if greedy:
             return self.fused_decode.greedy(x, cos, sin, write_slots, plan, attention, kv,  # type: ignore[union-attr]
                                             out_rows, self.norm, self.lm_head)  # type: ignore[arg-type]
-        if self.fused_decode is not None and self.fused_decode.applies(tokens, attention, kv):
+        if self.fused_decode is not None and self.fused_decode.applies(tokens, plan.longest, attention, kv):
             x = self.fused_decode.run(x, cos, sin, write_slots, plan, attention, kv, out_rows)  # type: ignore[arg-type]
             return glue.final_norm(x, self.norm, eps)
         delta = None  # the previous layer's MLP output, added to x by the next norm
@@ -234,11 +234,12 @@ class Llama:
         x = x if delta is None else x + delta
         return glue.final_norm(x[out_rows], self.norm, eps)
 
-    def takes_greedy(self, tokens: int, attention: PagedAttention, kv: KvCache) -> bool:
-        """Whether `forward(greedy=True)` runs a step of `tokens` tokens: the fused decode
-        step with the LM head on bf16 panels."""
-        return self.fused_decode is not None and self.fused_decode.applies(tokens, attention, kv) \
-            and isinstance(self.lm_head, Linear) and self.lm_head.gemv is not None
+    def takes_greedy(self, tokens: int, longest: int, attention: PagedAttention, kv: KvCache) -> bool:
+        """Whether `forward(greedy=True)` runs a step of `tokens` tokens whose longest item has
+        `longest` new tokens: the fused decode step with the LM head on the bf16 kernel."""
+        return self.fused_decode is not None and self.fused_decode.applies(tokens, longest, attention, kv) \
+            and isinstance(self.lm_head, Linear) and self.lm_head.gemv is not None \
+            and tokens <= self.lm_head.gemv_limit
 
     def mlp(self, layer: LlamaLayer, h: torch.Tensor) -> torch.Tensor:
         """SiLU-gated MLP (a long item runs it a chunk at a time: chunked_forward.py)."""

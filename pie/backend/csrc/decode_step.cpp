@@ -1,4 +1,5 @@
-// Every decoder layer of a bf16 step of at most 32 tokens in one C++ call: the
+// Every decoder layer of a bf16 step of up to 255 rows (the bf16 linear's GEMM tiles; 32 on
+// its panels alone) whose items have few new tokens each, in one C++ call: the
 // same kernels, in the same order, as the Python loop of pie/backend/llama.py (add + RMSNorm,
 // fused q/k/v, RoPE, KV write, paged attention, o, add + RMSNorm, gate/up, SiLU * up, down),
 // so the result is bit-identical to it. Why: the loop made ~270 Python-dispatched calls per
@@ -311,6 +312,9 @@ Head greedy_head(const torch::Tensor& x, int64_t n, const torch::Tensor& rows, c
   const int64_t vocab = lm_head.size(0) * kPanelRows;
   TORCH_CHECK(lm_wide.numel() == 0 || (lm_wide.is_contiguous() && lm_wide.numel() == vocab * hidden),
               "decode_layers: lm_wide must be pack_wide() of the LM head");
+  TORCH_CHECK(rows.numel() <= kMaxTokens || (lm_wide.numel() > 0 && rows.numel() <= wide_to()),
+              "decode_layers: ", rows.numel(), " greedy rows (1..", kMaxTokens, ", or 1..", wide_to(),
+              " with the LM head's pack_wide())");
   *tokens = torch::empty({rows.numel()}, rows.options());
   return Head{norm.data_ptr<bf16>(), lm_head.data_ptr<bf16>(), lm_wide.numel() ? lm_wide.data_ptr<bf16>() : nullptr,
               vocab, rows.numel(), r, tokens->data_ptr<int64_t>()};
@@ -396,6 +400,8 @@ torch::Tensor decode_layers(torch::Tensor x, const std::vector<torch::Tensor>& l
       const auto& wide = w[6 + j];
       TORCH_CHECK(wide.numel() == 0 || (wide.is_contiguous() && wide.numel() == rows[j] * cols[j]),
                   "decode_layers: layer ", i, " projection ", j, ": wide must be pack_wide() of the same weight");
+      TORCH_CHECK(s.tokens <= kMaxTokens || (wide.numel() > 0 && s.tokens <= wide_to()), "decode_layers: ",
+                  s.tokens, " rows (1..", kMaxTokens, ", or 1..", wide_to(), " with pack_wide() weights)");
     }
     TORCH_CHECK(w[0].numel() == s.hidden && w[3].numel() == s.hidden && w[0].is_contiguous() && w[3].is_contiguous(),
                 "decode_layers: norm weights of [hidden]");
