@@ -12,28 +12,37 @@ from pie.config import BackendConfig
 from conftest import run_sampling_passes, sampling_pass
 
 
-def run_steps(engine: Engine) -> tuple[list[torch.Tensor], list[int], int]:
-    """Three prompts prefilled together, then decode steps of 1 token per sequence and one
-    step where a sequence takes 3 tokens at once (causal within the step); every forward's
-    final hidden states, the greedy tokens, and how many forwards the C++ loop ran."""
+def recorded(engine: Engine, greedy: bool) -> tuple[list[torch.Tensor], list[int]]:
+    """The engine's model made to keep every forward's output (the list returned) and to count
+    the fused step's calls (`run`, and with `greedy` its greedy tail too) in the one-item list."""
     hidden: list[torch.Tensor] = []
-    model = engine.model
-    forward, fused_calls = model.forward, [0]
+    model, calls = engine.model, [0]
+    forward = model.forward
 
     def recording_forward(*args, **kwargs):
         out = forward(*args, **kwargs)
         hidden.append(out.clone())
         return out
 
+    def counting(fn):
+        def call(*args, **kwargs):
+            calls[0] += 1
+            return fn(*args, **kwargs)
+        return call
+
     model.forward = recording_forward  # type: ignore[method-assign]
     if model.fused_decode is not None:
-        run = model.fused_decode.run
+        model.fused_decode.run = counting(model.fused_decode.run)  # type: ignore[method-assign]
+        if greedy:
+            model.fused_decode.greedy = counting(model.fused_decode.greedy)  # type: ignore[method-assign]
+    return hidden, calls
 
-        def counting_run(*args, **kwargs):
-            fused_calls[0] += 1
-            return run(*args, **kwargs)
 
-        model.fused_decode.run = counting_run  # type: ignore[method-assign]
+def run_steps(engine: Engine) -> tuple[list[torch.Tensor], list[int], int]:
+    """Three prompts prefilled together, then decode steps of 1 token per sequence and one
+    step where a sequence takes 3 tokens at once (causal within the step); every forward's
+    final hidden states, the greedy tokens, and how many forwards the C++ loop ran."""
+    hidden, fused_calls = recorded(engine, greedy=False)
 
     ps = engine.page_size
     prompts = [list(range(100, 140)), list(range(500, 517)), list(range(900, 933))]
@@ -277,26 +286,7 @@ def wide_steps(engine: Engine, sequences: int) -> tuple[list[torch.Tensor], list
     """`sequences` prompts of 5-12 tokens prefilled together, then two greedy decode steps of
     all of them, then one where a 40-token prompt joins them: every forward's final hidden
     states, the draws, and how many forwards the C++ loop ran (its `run` and greedy tail)."""
-    hidden: list[torch.Tensor] = []
-    model = engine.model
-    forward, calls = model.forward, [0]
-
-    def recording_forward(*args, **kwargs):
-        out = forward(*args, **kwargs)
-        hidden.append(out.clone())
-        return out
-
-    model.forward = recording_forward  # type: ignore[method-assign]
-    if model.fused_decode is not None:
-        run, greedy = model.fused_decode.run, model.fused_decode.greedy
-
-        def counting(fn):
-            def call(*args, **kwargs):
-                calls[0] += 1
-                return fn(*args, **kwargs)
-            return call
-
-        model.fused_decode.run, model.fused_decode.greedy = counting(run), counting(greedy)  # type: ignore[method-assign]
+    hidden, calls = recorded(engine, greedy=True)
     ps = engine.page_size
     prompts = [[100 + 37 * i + j for j in range(5 + i % 8)] for i in range(sequences)]
     pages = [[i] for i in range(sequences)]  # one page each: 16 tokens
