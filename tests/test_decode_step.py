@@ -258,8 +258,8 @@ def test_with_amx_steps_of_eight_rows_leave_the_fused_step(model_dir, monkeypatc
 
 def test_decode_steps_of_up_to_the_linears_rows_keep_the_fused_step(model_dir):
     """As configured on this machine: without AMX a decode step runs the fused step and its
-    greedy tail up to the bf16 linear's GEMM tiles' rows (255), with the kernel's own AMX
-    tiles up to 32 (oneDNN's from there); an item of more than 32 new tokens (a prompt: the
+    greedy tail up to the bf16 linear's rows (its GEMM tiles' 255, or 63 below an fp32 copy
+    for prefills), with the kernel's own AMX tiles up to 32 (oneDNN's from there); an item of more than 32 new tokens (a prompt: the
     prompt loop's or SDPA's, not the paged kernel's) keeps the op loop at any step size."""
     engine = Engine(model_dir, BackendConfig(dtype="bfloat16", num_kv_pages=8, num_embeds=8))
     fused = engine.model.fused_decode
@@ -270,9 +270,10 @@ def test_decode_steps_of_up_to_the_linears_rows_keep_the_fused_step(model_dir):
 
     if AMX_FLAGS <= cpu_flags() and not kernel_amx() and engine.model.layers[0].qkv.packed is not None:
         pytest.skip("AMX, but the OS refused this process the tile state: oneDNN takes steps from 8 rows")
-    module = engine.model.layers[0].qkv.gemv
-    rows = 32 if module.amx_from() > 0 else module.wide_to()
-    assert rows >= 32 and fused.max_tokens == rows
+    # The linear's limit: the tiles' 255, 32 on the kernel's AMX tiles, 63 where an fp32 copy
+    # takes prefills from 64 rows (backend.prefill_dtype = auto on AVX-512 without BF16).
+    rows = engine.model.layers[0].qkv.gemv_limit
+    assert fused.max_tokens == rows and (rows == 32 if engine.model.layers[0].qkv.gemv.amx_from() > 0 else rows > 32)
     for tokens in (32, rows):
         assert fused.applies(tokens, 1, engine.attention, engine.kv)
         assert engine.model.takes_greedy(tokens, 1, engine.attention, engine.kv)

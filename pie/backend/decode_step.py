@@ -9,8 +9,8 @@ OpenMP parallel region with barriers between them instead of a region per op (0.
 loop's step at batch 1, 0.96x at 16; AMD EPYC Zen 4, csrc/decode_step.cpp). A step takes it
 where every item has at most ITEM_TOKENS (32) new tokens, the paged attention kernel's items
 (decode steps, drafts, short prompts), and the step at most `max_tokens` rows: as many as the
-bf16 linear takes (its GEMM tiles: 255 without AMX; 32 with the kernel's own AMX tiles, 7
-where oneDNN's take steps from 8). Everything else (longer prefills, fp32, int8, biases,
+bf16 linear takes (its GEMM tiles: 255 without AMX, 63 where an fp32 copy takes prefills of
+64+ rows; 32 with the kernel's own AMX tiles, 7 where oneDNN's take steps from 8). Everything else (longer prefills, fp32, int8, biases,
 other attention backends) keeps the Python loop. The step stopped at 32 rows before: in-process
 decode steps of 128 sequences at context ~14-30 took 0.90 / 0.84 / 0.88 / 0.93 / 0.86 / 0.95x
 the op loop's time (median 64.9 against 74.1 ms), 64 sequences at ~400 keys 0.87-0.96x, 48 at
