@@ -213,6 +213,22 @@ def test_pack_into_writes_the_panels_where_it_is_told(gemv):
         gemv.pack_into(w, torch.empty(shape))
 
 
+def test_a_linear_in_an_arena_keeps_both_its_copies_there_with_the_same_results(gemv):
+    """With the model's arena (huge pages) a Linear places its panels and its GEMM tiles' wide
+    copy there, one after the other; every path gives the bits of the same Linear without one."""
+    from pie.backend.weight_arena import WeightArena
+
+    torch.manual_seed(0)
+    weight = (torch.randn(96, 576) / 24).to(BF16)
+    arena = WeightArena(block_bytes=1 << 20)
+    placed, plain = Linear(weight, arena=arena), Linear(weight)
+    block = arena.blocks[0]
+    inside = lambda t: block.data_ptr() <= t.data_ptr() < block.data_ptr() + block.numel()  # noqa: E731
+    assert inside(placed.gemv_weight)
+    assert inside(placed.gemv_wide) == (placed.gemv_wide.numel() > 0)
+    for rows in (1, 2, 5, gemv.wide_from(), 12, 32, placed.gemv_limit):
+        x = torch.randn(rows, 576).to(BF16)
+        assert torch.equal(placed(x), plain(x)), rows
 def test_with_amx_onednn_takes_steps_past_the_kernels_tiles(gemv):
     """`onednn_from`: AMX flags hand oneDNN every step past the kernel's own AMX tiles
     (AMX_KERNEL_TO, 32 rows), or from AMX_ONEDNN_FROM rows where the kernel has none (its

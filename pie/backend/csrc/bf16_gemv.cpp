@@ -77,13 +77,25 @@ inline void store4(__m128 v, at::BFloat16* y) {
   for (int r = 0; r < 4; ++r) y[r] = at::BFloat16(s[r]);
 }
 
-// G tokens of x against one panel p (4 weight rows); y's row stride is n.
-template <int G>
+// How far ahead (bytes) panel() prefetches its stream where a call has 2 or more tokens. At
+// 2-5 tokens the dot products between two lines' loads outgrow what the out-of-order window
+// covers, and the hardware's prefetcher alone fell behind: the 120 layer linears in huge
+// pages at 2 / 4 / 5 tokens took 5.49 / 6.16 / 6.46 ms without, 4.63 / 4.97 / 5.29 at 4 KB
+// ahead (AMD EPYC Zen 5, 2 vCPUs, variants alternating in one process, 2026-12-07). At one
+// token it was level (4.77 / 4.75 ms), and on a Zen 4 it had cost (6.9 ms without, 7.3-8.1
+// with): one-token calls keep the hardware's prefetcher alone.
+constexpr int64_t kPanelAhead = 4096;
+
+// G tokens of x against one panel p (4 weight rows); y's row stride is n. `ahead`: prefetch.
+template <int G, bool ahead = false>
 inline void panel(const at::BFloat16* x, const at::BFloat16* p, int64_t k, at::BFloat16* y, int64_t n) {
   __m512 acc[G][4];
   for (int g = 0; g < G; ++g)
     for (int r = 0; r < 4; ++r) acc[g][r] = _mm512_setzero_ps();
   for (int64_t j = 0; j < k; j += kPanelCols, p += kPanelRows * kPanelCols) {
+    if constexpr (ahead)
+      for (int line = 0; line < 4; ++line)  // a panel step is 4 lines of 64 bytes
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kPanelAhead + 64 * line, _MM_HINT_T0);
     const __m512bh w0 = load_bh(p), w1 = load_bh(p + 32), w2 = load_bh(p + 64), w3 = load_bh(p + 96);
     for (int g = 0; g < G; ++g) {
       const __m512bh xv = load_bh(x + g * k + j);
@@ -107,7 +119,9 @@ void rows(const at::BFloat16* x, const at::BFloat16* w, int64_t k, int64_t n, in
   constexpr int rest = M % G;
   for (int64_t i = begin; i < end; i += kPanelRows) {
     const at::BFloat16* p = w + i * k;
-    int t = 0;
+    // The first group streams the panel (prefetching from 2 tokens on), the rest read it from L1.
+    panel<G, (M > 1)>(x, p, k, y + i, n);
+    int t = G;
     for (; t + G <= M; t += G) panel<G>(x + t * k, p, k, y + t * n + i, n);
     if constexpr (rest > 0) panel<rest>(x + t * k, p, k, y + t * n + i, n);
   }
@@ -134,6 +148,15 @@ constexpr int64_t kWideRows = 16;
 constexpr int64_t kWideFrom = 6;
 constexpr int64_t kWideTo = 255;
 constexpr int kTileTokens = 12;
+// How far ahead (bytes) a tile prefetches each of its blocks' streams. A 12-token tile does
+// 24 dot products per 64-byte line of each block, and without it the out-of-order window
+// reached too few lines ahead for the memory's latency: the 120 layer linears (weights not in
+// cache, wide copies in huge pages as linear.py places them) at 6 / 12 / 32 / 128 tokens took
+// 5.88 / 8.15 / 11.86 / 34.3 ms without, 4.07 / 4.68 / 9.14 / 30.7 at 4 KB ahead, 4.23 / 4.93 /
+// 9.34 / 31.1 at 2 KB (AMD EPYC Zen 5, 2 vCPUs, alternating in one process, 2026-12-07; at
+// 8 KB 3-8 % behind 4 KB). The tiles after a block pair's first read it from L1/L2, where the
+// prefetch finds its lines already there.
+constexpr int64_t kTileAhead = 4096;
 inline torch::Tensor to_wide(const torch::Tensor& w) {
   const int64_t n = w.size(0), k = w.size(1);
   return w.view({n / kWideRows, kWideRows, k / 2, 2}).permute({0, 2, 1, 3}).contiguous().view({n / kWideRows, k, kWideRows});
@@ -150,6 +173,8 @@ inline void wide_tile(const at::BFloat16* x, int64_t k, const at::BFloat16* w0, 
   const int32_t* xp = reinterpret_cast<const int32_t*>(x);  // column pairs
   const int64_t pairs = k / 2;
   for (int64_t j = 0; j < pairs; ++j) {
+    _mm_prefetch(reinterpret_cast<const char*>(w0 + j * 2 * kWideRows) + kTileAhead, _MM_HINT_T0);
+    if constexpr (B > 1) _mm_prefetch(reinterpret_cast<const char*>(w1 + j * 2 * kWideRows) + kTileAhead, _MM_HINT_T0);
     const __m512bh a = load_bh(w0 + j * 2 * kWideRows);
     const __m512bh b = B > 1 ? load_bh(w1 + j * 2 * kWideRows) : a;
 #pragma GCC unroll 12
