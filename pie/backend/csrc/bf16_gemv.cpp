@@ -37,6 +37,19 @@ constexpr int64_t kBlockRows = 16;
 // kernel (CpuKernelAttention.PREFILL_TOKENS).
 constexpr int64_t kMaxTokens = 32;
 
+// How far ahead (bytes) the GEMM tiles (below, all three builds) prefetch each of their weight
+// blocks' streams. A 12-token tile of the AVX-512 BF16 build does 24 dot products per 64-byte
+// line of each block, and without it the out-of-order window reached too few lines ahead for
+// the memory's latency: the 120 layer linears (weights not in cache, wide copies in huge pages
+// as linear.py places them) at 6 / 12 / 32 / 128 tokens took 5.88 / 8.15 / 11.86 / 34.3 ms
+// without, 4.07 / 4.68 / 9.14 / 30.7 at 4 KB ahead, 4.23 / 4.93 / 9.34 / 31.1 at 2 KB (AMD EPYC
+// Zen 5, 2 vCPUs, alternating in one process, 2026-12-07; 8 KB was 3-8 % behind 4 KB). The
+// same CPU running the AVX2 build: 11.6 / 17.7 / 32.0 ms at 8 / 16 / 32 tokens without, 9.7 /
+// 14.8 / 28.6 at 4 KB; the AVX-512 build without BF16: 7.3 / 10.8 / 18.4 against 5.4 / 9.4 /
+// 17.1 (not measured on the CPUs those builds are for). The tiles after a block's first read
+// it from L1/L2, where the prefetch finds its lines already there.
+constexpr int64_t kTileAhead = 4096;
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 constexpr bool kSupported = true;
 // The weight is read from 4-row panels (pack(): [n/4][k/32][4][32], row r's columns j..j+31
@@ -148,15 +161,6 @@ constexpr int64_t kWideRows = 16;
 constexpr int64_t kWideFrom = 6;
 constexpr int64_t kWideTo = 255;
 constexpr int kTileTokens = 12;
-// How far ahead (bytes) a tile prefetches each of its blocks' streams. A 12-token tile does
-// 24 dot products per 64-byte line of each block, and without it the out-of-order window
-// reached too few lines ahead for the memory's latency: the 120 layer linears (weights not in
-// cache, wide copies in huge pages as linear.py places them) at 6 / 12 / 32 / 128 tokens took
-// 5.88 / 8.15 / 11.86 / 34.3 ms without, 4.07 / 4.68 / 9.14 / 30.7 at 4 KB ahead, 4.23 / 4.93 /
-// 9.34 / 31.1 at 2 KB (AMD EPYC Zen 5, 2 vCPUs, alternating in one process, 2026-12-07; at
-// 8 KB 3-8 % behind 4 KB). The tiles after a block pair's first read it from L1/L2, where the
-// prefetch finds its lines already there.
-constexpr int64_t kTileAhead = 4096;
 inline torch::Tensor to_wide(const torch::Tensor& w) {
   const int64_t n = w.size(0), k = w.size(1);
   return w.view({n / kWideRows, kWideRows, k / 2, 2}).permute({0, 2, 1, 3}).contiguous().view({n / kWideRows, k, kWideRows});
@@ -488,6 +492,8 @@ inline void wide_tile(const float* x, int64_t k, const at::BFloat16* w, at::BFlo
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < B; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t t = 0; t < k; ++t) {
+    for (int j = 0; j < B; ++j)
+      _mm_prefetch(reinterpret_cast<const char*>(w + j * kWideRows * k + t * kWideRows) + kTileAhead, _MM_HINT_T0);
     __m512 wv[B];
     for (int j = 0; j < B; ++j) {
       const auto* p = reinterpret_cast<const __m256i*>(w + j * kWideRows * k) + t;
@@ -528,6 +534,7 @@ inline void wide_tile(const float* x, int64_t k, const at::BFloat16* w, at::BFlo
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   const auto* wp = reinterpret_cast<const __m256i*>(w);
   for (int64_t t = 0; t < k; ++t) {
+    _mm_prefetch(reinterpret_cast<const char*>(wp + t) + kTileAhead, _MM_HINT_T0);
     const __m256i raw = _mm256_loadu_si256(wp + t);
     const __m256 b0 = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
     const __m256 b1 = _mm256_castsi256_ps(_mm256_and_si256(raw, high));
