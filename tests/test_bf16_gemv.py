@@ -229,6 +229,8 @@ def test_a_linear_in_an_arena_keeps_both_its_copies_there_with_the_same_results(
     for rows in (1, 2, 5, gemv.wide_from(), 12, 32, placed.gemv_limit):
         x = torch.randn(rows, 576).to(BF16)
         assert torch.equal(placed(x), plain(x)), rows
+
+
 def test_with_amx_onednn_takes_steps_past_the_kernels_tiles(gemv):
     """`onednn_from`: AMX flags hand oneDNN every step past the kernel's own AMX tiles
     (AMX_KERNEL_TO, 32 rows), or from AMX_ONEDNN_FROM rows where the kernel has none (its
