@@ -347,6 +347,10 @@ class QuotaConfig:
 @dataclass
 class RuntimeConfig:
     max_instances: int = 256
+    # Threads started with the runtime for instances to run on (a launch then waits for no
+    # thread to start: ~3 ms each with 128 launched at once, pie/runtime/instance_threads.py).
+    # 0: a thread is started per launch.
+    idle_threads: int = 128
     # Wasmtime store limits of one instance (the same for Rust and Python inferlets; a
     # Python component holds several core modules, hence the counts). memory_limit_mb caps
     # each linear memory, so an instance holds at most max_memories × memory_limit_mb: with
@@ -373,6 +377,8 @@ class RuntimeConfig:
                     "cpu_slice_ms"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"runtime.{key} must be positive, got {getattr(self, key)}")
+        if self.idle_threads < 0:
+            raise ConfigError(f"runtime.idle_threads must be 0 or more, got {self.idle_threads}")
 
 
 @dataclass

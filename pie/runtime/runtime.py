@@ -1,5 +1,7 @@
 """The application layer: launches inferlet instances, one thread each, inside wasmtime.
 
+The threads are started ahead, with the runtime (pie/runtime/instance_threads.py).
+
 An instance runs its component's `run` export on its own thread; host calls block that
 thread only (wasm execution and blocking waits release the GIL), so hundreds of inferlets
 interleave while the scheduler batches their calls. Limits of one instance: wasmtime store
@@ -38,6 +40,7 @@ from pie.control.quotas import ANONYMOUS
 from pie.control.replica import Replica
 from pie.runtime import wasmtime_compat
 from pie.runtime.bindings import build_linker
+from pie.runtime.instance_threads import InstanceThreads
 from pie.runtime.host import Budgets, HostState, LimitExceeded, Terminated
 from pie.runtime.limits import DeadlineCallback
 from pie.runtime.programs import InvalidProgram, ProgramStore
@@ -90,7 +93,7 @@ class Instance:
     host: HostState
     on_event: EventSink
     order: int = 0  # launch order (control.kv_pressure = terminate-newest ends the newest first)
-    thread: threading.Thread | None = None
+    ended: threading.Event = field(default_factory=threading.Event)  # set once it is torn down
     end_reason: str | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -128,6 +131,7 @@ class Runtime:
         self.live = threading.Event()
         self.ticker = threading.Thread(target=self._tick, name="pie-epoch", daemon=True)
         self.ticker.start()
+        self.threads = InstanceThreads(config.runtime.idle_threads)
 
     def _host_state(self, store: object) -> HostState:
         """The instance a host call belongs to, from the store it runs in."""
@@ -167,7 +171,6 @@ class Runtime:
         except KeyError:
             raise UnknownProgram(f"no program {program!r} (neither a built-in name nor the hash "
                                  f"of a program you uploaded or one uploaded public)") from None
-        component = self.programs.load(digest)
         instance_id = uuid.uuid4().hex
         name = next((n for n, h in self.programs.builtins.items() if h == digest), None)
         info = InstanceInfo(instance_id, digest, name, list(arguments), time.time(), user)
@@ -187,9 +190,7 @@ class Runtime:
             instance = self.instances[instance_id] = Instance(info, session, host, on_event,
                                                               next(self.launches))
             self.live.set()
-        instance.thread = threading.Thread(target=self._run, args=(instance, component),
-                                           name=f"inferlet-{instance_id[:8]}", daemon=True)
-        instance.thread.start()
+        self.threads.run(lambda: self._run(instance, digest), f"inferlet-{instance_id[:8]}")
         return info
 
     def send(self, instance_id: str, message: str) -> None:
@@ -219,8 +220,7 @@ class Runtime:
         for instance in instances:
             instance.host.cancelled.set()
         for instance in instances:
-            if instance.thread:
-                instance.thread.join(timeout_s)
+            instance.ended.wait(timeout_s)
         return len(instances)
 
     def stop_launches(self) -> None:
@@ -282,8 +282,8 @@ class Runtime:
         for instance in instances:
             self.terminate(instance.info.id, "server shutting down")
         for instance in instances:
-            if instance.thread:
-                instance.thread.join(timeout_s)
+            instance.ended.wait(timeout_s)
+        self.threads.close()
         self.controller.shutdown()
         self.linker.close()  # now, not at interpreter exit when wasmtime's FFI is gone
 
@@ -323,11 +323,12 @@ class Runtime:
         self.by_store[store_key(store)] = host
         return store
 
-    def _run(self, instance: Instance, component) -> None:
+    def _run(self, instance: Instance, digest: str) -> None:
         reason = "finished"
         host = instance.host
         host.start()
         try:
+            component = self.programs.load(digest)  # here: a first load may take a while
             store = self._store(host)
             wasm = self.linker.instantiate(store, component)
             run = wasm.get_func(store, "run")
@@ -368,7 +369,10 @@ class Runtime:
                 self.ended[outcome(reason)] += 1
             instance.info.state = "terminated"
             usage = {**instance.session.usage(), "host_calls": sum(instance.host.calls.values())}
-            instance.on_event(instance.info.id, "terminated", reason, usage)  # the client first
+            try:
+                instance.on_event(instance.info.id, "terminated", reason, usage)  # the client first
+            finally:
+                instance.ended.set()
             log.info("instance %s (%s, user %s) ended: %s", instance.info.id[:8],
                      instance.info.name or instance.info.program[:12], instance.info.user, reason)
 

@@ -596,7 +596,7 @@ async def launch(state: ServerState, completion: Completion, user: str) -> Async
 
     runtime = state.runtime
     try:
-        info = await asyncio.to_thread(runtime.launch, INFERLET, completion.arguments, on_event, user)
+        info = runtime.launch(INFERLET, completion.arguments, on_event, user)
     except UnknownProgram:
         raise ApiError(503, f"the built-in inferlet {INFERLET} is unavailable (see the server log)",
                        kind="server_error") from None

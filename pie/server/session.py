@@ -252,8 +252,8 @@ class Session:
             return attachment.post(rpc.InstanceLog(instance_id, level, text))
 
         try:
-            info = await asyncio.to_thread(self.runtime.launch, request.program, request.arguments,
-                                           on_event, self.user, on_log if request.logs else None)
+            info = self.runtime.launch(request.program, request.arguments, on_event, self.user,
+                                       on_log if request.logs else None)
         except UnknownProgram as e:
             raise RpcError(ErrorCode.UNKNOWN_PROGRAM, str(e)) from None
         except LaunchRefused as e:
