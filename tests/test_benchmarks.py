@@ -100,6 +100,17 @@ def test_completion_did_the_work_it_reports(quick_run):
                                  "tokens_per_s": statistics.median(extra["tokens_per_s_rounds"])}
 
 
+def test_batching_reports_how_long_each_wave_took_to_start(quick_run):
+    """Each round's (tokens/s, median latency, last launch acknowledged after); the
+    acknowledgement comes before the instance's end, so before its latency."""
+    out, _ = quick_run
+    data = json.loads((out / "batching.json").read_text())
+    for row in data["rows"]:
+        rounds = row["extra"]["rounds"]
+        assert len(rounds) == data["rounds"] and all(0 < acked < latency for _, latency, acked in rounds)
+        assert row["extra"]["last_launch_acked_s"] == statistics.median(acked for _, _, acked in rounds)
+
+
 def test_bad_arguments_are_refused_with_a_clear_message():
     done = subprocess.run([sys.executable, "-m", "benchmarks", "--systems", "pie,tgi"], cwd=ROOT,
                           capture_output=True, text=True, check=False)

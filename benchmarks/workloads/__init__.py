@@ -54,6 +54,7 @@ class Launch:
     messages: list[str]
     seconds: float
     usage: dict[str, int]
+    acked_s: float = 0.0  # from the call to the server's acknowledgement of the launch
 
 
 @dataclass
@@ -97,13 +98,14 @@ class Bench:
         program = await self.program(name)
         start = time.perf_counter()
         instance = await self.pie.launch(program, args)
+        acked_s = time.perf_counter() - start
         for reply in replies:
             await instance.send(reply)
         messages = [m async for m in instance]
         status = await instance.wait()
         if status != "finished":
             raise RuntimeError(f"{name} {' '.join(args)[:200]}: {status}")
-        return Launch(messages, time.perf_counter() - start, instance.usage or {})
+        return Launch(messages, time.perf_counter() - start, instance.usage or {}, acked_s)
 
     @property
     def baselines(self) -> dict[str, Endpoint]:
