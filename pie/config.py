@@ -349,7 +349,7 @@ class RuntimeConfig:
     max_instances: int = 256
     # Threads started with the runtime for instances to run on (a launch then waits for no
     # thread to start: ~3 ms each with 128 launched at once, pie/runtime/instance_threads.py).
-    # 0: a thread is started per launch.
+    # 0: a thread is started per launch (by a spawner thread, off the launcher's path).
     idle_threads: int = 128
     # Wasmtime store limits of one instance (the same for Rust and Python inferlets; a
     # Python component holds several core modules, hence the counts). memory_limit_mb caps
