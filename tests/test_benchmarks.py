@@ -101,8 +101,8 @@ def test_completion_did_the_work_it_reports(quick_run):
 
 
 def test_batching_reports_how_long_each_wave_took_to_start(quick_run):
-    """Each round's (tokens/s, median latency, last launch acknowledged after); the
-    acknowledgement comes before the instance's end, so before its latency."""
+    """Each round's (tokens/s, median latency, last launch acknowledged after); a wave's
+    launches are all acknowledged long before its median instance ends."""
     out, _ = quick_run
     data = json.loads((out / "batching.json").read_text())
     for row in data["rows"]:

@@ -34,14 +34,12 @@ class InstanceThreads:
         self.name = name
         self.jobs: queue.SimpleQueue[tuple[Job, str] | None] = queue.SimpleQueue()
         self.lock = threading.Lock()
-        self.idle = 0  # threads that will take the next job from `jobs` (or are taking it)
+        self.idle = idle  # threads that will take the next job from `jobs` (or are taking it)
         self.alive = 0  # threads started and not ended
         self.closed = False
         self.wanted = threading.Semaphore(0)  # one release per thread the spawner is to start
         threading.Thread(target=self._spawn, name=f"{name}-spawner", daemon=True).start()
         for _ in range(idle):
-            with self.lock:
-                self.idle += 1
             self._start()
 
     def run(self, job: Job, name: str) -> None:
